@@ -1,0 +1,297 @@
+//! AVX-512F matmul kernels (16 lanes), bit-identical to `portable::matmul::<16>`.
+//!
+//! Same structure as the AVX2 kernels: a 32-value group decodes into two 16-lane vectors,
+//! one accumulator per (x row, weight row), groups walked in order.
+
+#![allow(clippy::missing_safety_doc)]
+
+use std::arch::x86_64::*;
+
+use crate::dtype::DType;
+use crate::quant::{q4k_group_scale_min, q6k_group_scale};
+
+/// Decodes group `g` of a row into two vectors holding values 0..16 and 16..32.
+trait Decode {
+    unsafe fn decode(row: *const u8, g: usize) -> [__m512; 2];
+}
+
+#[inline(always)]
+unsafe fn f16_scalar(p: *const u8) -> f32 {
+    let bits = u16::from_le_bytes([*p, *p.add(1)]);
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+}
+
+#[inline(always)]
+unsafe fn load16(p: *const u8) -> __m128i {
+    _mm_loadu_si128(p as *const __m128i)
+}
+
+#[inline(always)]
+unsafe fn u8_to_f32(q: __m128i) -> __m512 {
+    _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q))
+}
+
+#[inline(always)]
+unsafe fn i8_to_f32(q: __m128i) -> __m512 {
+    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))
+}
+
+#[inline(always)]
+unsafe fn low_nibbles(q: __m128i) -> __m128i {
+    _mm_and_si128(q, _mm_set1_epi8(0x0F))
+}
+
+#[inline(always)]
+unsafe fn high_nibbles(q: __m128i) -> __m128i {
+    _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0F))
+}
+
+struct Q4_0;
+impl Decode for Q4_0 {
+    #[inline(always)]
+    unsafe fn decode(row: *const u8, g: usize) -> [__m512; 2] {
+        let b = row.add(g * 18);
+        let d = _mm512_set1_ps(f16_scalar(b));
+        let q = load16(b.add(2));
+        let eight = _mm_set1_epi8(8);
+        [
+            _mm512_mul_ps(i8_to_f32(_mm_sub_epi8(low_nibbles(q), eight)), d),
+            _mm512_mul_ps(i8_to_f32(_mm_sub_epi8(high_nibbles(q), eight)), d),
+        ]
+    }
+}
+
+struct Q4_1;
+impl Decode for Q4_1 {
+    #[inline(always)]
+    unsafe fn decode(row: *const u8, g: usize) -> [__m512; 2] {
+        let b = row.add(g * 20);
+        let d = _mm512_set1_ps(f16_scalar(b));
+        let m = _mm512_set1_ps(f16_scalar(b.add(2)));
+        let q = load16(b.add(4));
+        [
+            _mm512_fmadd_ps(u8_to_f32(low_nibbles(q)), d, m),
+            _mm512_fmadd_ps(u8_to_f32(high_nibbles(q)), d, m),
+        ]
+    }
+}
+
+struct Q8_0;
+impl Decode for Q8_0 {
+    #[inline(always)]
+    unsafe fn decode(row: *const u8, g: usize) -> [__m512; 2] {
+        let b = row.add(g * 34);
+        let d = _mm512_set1_ps(f16_scalar(b));
+        [
+            _mm512_mul_ps(i8_to_f32(load16(b.add(2))), d),
+            _mm512_mul_ps(i8_to_f32(load16(b.add(18))), d),
+        ]
+    }
+}
+
+struct F32;
+impl Decode for F32 {
+    #[inline(always)]
+    unsafe fn decode(row: *const u8, g: usize) -> [__m512; 2] {
+        let p = row.add(g * 128) as *const f32;
+        [_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16))]
+    }
+}
+
+struct F16;
+impl Decode for F16 {
+    #[inline(always)]
+    unsafe fn decode(row: *const u8, g: usize) -> [__m512; 2] {
+        let p = row.add(g * 64);
+        [
+            _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)),
+            _mm512_cvtph_ps(_mm256_loadu_si256(p.add(32) as *const __m256i)),
+        ]
+    }
+}
+
+struct BF16;
+impl Decode for BF16 {
+    #[inline(always)]
+    unsafe fn decode(row: *const u8, g: usize) -> [__m512; 2] {
+        let p = row.add(g * 64);
+        let cvt = |o: usize| {
+            let h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p.add(o) as *const __m256i));
+            _mm512_castsi512_ps(_mm512_slli_epi32(h, 16))
+        };
+        [cvt(0), cvt(32)]
+    }
+}
+
+struct Q4K;
+impl Decode for Q4K {
+    #[inline(always)]
+    unsafe fn decode(row: *const u8, g: usize) -> [__m512; 2] {
+        let blk = std::slice::from_raw_parts(row.add((g / 8) * 144), 144);
+        let (scale, neg_min) = q4k_group_scale_min(blk, g % 8);
+        let sub = g % 8;
+        let qs = row.add((g / 8) * 144 + 16 + (sub / 2) * 32);
+        let d = _mm512_set1_ps(scale);
+        let mn = _mm512_set1_ps(neg_min);
+        let codes = |o: usize| {
+            let q = load16(qs.add(o));
+            if sub % 2 == 0 {
+                low_nibbles(q)
+            } else {
+                high_nibbles(q)
+            }
+        };
+        [
+            _mm512_fmadd_ps(u8_to_f32(codes(0)), d, mn),
+            _mm512_fmadd_ps(u8_to_f32(codes(16)), d, mn),
+        ]
+    }
+}
+
+struct Q6K;
+impl Decode for Q6K {
+    #[inline(always)]
+    unsafe fn decode(row: *const u8, g: usize) -> [__m512; 2] {
+        let blk = std::slice::from_raw_parts(row.add((g / 8) * 210), 210);
+        let (s0, s1) = q6k_group_scale(blk, g % 8);
+        let sub = g % 8;
+        let half = sub / 4;
+        let quarter = sub % 4;
+        let ql = row.add((g / 8) * 210 + 64 * half + if quarter % 2 == 1 { 32 } else { 0 });
+        let qh = row.add((g / 8) * 210 + 128 + 32 * half);
+        let codes = |o: usize| {
+            let l = load16(ql.add(o));
+            let l = if quarter >= 2 {
+                high_nibbles(l)
+            } else {
+                low_nibbles(l)
+            };
+            let h = _mm_srl_epi16(load16(qh.add(o)), _mm_cvtsi32_si128(2 * quarter as i32));
+            let h = _mm_and_si128(h, _mm_set1_epi8(3));
+            _mm_sub_epi8(_mm_or_si128(l, _mm_slli_epi16(h, 4)), _mm_set1_epi8(32))
+        };
+        [
+            _mm512_mul_ps(i8_to_f32(codes(0)), _mm512_set1_ps(s0)),
+            _mm512_mul_ps(i8_to_f32(codes(16)), _mm512_set1_ps(s1)),
+        ]
+    }
+}
+
+/// Pairwise lane reduction matching `portable::reduce_lanes::<16>`.
+#[inline(always)]
+unsafe fn reduce(v: __m512) -> f32 {
+    let lo = _mm512_castps512_ps256(v);
+    let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    let v = _mm256_add_ps(lo, hi);
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile<D: Decode, const MR: usize, const NR: usize>(
+    x: *const f32,
+    x_stride: usize,
+    w: *const u8,
+    row_bytes: usize,
+    k_groups: usize,
+    out: *mut f32,
+    out_stride: usize,
+) {
+    let mut acc = [[_mm512_setzero_ps(); NR]; MR];
+    for g in 0..k_groups {
+        let mut xv = [[_mm512_setzero_ps(); 2]; MR];
+        for (i, xi) in xv.iter_mut().enumerate() {
+            let p = x.add(i * x_stride + g * 32);
+            *xi = [_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16))];
+        }
+        for n in 0..NR {
+            let wv = D::decode(w.add(n * row_bytes), g);
+            for (i, acc_i) in acc.iter_mut().enumerate() {
+                acc_i[n] = _mm512_fmadd_ps(wv[0], xv[i][0], acc_i[n]);
+                acc_i[n] = _mm512_fmadd_ps(wv[1], xv[i][1], acc_i[n]);
+            }
+        }
+    }
+    for (i, acc_i) in acc.iter().enumerate() {
+        for (n, a) in acc_i.iter().enumerate() {
+            *out.add(i * out_stride + n) = reduce(*a);
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn run<D: Decode>(
+    x: *const f32,
+    x_stride: usize,
+    m: usize,
+    w: *const u8,
+    row_bytes: usize,
+    n: usize,
+    k_groups: usize,
+    out: *mut f32,
+    out_stride: usize,
+) {
+    const NR: usize = 4;
+    let mut j = 0;
+    while j < n {
+        let full = n - j >= NR;
+        let wj = w.add(j * row_bytes);
+        let mut i = 0;
+        while i < m {
+            let mr = (m - i).min(4);
+            let xi = x.add(i * x_stride);
+            let oi = out.add(i * out_stride + j);
+            macro_rules! go {
+                ($mr:literal, $nr:literal) => {
+                    tile::<D, $mr, $nr>(xi, x_stride, wj, row_bytes, k_groups, oi, out_stride)
+                };
+            }
+            match (mr, full) {
+                (4, true) => go!(4, 4),
+                (3, true) => go!(3, 4),
+                (2, true) => go!(2, 4),
+                (1, true) => go!(1, 4),
+                (4, false) => go!(4, 1),
+                (3, false) => go!(3, 1),
+                (2, false) => go!(2, 1),
+                _ => go!(1, 1),
+            }
+            i += mr;
+        }
+        j += if full { NR } else { 1 };
+    }
+}
+
+/// See `portable::matmul`; same contract, AVX-512F instructions.
+///
+/// # Safety
+/// As `portable::matmul`, and the CPU must support AVX-512F, AVX2, FMA and F16C.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn matmul(
+    dtype: DType,
+    x: *const f32,
+    x_stride: usize,
+    m: usize,
+    w: *const u8,
+    row_bytes: usize,
+    n: usize,
+    k_groups: usize,
+    out: *mut f32,
+    out_stride: usize,
+) {
+    let a = (x, x_stride, m, w, row_bytes, n, k_groups, out, out_stride);
+    match dtype {
+        DType::F32 => run::<F32>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7, a.8),
+        DType::F16 => run::<F16>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7, a.8),
+        DType::BF16 => run::<BF16>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7, a.8),
+        DType::Q4_0 => run::<Q4_0>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7, a.8),
+        DType::Q4_1 => run::<Q4_1>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7, a.8),
+        DType::Q8_0 => run::<Q8_0>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7, a.8),
+        DType::Q4K => run::<Q4K>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7, a.8),
+        DType::Q6K => run::<Q6K>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7, a.8),
+    }
+}

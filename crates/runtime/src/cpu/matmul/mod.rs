@@ -1,0 +1,188 @@
+//! Matrix products `y = x · Wᵀ` with weights read in their stored format.
+//!
+//! One kernel family per instruction set (AVX-512, AVX2, NEON, portable), chosen at run time.
+//! All of them compute each output with the same summation order for any number of rows of
+//! `x`, so decode (M = 1), verify blocks (M = 2..16) and prefill (large M) agree bit for bit on
+//! every row; the portable kernel with the same lane count is the reference they must match.
+
+pub mod portable;
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+#[cfg(target_arch = "aarch64")]
+mod neon;
+
+use std::fmt;
+
+use crate::cpu::pool::{CpuPool, SyncPtr};
+use crate::dtype::DType;
+use crate::quant::GROUP;
+use crate::weight::HostWeight;
+
+/// An instruction set with matmul kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    Avx512,
+    Avx2,
+    Neon,
+    /// Plain Rust, emulating the given number of lanes.
+    Portable(usize),
+}
+
+impl fmt::Display for Isa {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Isa::Avx512 => f.write_str("avx512"),
+            Isa::Avx2 => f.write_str("avx2"),
+            Isa::Neon => f.write_str("neon"),
+            Isa::Portable(l) => write!(f, "portable{l}"),
+        }
+    }
+}
+
+impl Isa {
+    /// The best instruction set this CPU supports.
+    pub fn detect() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx2 = is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c");
+            if avx2 && is_x86_feature_detected!("avx512f") {
+                return Isa::Avx512;
+            }
+            if avx2 {
+                return Isa::Avx2;
+            }
+        }
+        #[cfg(target_arch = "aarch64")]
+        {
+            if std::arch::is_aarch64_feature_detected!("neon") {
+                return Isa::Neon;
+            }
+        }
+        Isa::Portable(8)
+    }
+
+    /// Parses a user override (`avx512`, `avx2`, `neon`, `portable`), refusing one the CPU lacks.
+    pub fn parse(name: &str) -> Result<Isa, String> {
+        let wanted = match name {
+            "avx512" => Isa::Avx512,
+            "avx2" => Isa::Avx2,
+            "neon" => Isa::Neon,
+            "portable" => Isa::Portable(8),
+            other => {
+                return Err(format!(
+                    "unknown instruction set `{other}` (expected avx512, avx2, neon or portable)"
+                ))
+            }
+        };
+        if wanted.is_supported() {
+            Ok(wanted)
+        } else {
+            Err(format!("this CPU does not support {wanted}"))
+        }
+    }
+
+    /// True when this CPU can run the kernels.
+    pub fn is_supported(self) -> bool {
+        match self {
+            Isa::Portable(l) => matches!(l, 4 | 8 | 16),
+            Isa::Avx512 => Isa::detect() == Isa::Avx512,
+            Isa::Avx2 => matches!(Isa::detect(), Isa::Avx512 | Isa::Avx2),
+            Isa::Neon => Isa::detect() == Isa::Neon,
+        }
+    }
+
+    /// The lane count of the accumulators, which fixes the summation order.
+    pub fn lanes(self) -> usize {
+        match self {
+            Isa::Avx512 => 16,
+            Isa::Avx2 => 8,
+            Isa::Neon => 4,
+            Isa::Portable(l) => l,
+        }
+    }
+
+    /// Computes `n` outputs for each of `m` rows on the calling thread (no parallelism).
+    ///
+    /// # Safety
+    /// The pointers must describe valid buffers as in [`portable::matmul`], and `self` must be
+    /// supported by this CPU.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn kernel(
+        self,
+        dtype: DType,
+        x: *const f32,
+        x_stride: usize,
+        m: usize,
+        w: *const u8,
+        row_bytes: usize,
+        n: usize,
+        k_groups: usize,
+        out: *mut f32,
+        out_stride: usize,
+    ) {
+        let a = (
+            dtype, x, x_stride, m, w, row_bytes, n, k_groups, out, out_stride,
+        );
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => avx512::matmul(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7, a.8, a.9),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => avx2::matmul(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7, a.8, a.9),
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => neon::matmul(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7, a.8, a.9),
+            Isa::Portable(4) => {
+                portable::matmul::<4>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7, a.8, a.9)
+            }
+            Isa::Portable(16) => {
+                portable::matmul::<16>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7, a.8, a.9)
+            }
+            _ => portable::matmul::<8>(a.0, a.1, a.2, a.3, a.4, a.5, a.6, a.7, a.8, a.9),
+        }
+    }
+}
+
+/// Weight rows per task unit; tasks are whole multiples of it so tiles stay full.
+const ROW_UNIT: usize = 16;
+
+/// `out[i][j] = Σ_k x[i][k] · W[j][k]` for `m` rows of `x` (row stride `w.cols`), in parallel
+/// over weight rows. `out` is `m x w.rows`, row-major.
+pub fn matmul(pool: &CpuPool, isa: Isa, x: &[f32], m: usize, w: &HostWeight, out: &mut [f32]) {
+    let (n, k) = (w.rows, w.cols);
+    assert!(k % GROUP == 0, "matmul needs whole {GROUP}-value groups");
+    assert!(x.len() >= m * k && out.len() >= m * n);
+    let row_bytes = w.row_bytes();
+    let units = n.div_ceil(ROW_UNIT);
+    let tasks = units.min(pool.threads() * 8).max(1);
+    let out_ptr = SyncPtr(out.as_mut_ptr());
+    let w_bytes = w.bytes.as_slice();
+    pool.for_each(tasks, |t| {
+        let start = (units * t / tasks) * ROW_UNIT;
+        let end = ((units * (t + 1) / tasks) * ROW_UNIT).min(n);
+        if start >= end {
+            return;
+        }
+        // SAFETY: tasks write disjoint column ranges of `out`; shapes were checked above.
+        unsafe {
+            isa.kernel(
+                w.dtype,
+                x.as_ptr(),
+                k,
+                m,
+                w_bytes.as_ptr().add(start * row_bytes),
+                row_bytes,
+                end - start,
+                k / GROUP,
+                out_ptr.get().add(start),
+                n,
+            );
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,17 @@
+//! dflash-runtime: what a device can do.
+//!
+//! Inference-only tensors, the weight formats we read directly (f32, f16, bf16 and the GGUF
+//! block formats), the [`Backend`] trait that model code is written against, and the CPU
+//! backend, which is the reference every other backend is tested against.
+
+pub mod backend;
+pub mod cpu;
+pub mod dtype;
+pub mod error;
+pub mod quant;
+pub mod weight;
+
+pub use backend::{Backend, TokenMeta};
+pub use dtype::DType;
+pub use error::RuntimeError;
+pub use weight::{HostWeight, WeightBytes};
