@@ -1,0 +1,212 @@
+"""Drafter configuration (pure python, no torch).
+
+The drafter is a Qwen3-style decoder stack whose width equals the target's
+hidden size; it reuses the target's token embedding and lm_head (frozen).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Dict, List, Optional
+
+
+def build_target_layer_ids(num_target_layers: int, num_taps: int) -> List[int]:
+    """Default tapped target layers (0-based layer outputs).
+
+    Published default rule: one tap -> the middle layer ``n // 2``; otherwise
+    ``num_taps`` points evenly spaced from layer 1 to layer ``n - 3`` where each
+    point ``1 + i * (n - 4) / (num_taps - 1)`` is rounded with Python's
+    built-in ``round`` on a float, i.e. round-half-to-even ("banker's
+    rounding").  This matches the published helper exactly (it also uses
+    ``int(round(float))``).  The tie rule matters: for SmolLM2 (30 layers,
+    5 taps) the exact points are 1, 7.5, 14, 20.5, 27 -> [1, 8, 14, 20, 27]
+    (round-half-up would give 21 instead of 20).  Implementations in other
+    languages should read ``dflash_config.target_layer_ids`` from config.json
+    rather than recompute it.
+    """
+    if num_taps < 1:
+        raise ValueError("num_taps must be >= 1")
+    if num_taps == 1:
+        return [num_target_layers // 2]
+    start = 1
+    end = num_target_layers - 3
+    if end < start:
+        raise ValueError(f"target too shallow ({num_target_layers} layers) for the default rule")
+    span = end - start
+    return [int(round(start + (i * span) / (num_taps - 1))) for i in range(num_taps)]
+
+
+def default_gamma(block_size: int) -> float:
+    """Loss position-decay constant: 7 for B=16 and 4 for B=8 (paper values);
+    other sizes interpolate linearly (7/16 per slot), never below 1."""
+    table = {16: 7.0, 8: 4.0}
+    if block_size in table:
+        return table[block_size]
+    return max(1.0, block_size * 7.0 / 16.0)
+
+
+@dataclasses.dataclass
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    num_target_layers: int
+    target_layer_ids: List[int]
+    mask_token_id: int
+    block_size: int = 16
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+    hidden_act: str = "silu"
+    bos_token_id: Optional[int] = None
+    eos_token_id: Optional[Any] = None
+    pad_token_id: Optional[int] = None
+    initializer_range: float = 0.02
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    def validate(self) -> None:
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} outside vocab {self.vocab_size}")
+        for l in self.target_layer_ids:
+            if not 0 <= l < self.num_target_layers:
+                raise ValueError(f"target layer {l} outside 0..{self.num_target_layers - 1}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.block_size < 2:
+            raise ValueError("block_size must be >= 2")
+
+    # ---- published config.json format -------------------------------------------------
+    def to_hf_dict(self) -> Dict[str, Any]:
+        """config.json in the published DFlash drafter format (Qwen3-style)."""
+        d: Dict[str, Any] = {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "block_size": self.block_size,
+            "dflash_config": {
+                "mask_token_id": self.mask_token_id,
+                "target_layer_ids": list(self.target_layer_ids),
+            },
+            "num_target_layers": self.num_target_layers,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": self.hidden_act,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "tie_word_embeddings": False,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "max_window_layers": self.num_hidden_layers,
+            "layer_types": ["full_attention"] * self.num_hidden_layers,
+            "initializer_range": self.initializer_range,
+            "use_cache": True,
+            "torch_dtype": "bfloat16",
+        }
+        for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            v = getattr(self, k)
+            if v is not None:
+                d[k] = v
+        return d
+
+    @classmethod
+    def from_hf_dict(cls, d: Dict[str, Any]) -> "DrafterConfig":
+        dc = d.get("dflash_config") or {}
+        block_size = d.get("block_size", dc.get("block_size", 16))
+        n_layers = d["num_hidden_layers"]
+        taps = dc.get("target_layer_ids")
+        if taps is None:
+            taps = build_target_layer_ids(d["num_target_layers"], n_layers)
+        mask_id = dc.get("mask_token_id", d.get("mask_token_id"))
+        rope_theta = d.get("rope_theta")
+        if rope_theta is None:
+            rope_theta = (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        cfg = cls(
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=n_layers,
+            num_attention_heads=d["num_attention_heads"],
+            num_key_value_heads=d.get("num_key_value_heads", d["num_attention_heads"]),
+            head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+            vocab_size=d["vocab_size"],
+            num_target_layers=d["num_target_layers"],
+            target_layer_ids=list(taps),
+            mask_token_id=int(mask_id),
+            block_size=int(block_size),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=d.get("max_position_embeddings", 8192),
+            hidden_act=d.get("hidden_act", "silu"),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=d.get("eos_token_id"),
+            pad_token_id=d.get("pad_token_id"),
+            initializer_range=d.get("initializer_range", 0.02),
+        )
+        return cfg
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_hf_dict(), indent=2)
+
+
+def drafter_config_from_target(
+    tcfg: Any,
+    *,
+    num_draft_layers: int,
+    num_taps: int,
+    mask_token_id: int,
+    block_size: int = 16,
+    target_layer_ids: Optional[List[int]] = None,
+) -> DrafterConfig:
+    """Derive the drafter config from a (HF) target config object or dict.
+
+    Width/heads/intermediate/eps/rope theta are copied from the target so that
+    the target's embedding and lm_head can be shared.
+    """
+    get = (lambda k, dflt=None: tcfg.get(k, dflt)) if isinstance(tcfg, dict) else (
+        lambda k, dflt=None: getattr(tcfg, k, dflt))
+    n_target = get("num_hidden_layers")
+    hidden = get("hidden_size")
+    heads = get("num_attention_heads")
+    head_dim = get("head_dim") or hidden // heads
+    rope_theta = get("rope_theta")
+    if rope_theta is None:
+        rp = get("rope_parameters") or {}
+        rope_theta = rp.get("rope_theta", 10000.0) if isinstance(rp, dict) else 10000.0
+    taps = list(target_layer_ids) if target_layer_ids else build_target_layer_ids(n_target, num_taps)
+    eos = get("eos_token_id")
+    cfg = DrafterConfig(
+        hidden_size=hidden,
+        intermediate_size=get("intermediate_size"),
+        num_hidden_layers=num_draft_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=get("num_key_value_heads") or heads,
+        head_dim=head_dim,
+        vocab_size=get("vocab_size"),
+        num_target_layers=n_target,
+        target_layer_ids=taps,
+        mask_token_id=mask_token_id,
+        block_size=block_size,
+        rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_theta),
+        max_position_embeddings=get("max_position_embeddings", 8192) or 8192,
+        bos_token_id=get("bos_token_id"),
+        eos_token_id=eos,
+        pad_token_id=get("pad_token_id"),
+    )
+    cfg.validate()
+    return cfg

@@ -1,0 +1,234 @@
+"""DFlash drafter in PyTorch (own implementation of the published format).
+
+Module/parameter names equal the published tensor names, so ``state_dict()``
+keys are exactly: fc.weight, hidden_norm.weight, norm.weight,
+layers.{i}.input_layernorm.weight, layers.{i}.post_attention_layernorm.weight,
+layers.{i}.self_attn.{q,k,v,o}_proj.weight, layers.{i}.self_attn.{q,k}_norm.weight,
+layers.{i}.mlp.{gate,up,down}_proj.weight.  The token embedding and the lm_head
+are the target's (frozen, passed in, never stored here).
+
+Forward (one packed sequence set):
+  context c = hidden_norm(fc(concat(tapped target layer outputs)))        [b, S, H]
+  block tokens x = target_embedding([token_a, MASK, ..., MASK])            [b, Q, H]
+  every layer i:  h = x + o_proj(attn(q = block, k/v = [ctx ; block]))
+                  x = h + mlp(post_attention_layernorm(h))
+    - block q/k/v come from input_layernorm(x); q_norm/k_norm per head; RoPE
+      (rotate_half) at absolute positions;
+    - context k/v = k_proj(c) -> k_norm -> RoPE(context positions), v_proj(c);
+      the context does not go through input_layernorm and is the same for
+      every layer;
+  output = norm(x); logits = target lm_head(output).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import DrafterConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dt = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dt)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):
+    """cos/sin [*, head_dim] (fp32) for integer positions [*]."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32)
+                           / head_dim))
+    f = positions.float()[..., None] * inv
+    emb = torch.cat([f, f], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [b, heads, T, d]; cos/sin [b, T, d]."""
+    cos = cos[:, None]
+    sin = sin[:, None]
+    xf = x.float()
+    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        h, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.nh, self.nkv, self.hd = nh, nkv, hd
+        self.q_proj = nn.Linear(h, nh * hd, bias=False)
+        self.k_proj = nn.Linear(h, nkv * hd, bias=False)
+        self.v_proj = nn.Linear(h, nkv * hd, bias=False)
+        self.o_proj = nn.Linear(nh * hd, h, bias=False)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def forward(self, x, ctx, cos_b, sin_b, cos_c, sin_c, mask):
+        b, q_len, _ = x.shape
+        s = ctx.shape[1]
+        q = self.q_norm(self.q_proj(x).view(b, q_len, self.nh, self.hd)).transpose(1, 2)
+        kb = self.k_norm(self.k_proj(x).view(b, q_len, self.nkv, self.hd)).transpose(1, 2)
+        vb = self.v_proj(x).view(b, q_len, self.nkv, self.hd).transpose(1, 2)
+        kc = self.k_norm(self.k_proj(ctx).view(b, s, self.nkv, self.hd)).transpose(1, 2)
+        vc = self.v_proj(ctx).view(b, s, self.nkv, self.hd).transpose(1, 2)
+        q = apply_rope(q, cos_b, sin_b)
+        kb = apply_rope(kb, cos_b, sin_b)
+        kc = apply_rope(kc, cos_c, sin_c)
+        k = torch.cat([kc, kb], dim=2)
+        v = torch.cat([vc, vb], dim=2)
+        if self.nh != self.nkv:
+            rep = self.nh // self.nkv
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        if v.dtype != q.dtype:
+            v = v.to(q.dtype)
+        if k.dtype != q.dtype:
+            k = k.to(q.dtype)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(self.hd))
+        o = o.transpose(1, 2).reshape(b, q_len, self.nh * self.hd)
+        return self.o_proj(o)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, ctx, cos_b, sin_b, cos_c, sin_c, mask):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, cos_b, sin_b, cos_c, sin_c, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.fc = nn.Linear(cfg.num_taps * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.reset_parameters()
+
+    def reset_parameters(self, seed: Optional[int] = None):
+        g = torch.Generator().manual_seed(seed) if seed is not None else None
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                with torch.no_grad():
+                    m.weight.copy_(torch.randn(m.weight.shape, generator=g) * self.cfg.initializer_range)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+
+    def fuse_context(self, target_feats: torch.Tensor) -> torch.Tensor:
+        """[b, S, K*H] tapped target features -> fused context [b, S, H]."""
+        return self.hidden_norm(self.fc(target_feats))
+
+    def forward(self, block_emb: torch.Tensor, block_pos: torch.Tensor, target_feats: torch.Tensor,
+                ctx_pos: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """block_emb [b,Q,H] (target embeddings of the block ids), block_pos [b,Q],
+        target_feats [b,S,K*H], ctx_pos [b,S], mask bool [b,1,Q,S+Q] (True = attend)
+        or None (everything visible).  Returns normed hidden states [b,Q,H]."""
+        ctx = self.fuse_context(target_feats)
+        cos_b, sin_b = rope_cos_sin(block_pos, self.cfg.head_dim, self.cfg.rope_theta)
+        cos_c, sin_c = rope_cos_sin(ctx_pos, self.cfg.head_dim, self.cfg.rope_theta)
+        x = block_emb
+        for layer in self.layers:
+            x = layer(x, ctx, cos_b, sin_b, cos_c, sin_c, mask)
+        return self.norm(x)
+
+
+# ------------------------------------------------------------------------------ training glue
+def dense_mask_torch(ctx_visible: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Expand the numpy-built per-block context visibility [b, N, S] to the
+    dense mask [b, 1, N*B, S + N*B] of masks.dense_block_attention_mask:
+    context part repeated for the B queries of each block, block part
+    block-diagonal (own block only, bidirectional)."""
+    b, n, s = ctx_visible.shape
+    ctx = ctx_visible.repeat_interleave(block_size, dim=1)
+    bid = torch.arange(n, device=ctx_visible.device).repeat_interleave(block_size)
+    own = (bid[:, None] == bid[None, :]).expand(b, -1, -1)
+    return torch.cat([ctx, own], dim=2)[:, None]
+
+
+def _ce_chunk(h, w_head, labels):
+    logits = F.linear(h, w_head).float()
+    ce = F.cross_entropy(logits, labels, reduction="none")
+    return ce, logits.argmax(-1)
+
+
+def block_loss(drafter: DFlashDrafter, emb_w: torch.Tensor, head_w: torch.Tensor,
+               target_feats: torch.Tensor, batch: dict, chunk_rows: int = 8192,
+               checkpoint_ce: bool = True):
+    """Weighted block CE for a collated batch (torch tensors on the device).
+
+    Returns (loss, correct [b,N,B] bool, weights [b,N,B]).  Only rows with
+    weight > 0 go through the (frozen) lm_head, in checkpointed chunks so the
+    [rows, vocab] logits are never all alive at once.
+    """
+    block_ids = batch["block_ids"]
+    b, n, bs = block_ids.shape
+    x = F.embedding(block_ids.view(b, n * bs), emb_w)
+    mask = dense_mask_torch(batch["ctx_visible"], bs)
+    h = drafter(x, batch["block_pos"].view(b, n * bs), target_feats, batch["position_ids"], mask)
+    w = batch["weights"].view(-1)
+    sel = torch.nonzero(w > 0, as_tuple=False).squeeze(1)
+    hs = h.reshape(b * n * bs, -1).index_select(0, sel)
+    lab = batch["labels"].view(-1).index_select(0, sel)
+    ws = w.index_select(0, sel)
+    tot = torch.zeros((), device=h.device, dtype=torch.float32)
+    preds = []
+    for st in range(0, hs.shape[0], chunk_rows):
+        hc, lc = hs[st:st + chunk_rows], lab[st:st + chunk_rows]
+        if checkpoint_ce and hc.requires_grad:
+            ce, pr = torch.utils.checkpoint.checkpoint(_ce_chunk, hc, head_w, lc, use_reentrant=False)
+        else:
+            ce, pr = _ce_chunk(hc, head_w, lc)
+        tot = tot + (ce * ws[st:st + chunk_rows]).sum()
+        preds.append(pr)
+    wsum = ws.sum().clamp_min(1e-8)
+    loss = tot / wsum
+    correct = torch.zeros(b * n * bs, dtype=torch.bool, device=h.device)
+    if preds:
+        correct[sel] = torch.cat(preds) == lab
+    return loss, correct.view(b, n, bs), batch["weights"]
+
+
+def batch_to_torch(nb: dict, device, pin: bool = False) -> dict:
+    out = {}
+    for k, v in nb.items():
+        t = torch.from_numpy(np.ascontiguousarray(v))
+        if pin:
+            t = t.pin_memory()
+        out[k] = t.to(device, non_blocking=pin)
+    return out

@@ -1,0 +1,251 @@
+"""Torch-dependent tests (tiny random target + drafter).  Skipped without torch."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed: skipping the torch-dependent tests")
+
+from dflash_train.batch import collate, loss_mask_from_prompt_len  # noqa: E402
+from dflash_train.checkpoint import (dequant_int8_blockwise, dequant_log8, load_optimizer_state,  # noqa: E402
+                                     quant_int8_blockwise, quant_log8, read_checkpoint_weights,
+                                     save_checkpoint)
+from dflash_train.config import DrafterConfig  # noqa: E402
+from dflash_train.drafter import DFlashDrafter, batch_to_torch, block_loss, dense_mask_torch  # noqa: E402
+from dflash_train.export import check_export, export_drafter, load_sharded  # noqa: E402
+from dflash_train.loss import acceptance_lengths  # noqa: E402
+from dflash_train.masks import dense_block_attention_mask  # noqa: E402
+from dflash_train.train import acceptance_lengths_torch  # noqa: E402
+
+V, H, L_T = 97, 32, 6
+
+
+def tiny_cfg(layers=1, taps=(1, 2, 3), block=4):
+    return DrafterConfig(hidden_size=H, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=V,
+                         num_target_layers=L_T, target_layer_ids=list(taps), mask_token_id=V - 1,
+                         block_size=block, rms_norm_eps=1e-5, rope_theta=10000.0)
+
+
+@pytest.fixture(scope="module")
+def tiny_target():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=L_T,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   max_position_embeddings=256, tie_word_embeddings=True, rms_norm_eps=1e-5)
+    torch.manual_seed(0)
+    m = transformers.LlamaForCausalLM(cfg).eval()
+    m.requires_grad_(False)
+    return m
+
+
+def make_batch(cfg, seed=0, n_seqs=3, num_anchors=6):
+    rng = np.random.default_rng(seed)
+    seqs = []
+    for n, p in [(40, 12), (33, 9), (25, 20)][:n_seqs]:
+        ids = rng.integers(0, V - 1, size=n)
+        seqs.append((ids, loss_mask_from_prompt_len(n, p)))
+    return collate(seqs, num_anchors=num_anchors, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
+                   gamma=4.0, rng=rng)
+
+
+def test_dense_mask_torch_matches_numpy():
+    cfg = tiny_cfg()
+    nb = make_batch(cfg)
+    m = dense_mask_torch(torch.from_numpy(nb["ctx_visible"]), cfg.block_size)
+    for i in range(nb["input_ids"].shape[0]):
+        anchors = nb["block_pos"][i, :, 0]
+        ref = dense_block_attention_mask(anchors, nb["block_valid"][i], nb["input_ids"].shape[1], cfg.block_size)
+        assert np.array_equal(m[i, 0].numpy(), ref)
+
+
+def test_target_features_match_hidden_states(tiny_target):
+    from dflash_train.target import target_features
+
+    ids = torch.randint(0, V, (2, 11))
+    att = torch.ones_like(ids)
+    att[1, 8:] = 0
+    taps = [1, 3, 4]
+    f = target_features(tiny_target, ids, att, taps, early_exit=True)
+    out = tiny_target(input_ids=ids, attention_mask=att, output_hidden_states=True)
+    ref = torch.cat([out.hidden_states[l + 1] for l in taps], dim=-1)
+    assert f.shape == (2, 11, 3 * H)
+    torch.testing.assert_close(f, ref)
+    f2 = target_features(tiny_target, ids, att, taps, early_exit=False)
+    torch.testing.assert_close(f2, ref)
+
+
+def _run(drafter, emb, feats, nb):
+    bt = batch_to_torch(nb, "cpu")
+    b, n, bs = bt["block_ids"].shape
+    x = torch.nn.functional.embedding(bt["block_ids"].view(b, n * bs), emb)
+    mask = dense_mask_torch(bt["ctx_visible"], bs)
+    return drafter(x, bt["block_pos"].view(b, n * bs), feats, bt["position_ids"], mask).view(b, n, bs, -1)
+
+
+def test_packed_blocks_equal_single_block_inference():
+    """Each packed training block must equal an inference-style forward of that
+    block alone with only the context strictly before its anchor."""
+    torch.manual_seed(0)
+    cfg = tiny_cfg(layers=2)
+    d = DFlashDrafter(cfg).eval()
+    emb = torch.randn(V, H)
+    nb = make_batch(cfg, seed=1)
+    S = nb["input_ids"].shape[1]
+    feats = torch.randn(nb["input_ids"].shape[0], S, cfg.num_taps * H)
+    with torch.no_grad():
+        packed = _run(d, emb, feats, nb)
+        for i in range(nb["input_ids"].shape[0]):
+            for j in np.nonzero(nb["block_valid"][i])[0]:
+                a = int(nb["block_pos"][i, j, 0])
+                blk = torch.from_numpy(nb["block_ids"][i, j])[None]
+                pos = torch.from_numpy(nb["block_pos"][i, j])[None]
+                x = torch.nn.functional.embedding(blk, emb)
+                ctx = feats[i:i + 1, :a]
+                cpos = torch.arange(a)[None]
+                single = d(x, pos, ctx, cpos, None)  # no mask: whole block + whole (truncated) context
+                torch.testing.assert_close(packed[i, j], single[0], atol=2e-5, rtol=2e-5)
+
+
+def test_future_context_and_other_blocks_do_not_leak():
+    torch.manual_seed(0)
+    cfg = tiny_cfg(layers=2)
+    d = DFlashDrafter(cfg).eval()
+    emb = torch.randn(V, H)
+    nb = make_batch(cfg, seed=2, n_seqs=1)
+    S = nb["input_ids"].shape[1]
+    feats = torch.randn(1, S, cfg.num_taps * H)
+    with torch.no_grad():
+        base = _run(d, emb, feats, nb)
+        j = int(np.nonzero(nb["block_valid"][0])[0][0])
+        a = int(nb["block_pos"][0, j, 0])
+        f2 = feats.clone()
+        f2[:, a:] += 5.0  # anchor position and later
+        out2 = _run(d, emb, f2, nb)
+        torch.testing.assert_close(out2[0, j], base[0, j])
+        nb3 = {k: v.copy() for k, v in nb.items()}
+        others = [k for k in range(nb["block_ids"].shape[1]) if k != j]
+        nb3["block_ids"][0, others, 0] = (nb3["block_ids"][0, others, 0] + 1) % (V - 1)
+        out3 = _run(d, emb, feats, nb3)
+        torch.testing.assert_close(out3[0, j], base[0, j])
+
+
+def test_acceptance_lengths_torch_matches_numpy():
+    rng = np.random.default_rng(0)
+    c = rng.random((5, 7, 6)) < 0.7
+    w = (rng.random((5, 7, 6)) < 0.9).astype(np.float32)
+    t = acceptance_lengths_torch(torch.from_numpy(c), torch.from_numpy(w)).numpy()
+    assert np.array_equal(t.reshape(-1), acceptance_lengths(c.reshape(-1, 6), w.reshape(-1, 6)))
+
+
+def test_training_steps_reduce_loss(tiny_target):
+    from dflash_train.target import embedding_weight, lm_head_weight, target_features
+
+    torch.manual_seed(0)
+    cfg = tiny_cfg(layers=1)
+    d = DFlashDrafter(cfg)
+    d.reset_parameters(seed=0)
+    opt = torch.optim.AdamW(d.parameters(), lr=2e-2)
+    nb = make_batch(cfg, seed=3)
+    bt = batch_to_torch(nb, "cpu")
+    feats = target_features(tiny_target, bt["input_ids"], bt["attention_mask"].long(), cfg.target_layer_ids)
+    emb, head = embedding_weight(tiny_target), lm_head_weight(tiny_target)
+    losses = []
+    for _ in range(40):
+        loss, correct, w = block_loss(d, emb, head, feats, bt, chunk_rows=7)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(d.parameters(), 1.0)
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert losses[1] < losses[0]
+    assert losses[-1] < 0.85 * losses[0]
+    assert not any(p.grad is not None for p in tiny_target.parameters())
+    # loss equals the numpy reference definition
+    with torch.no_grad():
+        loss, _, w = block_loss(d, emb, head, feats, bt, checkpoint_ce=False)
+        b, n, bs = bt["block_ids"].shape
+        x = torch.nn.functional.embedding(bt["block_ids"].view(b, n * bs), emb)
+        h = d(x, bt["block_pos"].view(b, n * bs), feats, bt["position_ids"],
+              dense_mask_torch(bt["ctx_visible"], bs))
+        logits = (h @ head.T).view(b, n, bs, -1).numpy()
+    from dflash_train.loss import cross_entropy_np, weighted_loss_np
+    ref = weighted_loss_np(cross_entropy_np(logits, nb["labels"]), nb["weights"])
+    assert float(loss) == pytest.approx(ref, rel=1e-4)
+
+
+def test_export_roundtrip_and_sharding(tmp_path):
+    torch.manual_seed(0)
+    cfg = tiny_cfg(layers=2)
+    d = DFlashDrafter(cfg)
+    sd = d.state_dict()
+    names = export_drafter(sd, cfg, str(tmp_path / "one"), {"target_name": "tiny"})
+    assert names == ["model.safetensors"]
+    rep = check_export(str(tmp_path / "one"))
+    assert rep["ok"], rep
+    names = export_drafter(sd, cfg, str(tmp_path / "sh"), {}, max_shard_bytes=20_000)
+    assert len(names) > 1 and names[0] == f"model-00001-of-{len(names):05d}.safetensors"
+    rep = check_export(str(tmp_path / "sh"), max_file_bytes=40_000)
+    assert rep["ok"], rep
+    got = load_sharded(str(tmp_path / "sh"))
+    assert set(got) == set(sd)
+    for k, v in sd.items():
+        assert got[k].dtype == torch.bfloat16
+        torch.testing.assert_close(got[k].float(), v.to(torch.bfloat16).float())
+    d2 = json.load(open(tmp_path / "sh" / "config.json"))
+    assert DrafterConfig.from_hf_dict(d2) == cfg
+    assert os.path.exists(tmp_path / "sh" / "README.md")
+    with pytest.raises(ValueError):
+        export_drafter({k: v for k, v in sd.items() if k != "fc.weight"}, cfg, str(tmp_path / "bad"))
+
+
+def test_moment_codecs():
+    torch.manual_seed(0)
+    m = torch.randn(1000) * torch.logspace(-6, -2, 1000)
+    q, s = quant_int8_blockwise(m)
+    r = dequant_int8_blockwise(q, s, m.shape)
+    blk_max = torch.nn.functional.pad(m.abs(), (0, 24)).view(-1, 256).amax(1).repeat_interleave(256)[:1000]
+    assert ((r - m).abs() <= blk_max / 254 + 1e-12).all()
+    v = torch.rand(1000) ** 6 * 1e-3
+    v[::17] = 0
+    c, prm = quant_log8(v)
+    rv = dequant_log8(c, prm, v.shape)
+    assert (rv[v == 0] == 0).all()
+    rel = (rv[v > 0] / v[v > 0] - 1).abs()
+    assert rel.max() < 0.12
+
+
+@pytest.mark.parametrize("fmt", ["int8", "bf16", "none"])
+def test_checkpoint_resume(tmp_path, fmt):
+    torch.manual_seed(0)
+    cfg = tiny_cfg(layers=1)
+    d = DFlashDrafter(cfg)
+    opt = torch.optim.AdamW(d.parameters(), lr=1e-3)
+    for _ in range(3):
+        loss = sum((p ** 2).sum() for p in d.parameters())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    ck = str(tmp_path / "ckpt")
+    save_checkpoint(ck, d, opt, {"step": 3, "train_seconds": 1.5}, optim_state=fmt)
+    save_checkpoint(ck, d, opt, {"step": 3, "train_seconds": 1.5}, optim_state=fmt)  # overwrite works
+    sd, cfg2, st = read_checkpoint_weights(ck)
+    assert cfg2 == cfg and st["step"] == 3
+    d2 = DFlashDrafter(cfg2)
+    d2.load_state_dict(sd)
+    opt2 = torch.optim.AdamW(d2.parameters(), lr=1e-3)
+    ok = load_optimizer_state(ck, d2, opt2)
+    assert ok == (fmt != "none")
+    if ok:
+        for (n, p), p2 in zip(d.named_parameters(), d2.parameters()):
+            s1, s2 = opt.state[p], opt2.state[p2]
+            assert float(s2["step"]) == 3
+            torch.testing.assert_close(s2["exp_avg"], s1["exp_avg"], atol=float(s1["exp_avg"].abs().max()) / 100 + 1e-12, rtol=0.02)
+            torch.testing.assert_close(s2["exp_avg_sq"].sqrt(), s1["exp_avg_sq"].sqrt(), atol=1e-12, rtol=0.06)
+        loss = sum((p ** 2).sum() for p in d2.parameters())
+        opt2.zero_grad()
+        loss.backward()
+        opt2.step()  # a step after restoring works
+    assert check_export(os.path.join(ck, "drafter"))["ok"]
