@@ -19,8 +19,9 @@ def loss_mask_from_prompt_len(total_len: int, prompt_len: int) -> np.ndarray:
 
 def collate(seqs: Sequence[Tuple[np.ndarray, np.ndarray]], *, num_anchors: int, block_size: int,
             mask_token_id: int, gamma: float, rng: np.random.Generator,
-            pad_token_id: int = 0) -> Dict[str, np.ndarray]:
-    """seqs: list of (input_ids [S_i], loss_mask [S_i]).  Right-padded to S = max S_i.
+            pad_token_id: int = 0, pad_multiple: int = 8) -> Dict[str, np.ndarray]:
+    """seqs: list of (input_ids [S_i], loss_mask [S_i]).  Right-padded to S = max S_i
+    rounded up to a multiple of ``pad_multiple`` (keeps attention-mask strides aligned).
 
     Returns numpy arrays:
       input_ids [b,S] int64, attention_mask [b,S] bool, position_ids [b,S],
@@ -30,6 +31,7 @@ def collate(seqs: Sequence[Tuple[np.ndarray, np.ndarray]], *, num_anchors: int, 
     """
     b = len(seqs)
     s_max = max(int(x[0].shape[0]) for x in seqs)
+    s_max = -(-s_max // pad_multiple) * pad_multiple
     out = {
         "input_ids": np.full((b, s_max), pad_token_id, dtype=np.int64),
         "attention_mask": np.zeros((b, s_max), dtype=bool),

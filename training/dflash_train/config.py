@@ -201,7 +201,8 @@ def drafter_config_from_target(
         target_layer_ids=taps,
         mask_token_id=mask_token_id,
         block_size=block_size,
-        rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+        # GGUF stores eps as f32 (1e-5 -> 9.9999997e-06): keep 7 significant digits
+        rms_norm_eps=float(f"{float(get('rms_norm_eps', 1e-6)):.7g}"),
         rope_theta=float(rope_theta),
         max_position_embeddings=get("max_position_embeddings", 8192) or 8192,
         bos_token_id=get("bos_token_id"),

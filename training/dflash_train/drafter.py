@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from .config import DrafterConfig
 
@@ -43,7 +44,9 @@ class RMSNorm(nn.Module):
         dt = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dt)
+        # computed in fp32, returned in the input dtype (bf16 under autocast, so
+        # q/k/v reach SDPA in one dtype; fp32 on CPU)
+        return (self.weight.float() * xf).to(dt)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):

@@ -316,7 +316,9 @@ class Trainer:
                 break
             if a.total_steps and self.state["step"] >= a.total_steps:
                 break
-            est = (max(step_times[-8:]) * 1.5) if step_times else 0.0
+            # expected duration of the next step: 3x the recent median (robust to
+            # the occasional synchronising log step)
+            est = (float(np.median(step_times[-16:])) * 3.0) if step_times else 0.0
             if time.time() + est > deadline - a.reserve_s:
                 break
             t0 = time.time()
@@ -353,6 +355,8 @@ class Trainer:
             step_times.append(dt)
             self.state["train_seconds"] += dt
             if self.state["step"] % a.log_every == 0 or steps_this_run == 1:
+                if self.cuda:
+                    torch.cuda.synchronize()
                 el = time.time() - win["t0"]
                 lv = float(loss_acc) / win["n"]
                 acc = (win["pos_c"][1:] / win["pos_t"][1:].clamp_min(1)).tolist()

@@ -189,8 +189,8 @@ def test_collate_shapes_and_consistency():
         ids = rng.integers(0, 500, size=n)
         seqs.append((ids, loss_mask_from_prompt_len(n, p)))
     b = collate(seqs, num_anchors=8, block_size=4, mask_token_id=499, gamma=4.0, rng=rng)
-    assert b["input_ids"].shape == (3, 50)
-    assert b["ctx_visible"].shape == (3, 8, 50)
+    assert b["input_ids"].shape == (3, 56)  # 50 rounded up to a multiple of 8
+    assert b["ctx_visible"].shape == (3, 8, 56)
     assert b["block_ids"].shape == (3, 8, 4)
     assert b["attention_mask"].sum(1).tolist() == [30, 50, 12]
     for i, (ids, lm) in enumerate(seqs):

@@ -249,3 +249,24 @@ def test_checkpoint_resume(tmp_path, fmt):
         loss.backward()
         opt2.step()  # a step after restoring works
     assert check_export(os.path.join(ck, "drafter"))["ok"]
+
+
+def test_bf16_autocast_path(tiny_target):
+    """The mixed-precision path used on the GPU (bf16 target, fp32 drafter under
+    bf16 autocast), exercised with CPU autocast."""
+    import copy
+
+    from dflash_train.target import embedding_weight, lm_head_weight, target_features
+
+    tgt = copy.deepcopy(tiny_target).to(torch.bfloat16)
+    cfg = tiny_cfg(layers=2)
+    d = DFlashDrafter(cfg)
+    nb = make_batch(cfg, seed=4)
+    bt = batch_to_torch(nb, "cpu")
+    feats = target_features(tgt, bt["input_ids"], bt["attention_mask"].long(), cfg.target_layer_ids)
+    assert feats.dtype == torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, correct, w = block_loss(d, embedding_weight(tgt), lm_head_weight(tgt), feats, bt, chunk_rows=5)
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in d.parameters())
