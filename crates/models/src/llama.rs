@@ -1,0 +1,444 @@
+//! Llama-family decoder (Llama, SmolLM2, Qwen2 with qkv bias, Qwen3 with q/k norm) on any
+//! backend, batched over rows with their own positions and KV lengths.
+
+use dflash_runtime::backend::{AttnShape, TokenMeta};
+use dflash_runtime::Backend;
+
+use crate::config::LlamaConfig;
+use crate::error::{ModelError, Result};
+use crate::rows::RowTable;
+use crate::source::TensorSource;
+use crate::target::{LogitRows, RowStep, Target};
+
+/// How the tensors of a source are named.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Naming {
+    /// `token_embd.weight`, `blk.N.attn_q.weight`, ...
+    Gguf,
+    /// `model.embed_tokens.weight`, `model.layers.N.self_attn.q_proj.weight`, ...
+    HuggingFace,
+}
+
+impl Naming {
+    fn global(self, what: &str) -> &'static str {
+        match (self, what) {
+            (Naming::Gguf, "embed") => "token_embd.weight",
+            (Naming::Gguf, "norm") => "output_norm.weight",
+            (Naming::Gguf, "lm_head") => "output.weight",
+            (Naming::HuggingFace, "embed") => "model.embed_tokens.weight",
+            (Naming::HuggingFace, "norm") => "model.norm.weight",
+            (Naming::HuggingFace, "lm_head") => "lm_head.weight",
+            _ => unreachable!("unknown global tensor {what}"),
+        }
+    }
+
+    fn layer(self, i: usize, what: &str) -> String {
+        let (gguf, hf) = match what {
+            "attn_norm" => ("attn_norm.weight", "input_layernorm.weight"),
+            "q" => ("attn_q.weight", "self_attn.q_proj.weight"),
+            "k" => ("attn_k.weight", "self_attn.k_proj.weight"),
+            "v" => ("attn_v.weight", "self_attn.v_proj.weight"),
+            "q_bias" => ("attn_q.bias", "self_attn.q_proj.bias"),
+            "k_bias" => ("attn_k.bias", "self_attn.k_proj.bias"),
+            "v_bias" => ("attn_v.bias", "self_attn.v_proj.bias"),
+            "q_norm" => ("attn_q_norm.weight", "self_attn.q_norm.weight"),
+            "k_norm" => ("attn_k_norm.weight", "self_attn.k_norm.weight"),
+            "o" => ("attn_output.weight", "self_attn.o_proj.weight"),
+            "ffn_norm" => ("ffn_norm.weight", "post_attention_layernorm.weight"),
+            "gate" => ("ffn_gate.weight", "mlp.gate_proj.weight"),
+            "up" => ("ffn_up.weight", "mlp.up_proj.weight"),
+            "down" => ("ffn_down.weight", "mlp.down_proj.weight"),
+            _ => unreachable!("unknown layer tensor {what}"),
+        };
+        match self {
+            Naming::Gguf => format!("blk.{i}.{gguf}"),
+            Naming::HuggingFace => format!("model.layers.{i}.{hf}"),
+        }
+    }
+}
+
+/// Loads a 1-D tensor of `len` values as an f32 row on the device.
+pub(crate) fn load_vector<B: Backend>(
+    b: &B,
+    src: &dyn TensorSource,
+    name: &str,
+    len: usize,
+) -> Result<B::Tensor> {
+    let w = src.weight(name, Some([1, len]))?;
+    Ok(b.from_host(&w.to_f32(), 1, len))
+}
+
+pub(crate) fn load_matrix<B: Backend>(
+    b: &B,
+    src: &dyn TensorSource,
+    name: &str,
+    rows: usize,
+    cols: usize,
+) -> Result<B::Weight> {
+    let w = src.weight(name, Some([rows, cols]))?;
+    Ok(b.upload_weight(&w)?)
+}
+
+struct Layer<B: Backend> {
+    attn_norm: B::Tensor,
+    wq: B::Weight,
+    wk: B::Weight,
+    wv: B::Weight,
+    bias: Option<[B::Tensor; 3]>,
+    qk_norm: Option<[B::Tensor; 2]>,
+    wo: B::Weight,
+    ffn_norm: B::Tensor,
+    w_gate: B::Weight,
+    w_up: B::Weight,
+    w_down: B::Weight,
+}
+
+/// Activation buffers reused across steps (resized, never reallocated once large enough).
+struct Workspace<B: Backend> {
+    x: B::Tensor,
+    h: B::Tensor,
+    q: B::Tensor,
+    k: B::Tensor,
+    v: B::Tensor,
+    att: B::Tensor,
+    o: B::Tensor,
+    gate: B::Tensor,
+    up: B::Tensor,
+    sel: B::Tensor,
+    logits: B::Tensor,
+    taps: B::Tensor,
+}
+
+/// A Llama-family model on backend `B`.
+pub struct LlamaModel<B: Backend> {
+    backend: std::sync::Arc<B>,
+    pub cfg: LlamaConfig,
+    embed: B::Weight,
+    layers: Vec<Layer<B>>,
+    norm: B::Tensor,
+    lm_head: B::Weight,
+    inv_freq: B::Tensor,
+    kv: B::Kv,
+    rows: RowTable,
+    tap_layers: Vec<usize>,
+    ws: Workspace<B>,
+    ids: Vec<u32>,
+    meta: Vec<TokenMeta>,
+    sel_rows: Vec<u32>,
+}
+
+impl<B: Backend> LlamaModel<B> {
+    /// Builds the model from `src` (named per `naming`) with shapes from `cfg`.
+    pub fn load(
+        backend: std::sync::Arc<B>,
+        cfg: LlamaConfig,
+        src: &dyn TensorSource,
+        naming: Naming,
+    ) -> Result<Self> {
+        let b = &*backend;
+        let (h, kvd, hd) = (cfg.hidden, cfg.kv_dim(), cfg.head_dim);
+        let qd = cfg.heads * hd;
+        let embed_w = src.weight(naming.global("embed"), Some([cfg.vocab, h]))?;
+        let embed = b.upload_weight(&embed_w)?;
+        let lm_head = if src.has(naming.global("lm_head")) {
+            load_matrix(b, src, naming.global("lm_head"), cfg.vocab, h)?
+        } else {
+            b.upload_weight(&embed_w)?
+        };
+        let mut layers = Vec::with_capacity(cfg.layers);
+        for i in 0..cfg.layers {
+            let n = |w: &str| naming.layer(i, w);
+            let bias = if cfg.qkv_bias {
+                Some([
+                    load_vector(b, src, &n("q_bias"), qd)?,
+                    load_vector(b, src, &n("k_bias"), kvd)?,
+                    load_vector(b, src, &n("v_bias"), kvd)?,
+                ])
+            } else {
+                None
+            };
+            let qk_norm = if cfg.qk_norm {
+                Some([
+                    load_vector(b, src, &n("q_norm"), hd)?,
+                    load_vector(b, src, &n("k_norm"), hd)?,
+                ])
+            } else {
+                None
+            };
+            layers.push(Layer {
+                attn_norm: load_vector(b, src, &n("attn_norm"), h)?,
+                wq: load_matrix(b, src, &n("q"), qd, h)?,
+                wk: load_matrix(b, src, &n("k"), kvd, h)?,
+                wv: load_matrix(b, src, &n("v"), kvd, h)?,
+                bias,
+                qk_norm,
+                wo: load_matrix(b, src, &n("o"), h, qd)?,
+                ffn_norm: load_vector(b, src, &n("ffn_norm"), h)?,
+                w_gate: load_matrix(b, src, &n("gate"), cfg.intermediate, h)?,
+                w_up: load_matrix(b, src, &n("up"), cfg.intermediate, h)?,
+                w_down: load_matrix(b, src, &n("down"), h, cfg.intermediate)?,
+            });
+        }
+        let norm = load_vector(b, src, naming.global("norm"), h)?;
+        let mut inv = cfg.inv_freq();
+        // Llama-3.x GGUF files carry their RoPE scaling as per-frequency divisors.
+        if naming == Naming::Gguf && src.has("rope_freqs.weight") {
+            let f = src.weight("rope_freqs.weight", Some([1, hd / 2]))?.to_f32();
+            for (x, d) in inv.iter_mut().zip(f) {
+                *x /= d;
+            }
+        }
+        let inv_freq = b.from_host(&inv, 1, inv.len());
+        let kv = b.kv_new(cfg.layers, kvd);
+        let ws = Workspace {
+            x: b.tensor(0, h),
+            h: b.tensor(0, h),
+            q: b.tensor(0, qd),
+            k: b.tensor(0, kvd),
+            v: b.tensor(0, kvd),
+            att: b.tensor(0, qd),
+            o: b.tensor(0, h),
+            gate: b.tensor(0, cfg.intermediate),
+            up: b.tensor(0, cfg.intermediate),
+            sel: b.tensor(0, h),
+            logits: b.tensor(0, cfg.vocab),
+            taps: b.tensor(0, 0),
+        };
+        Ok(Self {
+            backend,
+            cfg,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            inv_freq,
+            kv,
+            rows: RowTable::default(),
+            tap_layers: Vec::new(),
+            ws,
+            ids: Vec::new(),
+            meta: Vec::new(),
+            sel_rows: Vec::new(),
+        })
+    }
+
+    /// Checks a step batch and lays out its tokens, metadata and logit rows.
+    fn plan(&mut self, steps: &[RowStep<'_>]) -> Result<()> {
+        self.ids.clear();
+        self.meta.clear();
+        self.sel_rows.clear();
+        for s in steps {
+            let start = self.rows.len_of(s.row)?;
+            let end = start + s.tokens.len();
+            if end > self.cfg.context_length {
+                return Err(ModelError::Config(format!(
+                    "row {} would reach {end} tokens, beyond the model's context of {}",
+                    s.row, self.cfg.context_length
+                )));
+            }
+            if let Some(&bad) = s.tokens.iter().find(|&&t| t as usize >= self.cfg.vocab) {
+                return Err(ModelError::Config(format!(
+                    "token id {bad} is outside the vocabulary of {}",
+                    self.cfg.vocab
+                )));
+            }
+            let cap = self.backend.kv_capacity(&self.kv, s.row);
+            if end > cap {
+                let new_cap = end.max(cap * 2).min(self.cfg.context_length.max(end));
+                self.backend.kv_reserve(&mut self.kv, s.row, new_cap, start);
+            }
+            let first = self.ids.len();
+            for (i, &t) in s.tokens.iter().enumerate() {
+                self.ids.push(t);
+                self.meta
+                    .push(TokenMeta::causal(s.row as u32, (start + i) as u32));
+            }
+            match s.logits {
+                LogitRows::None => {}
+                LogitRows::Last if !s.tokens.is_empty() => {
+                    self.sel_rows.push((self.ids.len() - 1) as u32)
+                }
+                LogitRows::Last => {}
+                LogitRows::All => self
+                    .sel_rows
+                    .extend((first..self.ids.len()).map(|i| i as u32)),
+            }
+        }
+        Ok(())
+    }
+
+    fn run_layers(&mut self, meta: &B::Meta) {
+        let b = &*self.backend;
+        let cfg = &self.cfg;
+        let ws = &mut self.ws;
+        let t = self.ids.len();
+        let shape = AttnShape {
+            n_heads: cfg.heads,
+            n_kv_heads: cfg.kv_heads,
+            head_dim: cfg.head_dim,
+            scale: 1.0 / (cfg.head_dim as f32).sqrt(),
+        };
+        let hidden = cfg.hidden;
+        b.reshape(&mut ws.taps, t, hidden * self.tap_layers.len());
+        for (li, layer) in self.layers.iter().enumerate() {
+            b.rms_norm(
+                &mut ws.x,
+                &layer.attn_norm,
+                cfg.rms_eps,
+                false,
+                Some(&mut ws.h),
+            );
+            b.matmul(&ws.h, &layer.wq, &mut ws.q);
+            b.matmul(&ws.h, &layer.wk, &mut ws.k);
+            b.matmul(&ws.h, &layer.wv, &mut ws.v);
+            if let Some([bq, bk, bv]) = &layer.bias {
+                b.add_bias(&mut ws.q, bq);
+                b.add_bias(&mut ws.k, bk);
+                b.add_bias(&mut ws.v, bv);
+            }
+            if let Some([qn, kn]) = &layer.qk_norm {
+                b.rms_norm(&mut ws.q, qn, cfg.rms_eps, false, None);
+                b.rms_norm(&mut ws.k, kn, cfg.rms_eps, false, None);
+            }
+            b.rope(
+                &mut ws.q,
+                meta,
+                &self.inv_freq,
+                cfg.head_dim,
+                cfg.rope_style,
+            );
+            b.rope(
+                &mut ws.k,
+                meta,
+                &self.inv_freq,
+                cfg.head_dim,
+                cfg.rope_style,
+            );
+            b.kv_write(&mut self.kv, li, &ws.k, &ws.v, meta);
+            b.attention(&ws.q, &self.kv, li, meta, shape, &mut ws.att);
+            b.matmul(&ws.att, &layer.wo, &mut ws.o);
+            b.add(&mut ws.x, &ws.o);
+            b.rms_norm(
+                &mut ws.x,
+                &layer.ffn_norm,
+                cfg.rms_eps,
+                false,
+                Some(&mut ws.h),
+            );
+            b.matmul(&ws.h, &layer.w_gate, &mut ws.gate);
+            b.matmul(&ws.h, &layer.w_up, &mut ws.up);
+            b.silu_mul(&mut ws.gate, &ws.up);
+            b.matmul(&ws.gate, &layer.w_down, &mut ws.o);
+            b.add(&mut ws.x, &ws.o);
+            for (slot, _) in self.tap_layers.iter().enumerate().filter(|(_, &l)| l == li) {
+                b.copy_columns(&ws.x, &mut ws.taps, slot * hidden);
+            }
+        }
+    }
+}
+
+impl<B: Backend> Target for LlamaModel<B> {
+    type B = B;
+
+    fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    fn vocab(&self) -> usize {
+        self.cfg.vocab
+    }
+
+    fn hidden(&self) -> usize {
+        self.cfg.hidden
+    }
+
+    fn n_layers(&self) -> usize {
+        self.cfg.layers
+    }
+
+    fn context_length(&self) -> usize {
+        self.cfg.context_length
+    }
+
+    fn new_row(&mut self, capacity: usize) -> Result<usize> {
+        let row = self.rows.open();
+        let cap = capacity.clamp(1, self.cfg.context_length);
+        self.backend.kv_reserve(&mut self.kv, row, cap, 0);
+        Ok(row)
+    }
+
+    fn release_row(&mut self, row: usize) {
+        self.rows.close(row);
+        self.backend.kv_release(&mut self.kv, row);
+    }
+
+    fn row_len(&self, row: usize) -> usize {
+        self.rows.len(row)
+    }
+
+    fn truncate_row(&mut self, row: usize, len: usize) {
+        self.rows.truncate(row, len);
+    }
+
+    fn fork_row(&mut self, src: usize, capacity: usize) -> Result<usize> {
+        let len = self.rows.len_of(src)?;
+        let row = self.new_row(capacity.max(len))?;
+        self.backend.kv_copy_row(&mut self.kv, src, row, len);
+        self.rows.set_len(row, len);
+        Ok(row)
+    }
+
+    fn set_tap_layers(&mut self, layers: &[usize]) -> Result<()> {
+        if let Some(&bad) = layers.iter().find(|&&l| l >= self.cfg.layers) {
+            return Err(ModelError::IncompatibleDrafter(format!(
+                "tapped layer {bad} does not exist (the target has {} layers)",
+                self.cfg.layers
+            )));
+        }
+        self.tap_layers = layers.to_vec();
+        Ok(())
+    }
+
+    fn forward(&mut self, steps: &[RowStep<'_>]) -> Result<()> {
+        self.plan(steps)?;
+        if self.ids.is_empty() {
+            return Ok(());
+        }
+        let backend = self.backend.clone();
+        let b = &*backend;
+        let meta = b.upload_meta(&self.meta);
+        b.run(|| {
+            b.embed(&self.embed, &self.ids, &mut self.ws.x);
+            self.run_layers(&meta);
+            let ws = &mut self.ws;
+            b.gather_rows(&ws.x, &self.sel_rows, &mut ws.sel);
+            if !self.sel_rows.is_empty() {
+                b.rms_norm(&mut ws.sel, &self.norm, self.cfg.rms_eps, false, None);
+                b.matmul(&ws.sel, &self.lm_head, &mut ws.logits);
+            } else {
+                b.reshape(&mut ws.logits, 0, self.cfg.vocab);
+            }
+        });
+        for s in steps {
+            let len = self.rows.len(s.row) + s.tokens.len();
+            self.rows.set_len(s.row, len);
+        }
+        Ok(())
+    }
+
+    fn logits(&self) -> &B::Tensor {
+        &self.ws.logits
+    }
+
+    fn taps(&self) -> &B::Tensor {
+        &self.ws.taps
+    }
+
+    fn embedding(&self) -> &B::Weight {
+        &self.embed
+    }
+
+    fn lm_head(&self) -> &B::Weight {
+        &self.lm_head
+    }
+}

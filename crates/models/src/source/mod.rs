@@ -1,0 +1,27 @@
+//! Where weights come from: a GGUF file or a Hugging Face directory of safetensors.
+//!
+//! Both expose tensors as [`HostWeight`]s that stay views of the memory-mapped files.
+
+pub mod gguf;
+pub mod gguf_writer;
+pub mod safetensors_dir;
+
+use dflash_runtime::HostWeight;
+
+use crate::error::Result;
+
+/// A set of named tensors.
+pub trait TensorSource {
+    /// Tensor `name` as `[rows, cols]`, checked against `expect` when given.
+    fn weight(&self, name: &str, expect: Option<[usize; 2]>) -> Result<HostWeight>;
+    fn has(&self, name: &str) -> bool;
+}
+
+impl TensorSource for gguf::GgufFile {
+    fn weight(&self, name: &str, expect: Option<[usize; 2]>) -> Result<HostWeight> {
+        gguf::GgufFile::weight(self, name, expect)
+    }
+    fn has(&self, name: &str) -> bool {
+        self.has_tensor(name)
+    }
+}

@@ -1,0 +1,62 @@
+//! The interface the decoding engine sees of a target model.
+
+use dflash_runtime::Backend;
+
+use crate::error::Result;
+
+/// Which logits a row wants from a forward step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogitRows {
+    /// None (e.g. a prefill chunk that is not the last).
+    None,
+    /// Only the last token's.
+    Last,
+    /// Every token's (a verify block).
+    All,
+}
+
+/// One row's share of a forward step: `tokens` continue the row at its current length.
+#[derive(Clone, Copy, Debug)]
+pub struct RowStep<'a> {
+    pub row: usize,
+    pub tokens: &'a [u32],
+    pub logits: LogitRows,
+}
+
+/// A causal language model that runs batches of rows, each with its own KV cache length.
+pub trait Target: Send {
+    type B: Backend;
+
+    fn backend(&self) -> &Self::B;
+    fn vocab(&self) -> usize;
+    fn hidden(&self) -> usize;
+    fn n_layers(&self) -> usize;
+    fn context_length(&self) -> usize;
+
+    /// Opens a new row (sequence slot) with room for `capacity` positions.
+    fn new_row(&mut self, capacity: usize) -> Result<usize>;
+    /// Frees a row's slot and cache.
+    fn release_row(&mut self, row: usize);
+    /// Number of positions in row `row`'s cache.
+    fn row_len(&self, row: usize) -> usize;
+    /// Drops positions `len..` of row `row` (rolls back rejected tokens).
+    fn truncate_row(&mut self, row: usize, len: usize);
+    /// Copies row `src`'s cache into a new row (shared prompt prefix).
+    fn fork_row(&mut self, src: usize, capacity: usize) -> Result<usize>;
+
+    /// Layers whose outputs (residual stream after the layer) are captured on every forward,
+    /// concatenated in this order into [`Target::taps`].
+    fn set_tap_layers(&mut self, layers: &[usize]) -> Result<()>;
+
+    /// Runs all rows' tokens in one batch, appending them to each row's cache.
+    fn forward(&mut self, steps: &[RowStep<'_>]) -> Result<()>;
+    /// Logits of the last forward: one row per requested position, rows in step order.
+    fn logits(&self) -> &<Self::B as Backend>::Tensor;
+    /// Tapped hidden states of the last forward: `[tokens, layers x hidden]`, in step order.
+    fn taps(&self) -> &<Self::B as Backend>::Tensor;
+
+    /// Token embedding table (shared with drafters).
+    fn embedding(&self) -> &<Self::B as Backend>::Weight;
+    /// Output projection (shared with drafters).
+    fn lm_head(&self) -> &<Self::B as Backend>::Weight;
+}
