@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # End-to-end driver for the GPU machine (also runs on CPU for a smoke test).
 #
-#   bash training/run_gpu.sh stage   # park carried model parts/prompts in /tmp/dflash_stage
+#   bash training/run_gpu.sh stage   # park carried model parts/prompts in $STAGE
 #   bash training/run_gpu.sh all     # regenerate (REGEN_S) then train until TOTAL_S, export, pack
 #   bash training/run_gpu.sh regen   # regeneration only (whole budget)
 #   bash training/run_gpu.sh train   # training only (resumes WORK/ckpt or a carried ckpt)
@@ -9,7 +9,8 @@
 # Environment (defaults):
 #   TOTAL_S=540        whole-script budget in seconds (keep < the 600 s call limit)
 #   REGEN_S=240        regeneration share in mode 'all'
-#   WORK=/tmp/dflash_run   persistent work dir (survives between calls on a warm machine)
+#   WORK=training/runs/gpu       work dir (git-ignored: kept between calls on a warm machine)
+#   STAGE=training/gpu_in/_stage where carried model parts are parked and assembled
 #   OUT=$OUT or $WORK/out  where the returned files go
 #   TARGET=            target .gguf or HF dir (default: assembled from carried parts)
 #   PROMPTS=           prompt file (default: first train_prompts.jsonl.gz found)
@@ -17,7 +18,7 @@
 #   PACK_MAX_MIB=60    cap on what is packed into $OUT (files back: <= 8, 16 MiB each, 64 MiB total)
 #   DEVICE=            cuda (default when available) or cpu
 #
-# Inputs looked up under training/gpu_in/*/ (carried, git-ignored) and /tmp/dflash_stage:
+# Inputs looked up under training/gpu_in/*/ (carried, git-ignored) and $STAGE:
 #   <model>.gguf.part-a?  + <model>.gguf.sha256   split target (see stage_inputs.sh)
 #   train_prompts.jsonl.gz
 #   regen/regen_*.npz     regenerated data returned by earlier calls (used and skipped)
@@ -31,8 +32,10 @@ T0=$(date +%s)
 MODE="${1:-all}"
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 TR="$REPO/training"
-STAGE=/tmp/dflash_stage
-WORK="${WORK:-/tmp/dflash_run}"
+# both live in git-ignored paths of the checkout, which the device keeps between
+# calls on a warm machine
+STAGE="${STAGE:-$TR/gpu_in/_stage}"
+WORK="${WORK:-$TR/runs/gpu}"
 OUTDIR="${OUT:-$WORK/out}"
 TOTAL_S="${TOTAL_S:-540}"
 REGEN_S="${REGEN_S:-240}"
@@ -44,6 +47,7 @@ log() { echo "[run_gpu $(( $(date +%s) - T0 ))s] $*"; }
 # ---------------------------------------------------------------- stage carried inputs
 shopt -s nullglob
 for d in "$TR"/gpu_in/*/; do
+  [ "$(basename "$d")" = "_stage" ] && continue
   for f in "$d"*.part-* "$d"*.sha256; do cp -n "$f" "$STAGE/parts/"; done
   [ -f "$d/train_prompts.jsonl.gz" ] && cp -n "$d/train_prompts.jsonl.gz" "$STAGE/"
 done
@@ -81,9 +85,9 @@ fi
 if [ -z "${TARGET:-}" ] || [ ! -e "$TARGET" ]; then log "no target model (carry the parts, see stage_inputs.sh)"; exit 2; fi
 PROMPTS="${PROMPTS:-$STAGE/train_prompts.jsonl.gz}"
 DATA_DIRS=()
-for d in "$TR"/gpu_in/*/regen; do DATA_DIRS+=("$d"); done
+for d in "$TR"/gpu_in/[!_]*/regen; do DATA_DIRS+=("$d"); done
 if [ ! -f "$WORK/ckpt/drafter/config.json" ]; then
-  for d in "$TR"/gpu_in/*/ckpt; do
+  for d in "$TR"/gpu_in/[!_]*/ckpt; do
     [ -f "$d/drafter/config.json" ] && { cp -r "$d" "$WORK/ckpt"; log "resuming carried checkpoint $d"; break; }
   done
 fi
