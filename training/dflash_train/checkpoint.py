@@ -22,7 +22,6 @@ For the default 3-layer SmolLM2 drafter (12.3 M parameters): weights 24.5 MB
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 from typing import Dict, Optional, Tuple

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 import zlib
 from typing import List, Optional, Sequence
@@ -128,7 +127,6 @@ class Regenerator:
         self.log(f"[regen] {len(todo)} prompts to do ({len(done)} already done), eos={self.eos}")
         t_last_flush = time.time()
         recent: List[float] = []
-        per_tok_est = None  # seconds per (batch row * new token) -- refined online
         max_batch = a.max_batch
         stop = False
         for c0 in range(0, len(todo), a.chunk):

@@ -22,7 +22,6 @@ import json
 import math
 import os
 import queue
-import sys
 import threading
 import time
 from typing import Dict, List, Optional

@@ -3,7 +3,6 @@
 import json
 import os
 
-import numpy as np
 
 from dflash_train.data import (approx_token_counter, build_prompt_sets, iter_json_array,
                                rejoin_conversations, split_id)
