@@ -77,6 +77,8 @@ pub trait Backend: Send + Sync + 'static {
     fn shape(&self, t: &Self::Tensor) -> (usize, usize);
     fn from_host(&self, data: &[f32], rows: usize, cols: usize) -> Self::Tensor;
     fn to_host(&self, t: &Self::Tensor) -> Vec<f32>;
+    /// Copies `t` into `out` (resized), reusing `out`'s allocation.
+    fn copy_to_host(&self, t: &Self::Tensor, out: &mut Vec<f32>);
     fn upload_meta(&self, meta: &[TokenMeta]) -> Self::Meta;
 
     // --- KV cache -------------------------------------------------------------------------

@@ -111,6 +111,11 @@ impl Backend for CpuBackend {
         t.data.clone()
     }
 
+    fn copy_to_host(&self, t: &CpuTensor, out: &mut Vec<f32>) {
+        out.clear();
+        out.extend_from_slice(&t.data);
+    }
+
     fn upload_meta(&self, meta: &[TokenMeta]) -> Vec<TokenMeta> {
         meta.to_vec()
     }
@@ -244,6 +249,7 @@ impl Backend for CpuBackend {
         let kv_dim = kv.kv_dim;
         let out_ptr = SyncPtr(out.data.as_mut_ptr());
         let tasks = q.rows * n_heads;
+        let isa = self.isa;
         self.pool.for_each(tasks, |task| {
             let (t, h) = (task / n_heads, task % n_heads);
             let m = meta[t];
@@ -256,20 +262,15 @@ impl Backend for CpuBackend {
                     head_dim,
                 )
             };
-            SCORES.with(|s| {
-                attention::attend(
-                    qh,
-                    &row.k,
-                    &row.v,
-                    kv_dim,
-                    (h / group) * head_dim,
-                    m.kv_start as usize,
-                    m.kv_end as usize,
-                    scale,
-                    &mut s.borrow_mut(),
-                    o,
-                )
-            });
+            let kv_slice = attention::KvSlice {
+                k: &row.k,
+                v: &row.v,
+                kv_dim,
+                head_off: (h / group) * head_dim,
+                start: m.kv_start as usize,
+                end: m.kv_end as usize,
+            };
+            SCORES.with(|s| attention::attend(isa, qh, kv_slice, scale, &mut s.borrow_mut(), o));
         });
     }
 

@@ -267,8 +267,10 @@ unsafe fn run<D: Decode>(
     out_stride: usize,
 ) {
     const NR: usize = 4;
+    const PREFETCH_TILES: usize = 1;
     let mut j = 0;
     while j < n {
+        super::prefetch_rows(w, row_bytes, j + PREFETCH_TILES * NR, NR, n);
         let nr = (n - j).min(NR);
         let wj = w.add(j * row_bytes);
         let mut i = 0;

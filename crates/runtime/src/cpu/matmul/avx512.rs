@@ -27,11 +27,6 @@ unsafe fn load16(p: *const u8) -> __m128i {
 }
 
 #[inline(always)]
-unsafe fn u8_to_f32(q: __m128i) -> __m512 {
-    _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q))
-}
-
-#[inline(always)]
 unsafe fn i8_to_f32(q: __m128i) -> __m512 {
     _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))
 }
@@ -46,18 +41,45 @@ unsafe fn high_nibbles(q: __m128i) -> __m128i {
     _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0F))
 }
 
+/// The 16 values a nibble can decode to, `fma(i, d, m)` for `i` in 0..16; a nibble row then
+/// decodes with one permute per 16 values (the permute reads only the low 4 index bits).
+#[inline(always)]
+unsafe fn nibble_table(d: f32, m: f32) -> __m512 {
+    let iota = _mm512_setr_ps(
+        0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+    );
+    _mm512_fmadd_ps(iota, _mm512_set1_ps(d), _mm512_set1_ps(m))
+}
+
+/// Values 0..16 (low nibbles) and 16..32 (high nibbles) of 16 packed bytes, via `table`.
+#[inline(always)]
+unsafe fn nibbles_via(table: __m512, q: *const u8) -> [__m512; 2] {
+    let lo = _mm512_cvtepu8_epi32(load16(q));
+    let hi = _mm512_srli_epi32(lo, 4);
+    [
+        _mm512_permutexvar_ps(lo, table),
+        _mm512_permutexvar_ps(hi, table),
+    ]
+}
+
+/// d and m of a block header (two consecutive f16 values).
+#[inline(always)]
+unsafe fn f16_pair(p: *const u8) -> (f32, f32) {
+    let v = _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(p as *const i32)));
+    (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)))
+}
+
 struct Q4_0;
 impl Decode for Q4_0 {
     #[inline(always)]
     unsafe fn decode(row: *const u8, g: usize) -> [__m512; 2] {
         let b = row.add(g * 18);
-        let d = _mm512_set1_ps(f16_scalar(b));
-        let q = load16(b.add(2));
-        let eight = _mm_set1_epi8(8);
-        [
-            _mm512_mul_ps(i8_to_f32(_mm_sub_epi8(low_nibbles(q), eight)), d),
-            _mm512_mul_ps(i8_to_f32(_mm_sub_epi8(high_nibbles(q), eight)), d),
-        ]
+        let d = f16_scalar(b);
+        // (q - 8) · d for q in 0..16, exactly as the scalar decoder rounds it.
+        let iota = _mm512_setr_ps(
+            -8.0, -7.0, -6.0, -5.0, -4.0, -3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0,
+        );
+        nibbles_via(_mm512_mul_ps(iota, _mm512_set1_ps(d)), b.add(2))
     }
 }
 
@@ -66,13 +88,8 @@ impl Decode for Q4_1 {
     #[inline(always)]
     unsafe fn decode(row: *const u8, g: usize) -> [__m512; 2] {
         let b = row.add(g * 20);
-        let d = _mm512_set1_ps(f16_scalar(b));
-        let m = _mm512_set1_ps(f16_scalar(b.add(2)));
-        let q = load16(b.add(4));
-        [
-            _mm512_fmadd_ps(u8_to_f32(low_nibbles(q)), d, m),
-            _mm512_fmadd_ps(u8_to_f32(high_nibbles(q)), d, m),
-        ]
+        let (d, m) = f16_pair(b);
+        nibbles_via(nibble_table(d, m), b.add(4))
     }
 }
 
@@ -131,20 +148,13 @@ impl Decode for Q4K {
         let (scale, neg_min) = q4k_group_scale_min(blk, g % 8);
         let sub = g % 8;
         let qs = row.add((g / 8) * 144 + 16 + (sub / 2) * 32);
-        let d = _mm512_set1_ps(scale);
-        let mn = _mm512_set1_ps(neg_min);
+        let table = nibble_table(scale, neg_min);
         let codes = |o: usize| {
-            let q = load16(qs.add(o));
-            if sub % 2 == 0 {
-                low_nibbles(q)
-            } else {
-                high_nibbles(q)
-            }
+            let q = _mm512_cvtepu8_epi32(load16(qs.add(o)));
+            let q = if sub % 2 == 0 { q } else { _mm512_srli_epi32(q, 4) };
+            _mm512_permutexvar_ps(q, table)
         };
-        [
-            _mm512_fmadd_ps(u8_to_f32(codes(0)), d, mn),
-            _mm512_fmadd_ps(u8_to_f32(codes(16)), d, mn),
-        ]
+        [codes(0), codes(16)]
     }
 }
 
@@ -235,8 +245,10 @@ unsafe fn run<D: Decode>(
     out_stride: usize,
 ) {
     const NR: usize = 4;
+    const PREFETCH_TILES: usize = 1;
     let mut j = 0;
     while j < n {
+        super::prefetch_rows(w, row_bytes, j + PREFETCH_TILES * NR, NR, n);
         let full = n - j >= NR;
         let wj = w.add(j * row_bytes);
         let mut i = 0;

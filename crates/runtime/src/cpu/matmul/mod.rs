@@ -146,6 +146,31 @@ impl Isa {
     }
 }
 
+/// Asks the cache to fetch weight rows `first..first+count` (clipped to `n` rows).
+///
+/// Rows are short (a few cache lines), so the hardware prefetchers rarely lock on; kernels
+/// prefetch the tile they will reach a couple of tiles from now.
+#[inline(always)]
+pub(crate) fn prefetch_rows(w: *const u8, row_bytes: usize, first: usize, count: usize, n: usize) {
+    if first >= n {
+        return;
+    }
+    let end = (first + count).min(n) * row_bytes;
+    let mut off = first * row_bytes;
+    while off < end {
+        // SAFETY: prefetching never faults, and the address lies inside the weight buffer.
+        #[cfg(target_arch = "x86_64")]
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                w.add(off) as *const i8,
+            );
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = w;
+        off += 64;
+    }
+}
+
 /// Weight rows per task unit; tasks are whole multiples of it so tiles stay full.
 const ROW_UNIT: usize = 16;
 

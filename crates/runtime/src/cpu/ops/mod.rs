@@ -8,18 +8,19 @@ pub mod elementwise;
 pub mod norm;
 pub mod rope;
 
-/// Sum of `a[i] * b[i]` with eight running partial sums combined pairwise (fixed order).
+/// Sum of `a[i] * b[i]` with sixteen running partial sums combined pairwise (fixed order;
+/// plain multiply and add, which the compiler vectorises on any x86-64 or aarch64).
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let chunks = a.len() / 8;
+    let mut acc = [0f32; 16];
+    let chunks = a.len() / 16;
     for c in 0..chunks {
-        for l in 0..8 {
-            acc[l] = a[c * 8 + l].mul_add(b[c * 8 + l], acc[l]);
+        for l in 0..16 {
+            acc[l] += a[c * 16 + l] * b[c * 16 + l];
         }
     }
-    for i in chunks * 8..a.len() {
-        acc[i % 8] = a[i].mul_add(b[i], acc[i % 8]);
+    for i in chunks * 16..a.len() {
+        acc[i % 16] += a[i] * b[i];
     }
     crate::cpu::matmul::portable::reduce_lanes(acc)
 }
