@@ -1,0 +1,16 @@
+//! dflash-engine: what decoding is.
+//!
+//! Sampling, plain autoregressive decoding (the baseline and the reference for the lossless
+//! contract), DFlash speculative rounds over batches of rows, and the session driver that
+//! turns a decoder's tokens into text with stop handling and statistics.
+
+pub mod ar;
+pub mod decoder;
+pub mod sampling;
+pub mod session;
+pub mod stats;
+
+pub use decoder::{Decoder, EngineError, RowId};
+pub use sampling::{Sampler, SamplingParams};
+pub use session::{Completion, FinishReason, Request};
+pub use stats::RowStats;

@@ -1,0 +1,221 @@
+//! Turning logits into tokens: greedy, temperature, top-k, top-p, min-p, repetition penalty.
+//!
+//! [`SamplingParams::distribution`] gives the exact distribution a token is drawn from (also
+//! used by speculative rejection sampling, which must apply the same processing to the
+//! target's and the drafter's logits); [`Sampler`] draws from it with a seeded generator.
+
+use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
+
+/// How tokens are chosen.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SamplingParams {
+    /// 0 means greedy (argmax).
+    pub temperature: f32,
+    /// Keep only the k most likely tokens (0: off).
+    pub top_k: usize,
+    /// Keep the smallest set of most likely tokens whose mass reaches p (1: off).
+    pub top_p: f32,
+    /// Drop tokens less likely than `min_p` times the most likely one (0: off).
+    pub min_p: f32,
+    /// Divide positive (multiply negative) logits of tokens already seen (1: off).
+    pub repetition_penalty: f32,
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            seed: 0,
+        }
+    }
+}
+
+/// Why sampling parameters were refused.
+#[derive(Debug, thiserror::Error, PartialEq)]
+#[error("{0}")]
+pub struct InvalidParams(pub String);
+
+/// A distribution over token ids: `(id, probability)` sorted by probability, descending,
+/// with ties broken by lower id. Probabilities sum to 1.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Dist {
+    pub items: Vec<(u32, f32)>,
+}
+
+impl Dist {
+    /// Probability of `id` (0 when filtered out).
+    pub fn prob(&self, id: u32) -> f32 {
+        self.items
+            .iter()
+            .find(|(i, _)| *i == id)
+            .map_or(0.0, |(_, p)| *p)
+    }
+
+    /// The token at cumulative mass `u` in `[0, 1)`.
+    pub fn pick(&self, u: f32) -> u32 {
+        let mut acc = 0f32;
+        for &(id, p) in &self.items {
+            acc += p;
+            if u < acc {
+                return id;
+            }
+        }
+        self.items.last().map_or(0, |(id, _)| *id)
+    }
+
+    /// A single certain token.
+    pub fn point(id: u32) -> Self {
+        Self {
+            items: vec![(id, 1.0)],
+        }
+    }
+}
+
+impl SamplingParams {
+    pub fn greedy() -> Self {
+        Self::default()
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        self.temperature <= 0.0
+    }
+
+    /// Checks ranges (negative temperature, top_p outside (0, 1], ...).
+    pub fn validate(&self) -> Result<(), InvalidParams> {
+        let bad = |m: &str| Err(InvalidParams(m.to_string()));
+        if !self.temperature.is_finite() || self.temperature < 0.0 {
+            return bad("temperature must be a finite number >= 0");
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad("top-p must be in (0, 1]");
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return bad("min-p must be in [0, 1]");
+        }
+        if !self.repetition_penalty.is_finite() || self.repetition_penalty <= 0.0 {
+            return bad("repetition penalty must be a finite number > 0");
+        }
+        Ok(())
+    }
+
+    /// Applies the repetition penalty to `logits` in place for every id in `history`.
+    pub fn penalize(&self, logits: &mut [f32], history: &[u32]) {
+        if self.repetition_penalty == 1.0 {
+            return;
+        }
+        let mut seen = std::collections::HashSet::with_capacity(history.len());
+        for &id in history {
+            if let Some(l) = logits.get_mut(id as usize) {
+                if seen.insert(id) {
+                    *l = if *l > 0.0 {
+                        *l / self.repetition_penalty
+                    } else {
+                        *l * self.repetition_penalty
+                    };
+                }
+            }
+        }
+    }
+
+    /// The distribution a token is drawn from, given raw logits and the ids seen so far.
+    /// `scratch` is reused between calls. Greedy gives a point mass on the argmax.
+    pub fn distribution(&self, logits: &[f32], history: &[u32], scratch: &mut Vec<f32>) -> Dist {
+        scratch.clear();
+        scratch.extend_from_slice(logits);
+        self.penalize(scratch, history);
+        if self.is_greedy() {
+            return Dist::point(argmax(scratch));
+        }
+        let inv_t = 1.0 / self.temperature;
+        let max = scratch.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut items: Vec<(u32, f32)> = Vec::new();
+        let mut total = 0f32;
+        for (i, &l) in scratch.iter().enumerate() {
+            let e = ((l - max) * inv_t).exp();
+            total += e;
+            if e > 0.0 {
+                items.push((i as u32, e));
+            }
+        }
+        for it in &mut items {
+            it.1 /= total;
+        }
+        let by_prob = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        // Only the head of the distribution survives top-k/top-p/min-p; sort just that much.
+        let keep_hint = if self.top_k > 0 { self.top_k } else { 1024 };
+        if items.len() > keep_hint && (self.top_k > 0 || self.top_p < 1.0) {
+            items.select_nth_unstable_by(keep_hint - 1, by_prob);
+            let head_mass: f32 = items[..keep_hint].iter().map(|x| x.1).sum();
+            if self.top_k > 0 || head_mass >= self.top_p {
+                items.truncate(keep_hint);
+            }
+        }
+        items.sort_unstable_by(by_prob);
+        if self.top_k > 0 {
+            items.truncate(self.top_k);
+        }
+        if self.top_p < 1.0 {
+            let mass: f64 = items.iter().map(|x| x.1 as f64).sum();
+            let mut acc = 0f64;
+            let mut keep = items.len();
+            for (i, it) in items.iter().enumerate() {
+                acc += it.1 as f64;
+                if acc >= self.top_p as f64 * mass {
+                    keep = i + 1;
+                    break;
+                }
+            }
+            items.truncate(keep.max(1));
+        }
+        if self.min_p > 0.0 {
+            let floor = items.first().map_or(0.0, |x| x.1) * self.min_p;
+            items.retain(|x| x.1 >= floor);
+        }
+        let mass: f32 = items.iter().map(|x| x.1).sum();
+        for it in &mut items {
+            it.1 /= mass;
+        }
+        Dist { items }
+    }
+}
+
+/// Index of the largest value (the first on ties).
+pub fn argmax(x: &[f32]) -> u32 {
+    dflash_runtime::cpu::ops::elementwise::argmax(x)
+}
+
+/// A seeded source of uniform draws, one per row.
+pub struct Sampler {
+    rng: rand::rngs::StdRng,
+}
+
+impl Sampler {
+    pub fn new(seed: u64) -> Self {
+        Self {
+            rng: rand::rngs::StdRng::seed_from_u64(seed),
+        }
+    }
+
+    /// A uniform draw in `[0, 1)`.
+    pub fn uniform(&mut self) -> f32 {
+        self.rng.random::<f32>()
+    }
+
+    /// Draws from `dist` (no randomness consumed for a point mass).
+    pub fn sample(&mut self, dist: &Dist) -> u32 {
+        if dist.items.len() == 1 {
+            return dist.items[0].0;
+        }
+        let u = self.uniform();
+        dist.pick(u)
+    }
+}
+
+#[cfg(test)]
+mod tests;

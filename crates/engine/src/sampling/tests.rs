@@ -1,0 +1,136 @@
+use super::*;
+
+fn params(t: f32) -> SamplingParams {
+    SamplingParams {
+        temperature: t,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn greedy_is_a_point_mass_on_the_argmax() {
+    let d = SamplingParams::greedy().distribution(&[0.1, 3.0, 2.0], &[], &mut Vec::new());
+    assert_eq!(d, Dist::point(1));
+}
+
+#[test]
+fn temperature_one_is_softmax() {
+    let logits = [0.0f32, (2f32).ln(), (3f32).ln()];
+    let d = params(1.0).distribution(&logits, &[], &mut Vec::new());
+    assert_eq!(
+        d.items.iter().map(|x| x.0).collect::<Vec<_>>(),
+        vec![2, 1, 0]
+    );
+    for (id, want) in [(2u32, 0.5f32), (1, 1.0 / 3.0), (0, 1.0 / 6.0)] {
+        assert!((d.prob(id) - want).abs() < 1e-6);
+    }
+}
+
+#[test]
+fn top_k_top_p_min_p_filter_and_renormalise() {
+    let logits: Vec<f32> = [0.4f32, 0.3, 0.2, 0.1].iter().map(|p| p.ln()).collect();
+    let mut p = params(1.0);
+    p.top_k = 2;
+    let d = p.distribution(&logits, &[], &mut Vec::new());
+    assert_eq!(d.items.len(), 2);
+    assert!((d.prob(0) - 4.0 / 7.0).abs() < 1e-6);
+
+    let mut p = params(1.0);
+    p.top_p = 0.65;
+    let d = p.distribution(&logits, &[], &mut Vec::new());
+    assert_eq!(d.items.len(), 2, "0.4 + 0.3 reaches 0.65");
+
+    let mut p = params(1.0);
+    p.min_p = 0.6;
+    let d = p.distribution(&logits, &[], &mut Vec::new());
+    assert_eq!(d.items.len(), 2, "0.3 >= 0.6 * 0.4 > 0.2");
+}
+
+#[test]
+fn top_p_on_a_large_vocabulary_matches_a_full_sort() {
+    let logits: Vec<f32> = (0..5000).map(|i| (i as f32 * 0.7).sin() * 6.0).collect();
+    let mut p = params(0.7);
+    p.top_p = 0.999_9;
+    let d = p.distribution(&logits, &[], &mut Vec::new());
+    let max = logits.iter().copied().fold(f32::MIN, f32::max) as f64;
+    let mut all: Vec<(u32, f64)> = logits
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| (i as u32, ((l as f64 - max) / 0.7).exp()))
+        .collect();
+    let z: f64 = all.iter().map(|x| x.1).sum();
+    all.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    let mut acc = 0.0;
+    let n = all
+        .iter()
+        .position(|x| {
+            acc += x.1 / z;
+            acc >= 0.999_9
+        })
+        .unwrap()
+        + 1;
+    assert!(
+        (d.items.len() as i64 - n as i64).abs() <= 1,
+        "{} vs {n}",
+        d.items.len()
+    );
+}
+
+#[test]
+fn repetition_penalty_follows_hf() {
+    let mut p = params(0.0);
+    p.repetition_penalty = 2.0;
+    let mut logits = vec![4.0f32, -1.0, 3.0];
+    p.penalize(&mut logits, &[0, 1, 0]);
+    assert_eq!(logits, vec![2.0, -2.0, 3.0]);
+    assert_eq!(
+        p.distribution(&[4.0, -1.0, 3.0], &[0], &mut Vec::new()),
+        Dist::point(2)
+    );
+}
+
+#[test]
+fn invalid_params_are_refused() {
+    let cases = [
+        SamplingParams {
+            temperature: -1.0,
+            ..Default::default()
+        },
+        SamplingParams {
+            top_p: 0.0,
+            ..Default::default()
+        },
+        SamplingParams {
+            top_p: 1.5,
+            ..Default::default()
+        },
+        SamplingParams {
+            min_p: 2.0,
+            ..Default::default()
+        },
+        SamplingParams {
+            repetition_penalty: 0.0,
+            ..Default::default()
+        },
+        SamplingParams {
+            temperature: f32::NAN,
+            ..Default::default()
+        },
+    ];
+    for bad in cases {
+        assert!(bad.validate().is_err(), "{bad:?}");
+    }
+    assert!(SamplingParams::default().validate().is_ok());
+}
+
+#[test]
+fn same_seed_same_draws() {
+    let d = params(1.0).distribution(&[0.0, 0.0, 0.0, 0.0], &[], &mut Vec::new());
+    let draw = |seed| {
+        let mut s = Sampler::new(seed);
+        (0..20).map(|_| s.sample(&d)).collect::<Vec<u32>>()
+    };
+    let a = draw(7);
+    assert_eq!(a, draw(7));
+    assert!(a.iter().any(|&x| x != a[0]), "draws vary");
+}
