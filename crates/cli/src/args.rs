@@ -1,0 +1,71 @@
+//! Command-line arguments shared by the subcommands.
+
+use std::path::PathBuf;
+
+use clap::{Args, ValueEnum};
+use dflash_engine::SamplingParams;
+
+/// Which model to run and where.
+#[derive(Args, Clone, Debug)]
+pub struct ModelArgs {
+    /// A GGUF file or a Hugging Face model directory (default: SmolLM2-135M-Instruct Q4_1,
+    /// downloaded to the cache on first use).
+    #[arg(short, long, env = "DFLASH_MODEL")]
+    pub model: Option<PathBuf>,
+    /// Worker threads for the CPU backend (0: one per core).
+    #[arg(short, long, default_value_t = 0)]
+    pub threads: usize,
+    /// Device to run on: `cpu`, or `cuda` / `cuda:N` (default: cuda when available, else cpu).
+    #[arg(long)]
+    pub device: Option<String>,
+}
+
+/// How tokens are chosen.
+#[derive(Args, Clone, Debug)]
+pub struct SamplingArgs {
+    /// Sampling temperature; 0 is greedy decoding.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Keep only the k most likely tokens (0: off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Nucleus sampling: keep the most likely tokens up to this probability mass (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Drop tokens less likely than this fraction of the most likely one (0: off).
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
+    /// Penalise tokens already present (1: off; HF semantics).
+    #[arg(long, alias = "repeat-penalty", default_value_t = 1.0)]
+    pub repetition_penalty: f32,
+    /// Random seed; the same seed gives the same output.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+impl SamplingArgs {
+    pub fn params(&self) -> anyhow::Result<SamplingParams> {
+        let p = SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            seed: self.seed,
+        };
+        p.validate()
+            .map_err(|e| anyhow::anyhow!("invalid sampling options: {e}"))?;
+        Ok(p)
+    }
+}
+
+/// Output formats of `generate`.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OutputFormat {
+    /// The answer on stdout, statistics on stderr.
+    Text,
+    /// One JSON object: text, tokens, stats.
+    Json,
+    /// One JSON object per line (per input row with --batch).
+    Jsonl,
+}

@@ -1,0 +1,61 @@
+//! `dflash`: the command-line surface of dflash-rs (no model math here).
+
+mod args;
+mod bench;
+mod generate;
+mod load;
+mod progress;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// dflash-rs: LLM inference with DFlash block-diffusion speculative decoding.
+#[derive(Parser, Debug)]
+#[command(name = "dflash", version, about)]
+struct Cli {
+    /// Log more (-v: info, -vv: debug); DFLASH_LOG overrides.
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    verbose: u8,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Generate a completion for one prompt (argument or stdin).
+    Generate(generate::GenerateArgs),
+    /// Measure prefill and decode throughput.
+    Bench(bench::BenchArgs),
+}
+
+fn init_logging(verbose: u8) {
+    let default = match verbose {
+        0 => "warn",
+        1 => "info",
+        _ => "debug",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_env("DFLASH_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .init();
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.verbose);
+    let result = match cli.command {
+        Command::Generate(a) => generate::run(a),
+        Command::Bench(a) => bench::run(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
