@@ -24,19 +24,19 @@ pub struct ModelArgs {
 #[derive(Args, Clone, Debug)]
 pub struct SamplingArgs {
     /// Sampling temperature; 0 is greedy decoding.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub temperature: f32,
     /// Keep only the k most likely tokens (0: off).
     #[arg(long, default_value_t = 0)]
     pub top_k: usize,
     /// Nucleus sampling: keep the most likely tokens up to this probability mass (1: off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub top_p: f32,
     /// Drop tokens less likely than this fraction of the most likely one (0: off).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub min_p: f32,
     /// Penalise tokens already present (1: off; HF semantics).
-    #[arg(long, alias = "repeat-penalty", default_value_t = 1.0)]
+    #[arg(long, alias = "repeat-penalty", default_value_t = 1.0, allow_negative_numbers = true)]
     pub repetition_penalty: f32,
     /// Random seed; the same seed gives the same output.
     #[arg(long, default_value_t = 0)]

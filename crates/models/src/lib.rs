@@ -12,6 +12,7 @@ pub mod llama;
 pub mod load;
 pub mod rows;
 pub mod source;
+pub mod synthetic;
 pub mod target;
 pub mod tokenizer;
 

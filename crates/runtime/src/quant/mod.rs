@@ -5,6 +5,7 @@
 //! the SIMD matmul kernels reproduce it bit for bit, and dequantization for embeddings and
 //! tests uses it directly.
 
+mod encode;
 mod float;
 mod kquant;
 mod legacy;
@@ -43,6 +44,7 @@ pub fn dequantize_row(dtype: DType, row: &[u8], out: &mut [f32]) {
     }
 }
 
+pub use encode::quantize_row;
 pub use kquant::{q4k_group_scale_min, q6k_group_scale};
 
 /// Reads a little-endian f16 at `off` as f32.

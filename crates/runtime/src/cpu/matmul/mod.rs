@@ -162,7 +162,7 @@ pub(crate) fn prefetch_rows(w: *const u8, row_bytes: usize, first: usize, count:
         #[cfg(target_arch = "x86_64")]
         unsafe {
             std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                w.add(off) as *const i8,
+                w.add(off) as *const i8
             );
         }
         #[cfg(not(target_arch = "x86_64"))]

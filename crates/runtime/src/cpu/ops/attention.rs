@@ -20,7 +20,14 @@ pub struct KvSlice<'a> {
 }
 
 /// Attends query head `q` to `kv`, writing `q.len()` outputs to `out`; `scores` is scratch.
-pub fn attend(isa: Isa, q: &[f32], kv: KvSlice<'_>, scale: f32, scores: &mut Vec<f32>, out: &mut [f32]) {
+pub fn attend(
+    isa: Isa,
+    q: &[f32],
+    kv: KvSlice<'_>,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
     let hd = q.len();
     assert!(kv.end * kv.kv_dim <= kv.k.len() && kv.end * kv.kv_dim <= kv.v.len());
     assert!(kv.head_off + hd <= kv.kv_dim && out.len() == hd);
@@ -81,7 +88,13 @@ mod x86 {
     use super::{softmax_weights, KvSlice};
 
     #[target_feature(enable = "avx512f,avx2,fma")]
-    pub unsafe fn attend_avx512(q: &[f32], kv: KvSlice<'_>, scale: f32, scores: &mut [f32], out: &mut [f32]) {
+    pub unsafe fn attend_avx512(
+        q: &[f32],
+        kv: KvSlice<'_>,
+        scale: f32,
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) {
         let hd = q.len();
         let chunks = hd / 16;
         for (s, j) in scores.iter_mut().zip(kv.start..kv.end) {
@@ -106,7 +119,10 @@ mod x86 {
             let pv = _mm512_set1_ps(p);
             for c in 0..chunks {
                 let o = out.as_mut_ptr().add(16 * c);
-                _mm512_storeu_ps(o, _mm512_fmadd_ps(pv, _mm512_loadu_ps(val.add(16 * c)), _mm512_loadu_ps(o)));
+                _mm512_storeu_ps(
+                    o,
+                    _mm512_fmadd_ps(pv, _mm512_loadu_ps(val.add(16 * c)), _mm512_loadu_ps(o)),
+                );
             }
         }
         let iv = _mm512_set1_ps(inv);
@@ -117,7 +133,13 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn attend_avx2(q: &[f32], kv: KvSlice<'_>, scale: f32, scores: &mut [f32], out: &mut [f32]) {
+    pub unsafe fn attend_avx2(
+        q: &[f32],
+        kv: KvSlice<'_>,
+        scale: f32,
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) {
         let hd = q.len();
         let chunks = hd / 8;
         for (s, j) in scores.iter_mut().zip(kv.start..kv.end) {
@@ -144,7 +166,10 @@ mod x86 {
             let pv = _mm256_set1_ps(p);
             for c in 0..chunks {
                 let o = out.as_mut_ptr().add(8 * c);
-                _mm256_storeu_ps(o, _mm256_fmadd_ps(pv, _mm256_loadu_ps(val.add(8 * c)), _mm256_loadu_ps(o)));
+                _mm256_storeu_ps(
+                    o,
+                    _mm256_fmadd_ps(pv, _mm256_loadu_ps(val.add(8 * c)), _mm256_loadu_ps(o)),
+                );
             }
         }
         let iv = _mm256_set1_ps(inv);
@@ -186,10 +211,21 @@ mod tests {
     #[test]
     fn every_isa_matches_an_f64_reference() {
         let (hd, kv_dim, n) = (32, 96, 40);
-        let k: Vec<f32> = (0..n * kv_dim).map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0).collect();
-        let v: Vec<f32> = (0..n * kv_dim).map(|i| ((i * 53 % 97) as f32 / 48.0) - 1.0).collect();
+        let k: Vec<f32> = (0..n * kv_dim)
+            .map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0)
+            .collect();
+        let v: Vec<f32> = (0..n * kv_dim)
+            .map(|i| ((i * 53 % 97) as f32 / 48.0) - 1.0)
+            .collect();
         let q: Vec<f32> = (0..hd).map(|i| (i as f32 * 0.3).sin()).collect();
-        let kv = KvSlice { k: &k, v: &v, kv_dim, head_off: 32, start: 3, end: 37 };
+        let kv = KvSlice {
+            k: &k,
+            v: &v,
+            kv_dim,
+            head_off: 32,
+            start: 3,
+            end: 37,
+        };
         let want = reference(&q, kv, 0.2);
         let mut scores = Vec::new();
         for isa in [Isa::detect(), Isa::Avx2, Isa::Portable(8)] {
@@ -207,7 +243,14 @@ mod tests {
     #[test]
     fn empty_slice_gives_zeros() {
         let mut out = [1f32; 8];
-        let kv = KvSlice { k: &[0.0; 8], v: &[0.0; 8], kv_dim: 8, head_off: 0, start: 0, end: 0 };
+        let kv = KvSlice {
+            k: &[0.0; 8],
+            v: &[0.0; 8],
+            kv_dim: 8,
+            head_off: 0,
+            start: 0,
+            end: 0,
+        };
         attend(Isa::detect(), &[1.0; 8], kv, 1.0, &mut Vec::new(), &mut out);
         assert_eq!(out, [0.0; 8]);
     }

@@ -1,0 +1,136 @@
+//! Bad input to the `dflash` binary: every case ends with one clear message and a non-zero
+//! exit, never a panic.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use dflash_models::source::gguf::MetaValue;
+use dflash_models::source::gguf_writer::GgufWriter;
+use dflash_models::synthetic::{synthetic_gguf, SyntheticSpec};
+
+fn dflash(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_dflash"))
+        .args(args)
+        .env("DFLASH_CACHE_DIR", std::env::temp_dir().join("dflash-test-no-cache"))
+        .output()
+        .expect("the binary runs")
+}
+
+fn write(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, bytes).unwrap();
+    p
+}
+
+/// Asserts a clean failure whose stderr mentions `needle`.
+fn fails_with(out: Output, needle: &str) {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "expected failure, got success; stderr: {err}");
+    assert!(!err.contains("panicked"), "panicked: {err}");
+    assert!(
+        err.to_lowercase().contains(&needle.to_lowercase()),
+        "stderr does not mention `{needle}`: {err}"
+    );
+}
+
+fn tiny(dir: &Path) -> PathBuf {
+    write(dir, "tiny.gguf", &synthetic_gguf(&SyntheticSpec::tiny()))
+}
+
+#[test]
+fn a_tiny_model_generates_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny(dir.path());
+    let out = dflash(&[
+        "generate", "hello there", "--model", m.to_str().unwrap(), "-n", "5",
+        "--output-format", "json",
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(v["tokens"].as_array().unwrap().len() <= 5);
+    assert!(v["stats"]["prompt_tokens"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn missing_model_file() {
+    fails_with(dflash(&["generate", "hi", "--model", "/nonexistent/model.gguf"]), "model not found");
+}
+
+#[test]
+fn corrupt_and_truncated_gguf() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = write(dir.path(), "bad.gguf", b"NOPE this is not a model at all");
+    fails_with(dflash(&["generate", "hi", "--model", bad.to_str().unwrap()]), "not a GGUF file");
+
+    let full = synthetic_gguf(&SyntheticSpec::tiny());
+    for cut in [10, 200, full.len() / 2, full.len() - 7] {
+        let t = write(dir.path(), "trunc.gguf", &full[..cut]);
+        let out = dflash(&["generate", "hi", "--model", t.to_str().unwrap()]);
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(!out.status.success() && !err.contains("panicked"), "cut {cut}: {err}");
+        assert!(
+            err.contains("truncated or corrupt") || err.contains("outside the file"),
+            "cut {cut}: {err}"
+        );
+    }
+}
+
+#[test]
+fn unsupported_architecture_and_tensor_type() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut w = GgufWriter::new();
+    w.meta("general.architecture", MetaValue::Str("mamba".into()));
+    let m = write(dir.path(), "mamba.gguf", &w.to_bytes());
+    fails_with(dflash(&["generate", "hi", "--model", m.to_str().unwrap()]), "architecture `mamba` is not supported");
+
+    // A valid tiny model whose first matrix claims an unsupported type (Q5_0 = 6).
+    let mut bytes = synthetic_gguf(&SyntheticSpec::tiny());
+    let name = b"token_embd.weight";
+    let at = bytes.windows(name.len()).position(|w| w == name).unwrap();
+    // name, n_dims (u32), 2 dims (u64 each), then the type id.
+    let ty = at + name.len() + 4 + 16;
+    bytes[ty..ty + 4].copy_from_slice(&6u32.to_le_bytes());
+    let m = write(dir.path(), "q5.gguf", &bytes);
+    fails_with(dflash(&["generate", "hi", "--model", m.to_str().unwrap()]), "Q5_0");
+}
+
+#[test]
+fn tensor_shape_mismatch() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut spec = SyntheticSpec::tiny();
+    spec.intermediate = 96;
+    let mut bytes = synthetic_gguf(&spec);
+    // Claim a wider feed-forward in the metadata than the tensors have.
+    let key = b"llama.feed_forward_length";
+    let at = bytes.windows(key.len()).position(|w| w == key).unwrap();
+    let val = at + key.len() + 4;
+    bytes[val..val + 4].copy_from_slice(&128u32.to_le_bytes());
+    let m = write(dir.path(), "shape.gguf", &bytes);
+    fails_with(dflash(&["generate", "hi", "--model", m.to_str().unwrap()]), "has shape");
+}
+
+#[test]
+fn prompt_longer_than_the_context() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny(dir.path());
+    let long = "x".repeat(400);
+    fails_with(
+        dflash(&["generate", &long, "--raw", "--model", m.to_str().unwrap()]),
+        "context",
+    );
+}
+
+#[test]
+fn invalid_flag_values() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny(dir.path());
+    let ms = m.to_str().unwrap();
+    fails_with(dflash(&["generate", "hi", "--model", ms, "--temperature", "-1"]), "temperature");
+    fails_with(dflash(&["generate", "hi", "--model", ms, "--top-p", "0"]), "top-p");
+    fails_with(dflash(&["generate", "hi", "--model", ms, "--max-tokens", "0"]), "max-tokens");
+    fails_with(dflash(&["generate", "hi", "--model", ms, "--top-k", "lots"]), "invalid value");
+    fails_with(dflash(&["generate", "hi", "--model", ms, "--device", "tpu"]), "unknown device");
+    fails_with(dflash(&["generate", "hi", "--model", ms, "--no-such-flag"]), "unexpected argument");
+    fails_with(dflash(&["generate", "   ", "--model", ms]), "prompt is empty");
+    fails_with(dflash(&["bench", "--model", ms, "--repetitions", "0"]), "repetitions");
+}
