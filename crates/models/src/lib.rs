@@ -7,6 +7,8 @@
 pub mod chat;
 pub mod config;
 pub mod default_model;
+pub mod dflash;
+pub mod drafter;
 pub mod error;
 pub mod llama;
 pub mod load;
@@ -18,5 +20,7 @@ pub mod tokenizer;
 
 pub use error::{ModelError, Result};
 
+pub use dflash::DflashDrafter;
+pub use drafter::Drafter;
 pub use load::{load_model, LoadedModel};
 pub use target::{LogitRows, RowStep, Target};

@@ -50,7 +50,8 @@ pub const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + messag
 
 /// GPT-2's reversible map from bytes to printable characters.
 pub fn byte_to_char(b: u8) -> char {
-    let printable = |c: u32| (33..=126).contains(&c) || (161..=172).contains(&c) || (174..=255).contains(&c);
+    let printable =
+        |c: u32| (33..=126).contains(&c) || (161..=172).contains(&c) || (174..=255).contains(&c);
     if printable(b as u32) {
         return char::from(b);
     }
@@ -68,7 +69,12 @@ pub fn vocab() -> (Vec<String>, Vec<i32>, Vec<String>) {
         format!("{sp}t he"),
         "i n".to_string(),
     ];
-    tokens.extend([format!("{sp}t"), "he".into(), format!("{sp}the"), "in".into()]);
+    tokens.extend([
+        format!("{sp}t"),
+        "he".into(),
+        format!("{sp}the"),
+        "in".into(),
+    ]);
     let mut types = vec![1i32; tokens.len()];
     for s in ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"] {
         tokens.push(s.to_string());
@@ -80,11 +86,16 @@ pub fn vocab() -> (Vec<String>, Vec<i32>, Vec<String>) {
 /// Id of a special token of the synthetic vocabulary.
 pub fn special_id(name: &str) -> u32 {
     let (tokens, _, _) = vocab();
-    tokens.iter().position(|t| t == name).expect("special token exists") as u32
+    tokens
+        .iter()
+        .position(|t| t == name)
+        .expect("special token exists") as u32
 }
 
 fn random_matrix(rng: &mut rand::rngs::StdRng, rows: usize, cols: usize, scale: f32) -> Vec<f32> {
-    (0..rows * cols).map(|_| rng.random_range(-scale..scale)).collect()
+    (0..rows * cols)
+        .map(|_| rng.random_range(-scale..scale))
+        .collect()
 }
 
 fn encode(dtype: DType, values: &[f32], cols: usize) -> Vec<u8> {
@@ -110,14 +121,32 @@ pub fn synthetic_gguf(spec: &SyntheticSpec) -> Vec<u8> {
     w.meta("general.architecture", MetaValue::Str(arch.into()))
         .meta("general.name", MetaValue::Str("synthetic".into()))
         .meta(&key("block_count"), MetaValue::U32(spec.layers as u32))
-        .meta(&key("context_length"), MetaValue::U32(spec.context_length as u32))
+        .meta(
+            &key("context_length"),
+            MetaValue::U32(spec.context_length as u32),
+        )
         .meta(&key("embedding_length"), MetaValue::U32(spec.hidden as u32))
-        .meta(&key("feed_forward_length"), MetaValue::U32(spec.intermediate as u32))
-        .meta(&key("attention.head_count"), MetaValue::U32(spec.heads as u32))
-        .meta(&key("attention.head_count_kv"), MetaValue::U32(spec.kv_heads as u32))
-        .meta(&key("attention.key_length"), MetaValue::U32(spec.head_dim as u32))
+        .meta(
+            &key("feed_forward_length"),
+            MetaValue::U32(spec.intermediate as u32),
+        )
+        .meta(
+            &key("attention.head_count"),
+            MetaValue::U32(spec.heads as u32),
+        )
+        .meta(
+            &key("attention.head_count_kv"),
+            MetaValue::U32(spec.kv_heads as u32),
+        )
+        .meta(
+            &key("attention.key_length"),
+            MetaValue::U32(spec.head_dim as u32),
+        )
         .meta(&key("rope.freq_base"), MetaValue::F32(10000.0))
-        .meta(&key("attention.layer_norm_rms_epsilon"), MetaValue::F32(1e-5))
+        .meta(
+            &key("attention.layer_norm_rms_epsilon"),
+            MetaValue::F32(1e-5),
+        )
         .meta("tokenizer.ggml.model", MetaValue::Str("gpt2".into()))
         .meta("tokenizer.ggml.pre", MetaValue::Str("default".into()))
         .meta(
@@ -132,8 +161,14 @@ pub fn synthetic_gguf(spec: &SyntheticSpec) -> Vec<u8> {
             "tokenizer.ggml.merges",
             MetaValue::Array(merges.into_iter().map(MetaValue::Str).collect()),
         )
-        .meta("tokenizer.ggml.bos_token_id", MetaValue::U32(special_id("<|im_start|>")))
-        .meta("tokenizer.ggml.eos_token_id", MetaValue::U32(special_id("<|im_end|>")))
+        .meta(
+            "tokenizer.ggml.bos_token_id",
+            MetaValue::U32(special_id("<|im_start|>")),
+        )
+        .meta(
+            "tokenizer.ggml.eos_token_id",
+            MetaValue::U32(special_id("<|im_end|>")),
+        )
         .meta("tokenizer.ggml.add_bos_token", MetaValue::Bool(false))
         .meta("tokenizer.chat_template", MetaValue::Str(CHATML.into()));
     let h = spec.hidden;
@@ -142,33 +177,78 @@ pub fn synthetic_gguf(spec: &SyntheticSpec) -> Vec<u8> {
     let dt = spec.dtype;
     let mut matrix = |w: &mut GgufWriter, name: &str, rows: usize, cols: usize, scale: f32| {
         let m = random_matrix(&mut rng, rows, cols, scale);
-        w.tensor(name, &[cols as u64, rows as u64], dt.ggml_id(), encode(dt, &m, cols));
+        w.tensor(
+            name,
+            &[cols as u64, rows as u64],
+            dt.ggml_id(),
+            encode(dt, &m, cols),
+        );
     };
     matrix(&mut w, "token_embd.weight", vocab_len, h, 1.0);
     if !spec.tied_embeddings {
-        matrix(&mut w, "output.weight", vocab_len, h, 1.0 / (h as f32).sqrt());
+        matrix(
+            &mut w,
+            "output.weight",
+            vocab_len,
+            h,
+            1.0 / (h as f32).sqrt(),
+        );
     }
     for i in 0..spec.layers {
         let n = |s: &str| format!("blk.{i}.{s}");
         matrix(&mut w, &n("attn_q.weight"), qd, h, 1.0 / (h as f32).sqrt());
         matrix(&mut w, &n("attn_k.weight"), kvd, h, 1.0 / (h as f32).sqrt());
         matrix(&mut w, &n("attn_v.weight"), kvd, h, 1.0 / (h as f32).sqrt());
-        matrix(&mut w, &n("attn_output.weight"), h, qd, 1.0 / (qd as f32).sqrt());
-        matrix(&mut w, &n("ffn_gate.weight"), spec.intermediate, h, 1.0 / (h as f32).sqrt());
-        matrix(&mut w, &n("ffn_up.weight"), spec.intermediate, h, 1.0 / (h as f32).sqrt());
-        matrix(&mut w, &n("ffn_down.weight"), h, spec.intermediate, 1.0 / (spec.intermediate as f32).sqrt());
+        matrix(
+            &mut w,
+            &n("attn_output.weight"),
+            h,
+            qd,
+            1.0 / (qd as f32).sqrt(),
+        );
+        matrix(
+            &mut w,
+            &n("ffn_gate.weight"),
+            spec.intermediate,
+            h,
+            1.0 / (h as f32).sqrt(),
+        );
+        matrix(
+            &mut w,
+            &n("ffn_up.weight"),
+            spec.intermediate,
+            h,
+            1.0 / (h as f32).sqrt(),
+        );
+        matrix(
+            &mut w,
+            &n("ffn_down.weight"),
+            h,
+            spec.intermediate,
+            1.0 / (spec.intermediate as f32).sqrt(),
+        );
     }
     let mut rng = rand::rngs::StdRng::seed_from_u64(spec.seed ^ 0x5eed);
     let mut norm = |w: &mut GgufWriter, name: &str, len: usize| {
-        let v: Vec<f32> = (0..len).map(|_| 1.0 + rng.random_range(-0.1f32..0.1)).collect();
+        let v: Vec<f32> = (0..len)
+            .map(|_| 1.0 + rng.random_range(-0.1f32..0.1))
+            .collect();
         w.tensor(name, &[len as u64], f32_id, encode(DType::F32, &v, len));
     };
     for i in 0..spec.layers {
         norm(&mut w, &format!("blk.{i}.attn_norm.weight"), h);
         norm(&mut w, &format!("blk.{i}.ffn_norm.weight"), h);
         if spec.arch == Arch::Qwen3 {
-            norm(&mut w, &format!("blk.{i}.attn_q_norm.weight"), spec.head_dim);
-            norm(&mut w, &format!("blk.{i}.attn_k_norm.weight"), spec.head_dim);
+            norm(
+                &mut w,
+                &format!("blk.{i}.attn_q_norm.weight"),
+                spec.head_dim,
+            );
+            norm(
+                &mut w,
+                &format!("blk.{i}.attn_k_norm.weight"),
+                spec.head_dim,
+            );
         }
     }
     norm(&mut w, "output_norm.weight", h);

@@ -1,0 +1,43 @@
+//! The interface the decoding engine sees of a block drafter.
+
+use dflash_runtime::Backend;
+
+use crate::error::Result;
+
+/// A drafter that proposes a block of tokens per row in one forward pass, conditioned on
+/// features tapped from the target.
+///
+/// Each row keeps its own committed context; a row's block always starts at the position
+/// right after its context (`context_len`).
+pub trait Drafter: Send {
+    type B: Backend;
+
+    /// Trained block size (slot 0 holds the current token, slots 1.. are proposals).
+    fn block_size(&self) -> usize;
+    /// Target layers whose outputs the drafter consumes, in order.
+    fn tap_layers(&self) -> &[usize];
+
+    fn new_row(&mut self, capacity: usize) -> Result<usize>;
+    fn release_row(&mut self, row: usize);
+    /// Committed context positions of row `row`.
+    fn context_len(&self, row: usize) -> usize;
+    /// Appends context features: for each `(row, count)` in order, the next `count` entries of
+    /// `tap_rows` index rows of `taps` (`[tokens, layers x hidden]`) that belong to that row.
+    fn extend(
+        &mut self,
+        rows: &[(usize, usize)],
+        taps: &<Self::B as Backend>::Tensor,
+        tap_rows: &[u32],
+    ) -> Result<()>;
+    /// Drafts a block of `block` slots for every `(row, current token)`; afterwards
+    /// [`Drafter::logits`] holds `block - 1` rows of logits per row (slots 1..block), rows in
+    /// order. The context is not changed.
+    fn draft(
+        &mut self,
+        rows: &[(usize, u32)],
+        block: usize,
+        embed: &<Self::B as Backend>::Weight,
+        lm_head: &<Self::B as Backend>::Weight,
+    ) -> Result<()>;
+    fn logits(&self) -> &<Self::B as Backend>::Tensor;
+}
