@@ -36,7 +36,12 @@ pub struct SamplingArgs {
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub min_p: f32,
     /// Penalise tokens already present (1: off; HF semantics).
-    #[arg(long, alias = "repeat-penalty", default_value_t = 1.0, allow_negative_numbers = true)]
+    #[arg(
+        long,
+        alias = "repeat-penalty",
+        default_value_t = 1.0,
+        allow_negative_numbers = true
+    )]
     pub repetition_penalty: f32,
     /// Random seed; the same seed gives the same output.
     #[arg(long, default_value_t = 0)]

@@ -11,7 +11,10 @@ use dflash_models::synthetic::{synthetic_gguf, SyntheticSpec};
 fn dflash(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_dflash"))
         .args(args)
-        .env("DFLASH_CACHE_DIR", std::env::temp_dir().join("dflash-test-no-cache"))
+        .env(
+            "DFLASH_CACHE_DIR",
+            std::env::temp_dir().join("dflash-test-no-cache"),
+        )
         .output()
         .expect("the binary runs")
 }
@@ -25,7 +28,10 @@ fn write(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
 /// Asserts a clean failure whose stderr mentions `needle`.
 fn fails_with(out: Output, needle: &str) {
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "expected failure, got success; stderr: {err}");
+    assert!(
+        !out.status.success(),
+        "expected failure, got success; stderr: {err}"
+    );
     assert!(!err.contains("panicked"), "panicked: {err}");
     assert!(
         err.to_lowercase().contains(&needle.to_lowercase()),
@@ -42,10 +48,20 @@ fn a_tiny_model_generates_json() {
     let dir = tempfile::tempdir().unwrap();
     let m = tiny(dir.path());
     let out = dflash(&[
-        "generate", "hello there", "--model", m.to_str().unwrap(), "-n", "5",
-        "--output-format", "json",
+        "generate",
+        "hello there",
+        "--model",
+        m.to_str().unwrap(),
+        "-n",
+        "5",
+        "--output-format",
+        "json",
     ]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert!(v["tokens"].as_array().unwrap().len() <= 5);
     assert!(v["stats"]["prompt_tokens"].as_u64().unwrap() > 0);
@@ -53,21 +69,30 @@ fn a_tiny_model_generates_json() {
 
 #[test]
 fn missing_model_file() {
-    fails_with(dflash(&["generate", "hi", "--model", "/nonexistent/model.gguf"]), "model not found");
+    fails_with(
+        dflash(&["generate", "hi", "--model", "/nonexistent/model.gguf"]),
+        "model not found",
+    );
 }
 
 #[test]
 fn corrupt_and_truncated_gguf() {
     let dir = tempfile::tempdir().unwrap();
     let bad = write(dir.path(), "bad.gguf", b"NOPE this is not a model at all");
-    fails_with(dflash(&["generate", "hi", "--model", bad.to_str().unwrap()]), "not a GGUF file");
+    fails_with(
+        dflash(&["generate", "hi", "--model", bad.to_str().unwrap()]),
+        "not a GGUF file",
+    );
 
     let full = synthetic_gguf(&SyntheticSpec::tiny());
     for cut in [10, 200, full.len() / 2, full.len() - 7] {
         let t = write(dir.path(), "trunc.gguf", &full[..cut]);
         let out = dflash(&["generate", "hi", "--model", t.to_str().unwrap()]);
         let err = String::from_utf8_lossy(&out.stderr).to_string();
-        assert!(!out.status.success() && !err.contains("panicked"), "cut {cut}: {err}");
+        assert!(
+            !out.status.success() && !err.contains("panicked"),
+            "cut {cut}: {err}"
+        );
         assert!(
             err.contains("truncated or corrupt") || err.contains("outside the file"),
             "cut {cut}: {err}"
@@ -81,7 +106,10 @@ fn unsupported_architecture_and_tensor_type() {
     let mut w = GgufWriter::new();
     w.meta("general.architecture", MetaValue::Str("mamba".into()));
     let m = write(dir.path(), "mamba.gguf", &w.to_bytes());
-    fails_with(dflash(&["generate", "hi", "--model", m.to_str().unwrap()]), "architecture `mamba` is not supported");
+    fails_with(
+        dflash(&["generate", "hi", "--model", m.to_str().unwrap()]),
+        "architecture `mamba` is not supported",
+    );
 
     // A valid tiny model whose first matrix claims an unsupported type (Q5_0 = 6).
     let mut bytes = synthetic_gguf(&SyntheticSpec::tiny());
@@ -91,7 +119,10 @@ fn unsupported_architecture_and_tensor_type() {
     let ty = at + name.len() + 4 + 16;
     bytes[ty..ty + 4].copy_from_slice(&6u32.to_le_bytes());
     let m = write(dir.path(), "q5.gguf", &bytes);
-    fails_with(dflash(&["generate", "hi", "--model", m.to_str().unwrap()]), "Q5_0");
+    fails_with(
+        dflash(&["generate", "hi", "--model", m.to_str().unwrap()]),
+        "Q5_0",
+    );
 }
 
 #[test]
@@ -106,7 +137,10 @@ fn tensor_shape_mismatch() {
     let val = at + key.len() + 4;
     bytes[val..val + 4].copy_from_slice(&128u32.to_le_bytes());
     let m = write(dir.path(), "shape.gguf", &bytes);
-    fails_with(dflash(&["generate", "hi", "--model", m.to_str().unwrap()]), "has shape");
+    fails_with(
+        dflash(&["generate", "hi", "--model", m.to_str().unwrap()]),
+        "has shape",
+    );
 }
 
 #[test]
@@ -125,12 +159,36 @@ fn invalid_flag_values() {
     let dir = tempfile::tempdir().unwrap();
     let m = tiny(dir.path());
     let ms = m.to_str().unwrap();
-    fails_with(dflash(&["generate", "hi", "--model", ms, "--temperature", "-1"]), "temperature");
-    fails_with(dflash(&["generate", "hi", "--model", ms, "--top-p", "0"]), "top-p");
-    fails_with(dflash(&["generate", "hi", "--model", ms, "--max-tokens", "0"]), "max-tokens");
-    fails_with(dflash(&["generate", "hi", "--model", ms, "--top-k", "lots"]), "invalid value");
-    fails_with(dflash(&["generate", "hi", "--model", ms, "--device", "tpu"]), "unknown device");
-    fails_with(dflash(&["generate", "hi", "--model", ms, "--no-such-flag"]), "unexpected argument");
-    fails_with(dflash(&["generate", "   ", "--model", ms]), "prompt is empty");
-    fails_with(dflash(&["bench", "--model", ms, "--repetitions", "0"]), "repetitions");
+    fails_with(
+        dflash(&["generate", "hi", "--model", ms, "--temperature", "-1"]),
+        "temperature",
+    );
+    fails_with(
+        dflash(&["generate", "hi", "--model", ms, "--top-p", "0"]),
+        "top-p",
+    );
+    fails_with(
+        dflash(&["generate", "hi", "--model", ms, "--max-tokens", "0"]),
+        "max-tokens",
+    );
+    fails_with(
+        dflash(&["generate", "hi", "--model", ms, "--top-k", "lots"]),
+        "invalid value",
+    );
+    fails_with(
+        dflash(&["generate", "hi", "--model", ms, "--device", "tpu"]),
+        "unknown device",
+    );
+    fails_with(
+        dflash(&["generate", "hi", "--model", ms, "--no-such-flag"]),
+        "unexpected argument",
+    );
+    fails_with(
+        dflash(&["generate", "   ", "--model", ms]),
+        "prompt is empty",
+    );
+    fails_with(
+        dflash(&["bench", "--model", ms, "--repetitions", "0"]),
+        "repetitions",
+    );
 }

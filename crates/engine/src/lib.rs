@@ -6,6 +6,7 @@
 
 pub mod ar;
 pub mod decoder;
+pub mod dflash;
 pub mod sampling;
 pub mod session;
 pub mod stats;

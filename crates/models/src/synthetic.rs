@@ -259,3 +259,208 @@ pub fn synthetic_gguf(spec: &SyntheticSpec) -> Vec<u8> {
 pub fn write_synthetic(spec: &SyntheticSpec, path: &std::path::Path) -> std::io::Result<()> {
     std::fs::write(path, synthetic_gguf(spec))
 }
+
+/// Tensors held in memory (for synthetic drafters).
+#[derive(Default)]
+pub struct MemorySource {
+    pub tensors: std::collections::HashMap<String, dflash_runtime::HostWeight>,
+}
+
+impl crate::source::TensorSource for MemorySource {
+    fn weight(
+        &self,
+        name: &str,
+        expect: Option<[usize; 2]>,
+    ) -> crate::Result<dflash_runtime::HostWeight> {
+        let w = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| crate::ModelError::MissingTensor {
+                name: name.to_string(),
+            })?;
+        if let Some(e) = expect {
+            if e != [w.rows, w.cols] {
+                return Err(crate::ModelError::TensorShape {
+                    name: name.to_string(),
+                    expected: e.to_vec(),
+                    found: vec![w.rows, w.cols],
+                });
+            }
+        }
+        Ok(w.clone())
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+}
+
+/// Random weights for a DFlash drafter of `cfg`'s shape, stored as bf16 (norms f32).
+pub fn random_drafter(cfg: &crate::dflash::DrafterConfig, seed: u64) -> MemorySource {
+    use dflash_runtime::{HostWeight, WeightBytes};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut src = MemorySource::default();
+    let mut put = |name: String,
+                   rows: usize,
+                   cols: usize,
+                   dtype: DType,
+                   rng: &mut rand::rngs::StdRng,
+                   norm: bool| {
+        let vals: Vec<f32> = if norm {
+            (0..rows * cols)
+                .map(|_| 1.0 + rng.random_range(-0.1f32..0.1))
+                .collect()
+        } else {
+            random_matrix(rng, rows, cols, 1.0 / (cols as f32).sqrt())
+        };
+        let bytes = encode(dtype, &vals, cols);
+        let w = HostWeight::new(
+            name.clone(),
+            dtype,
+            rows,
+            cols,
+            WeightBytes::from_vec(bytes),
+        )
+        .expect("consistent synthetic shape");
+        src.tensors.insert(name, w);
+    };
+    let (h, hd) = (cfg.hidden, cfg.head_dim);
+    let (qd, kvd) = (cfg.heads * hd, cfg.kv_heads * hd);
+    let taps = cfg.target_layer_ids.len();
+    put(
+        "fc.weight".into(),
+        h,
+        taps * h,
+        DType::BF16,
+        &mut rng,
+        false,
+    );
+    put(
+        "hidden_norm.weight".into(),
+        1,
+        h,
+        DType::F32,
+        &mut rng,
+        true,
+    );
+    put("norm.weight".into(), 1, h, DType::F32, &mut rng, true);
+    for i in 0..cfg.layers {
+        let n = |s: &str| format!("layers.{i}.{s}");
+        put(
+            n("input_layernorm.weight"),
+            1,
+            h,
+            DType::F32,
+            &mut rng,
+            true,
+        );
+        put(
+            n("post_attention_layernorm.weight"),
+            1,
+            h,
+            DType::F32,
+            &mut rng,
+            true,
+        );
+        put(
+            n("self_attn.q_proj.weight"),
+            qd,
+            h,
+            DType::BF16,
+            &mut rng,
+            false,
+        );
+        put(
+            n("self_attn.k_proj.weight"),
+            kvd,
+            h,
+            DType::BF16,
+            &mut rng,
+            false,
+        );
+        put(
+            n("self_attn.v_proj.weight"),
+            kvd,
+            h,
+            DType::BF16,
+            &mut rng,
+            false,
+        );
+        put(
+            n("self_attn.o_proj.weight"),
+            h,
+            qd,
+            DType::BF16,
+            &mut rng,
+            false,
+        );
+        put(
+            n("self_attn.q_norm.weight"),
+            1,
+            hd,
+            DType::F32,
+            &mut rng,
+            true,
+        );
+        put(
+            n("self_attn.k_norm.weight"),
+            1,
+            hd,
+            DType::F32,
+            &mut rng,
+            true,
+        );
+        put(
+            n("mlp.gate_proj.weight"),
+            cfg.intermediate,
+            h,
+            DType::BF16,
+            &mut rng,
+            false,
+        );
+        put(
+            n("mlp.up_proj.weight"),
+            cfg.intermediate,
+            h,
+            DType::BF16,
+            &mut rng,
+            false,
+        );
+        put(
+            n("mlp.down_proj.weight"),
+            h,
+            cfg.intermediate,
+            DType::BF16,
+            &mut rng,
+            false,
+        );
+    }
+    src
+}
+
+/// A drafter configuration matching a target's shape (for random drafters in tests).
+pub fn drafter_config_for(
+    hidden: usize,
+    heads: usize,
+    kv_heads: usize,
+    intermediate: usize,
+    target_layers: usize,
+    draft_layers: usize,
+    block_size: usize,
+    mask_token_id: u32,
+) -> crate::dflash::DrafterConfig {
+    crate::dflash::DrafterConfig {
+        block_size,
+        mask_token_id,
+        target_layer_ids: crate::dflash::build_target_layer_ids(target_layers, draft_layers.max(2)),
+        num_target_layers: Some(target_layers),
+        hidden,
+        intermediate,
+        layers: draft_layers,
+        heads,
+        kv_heads,
+        head_dim: hidden / heads,
+        rms_eps: 1e-6,
+        rope_theta: 10000.0,
+    }
+}

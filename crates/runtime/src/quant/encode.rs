@@ -28,7 +28,10 @@ pub fn quantize_row(dtype: DType, row: &[f32], out: &mut Vec<u8>) {
         }
         DType::Q4_0 => {
             for b in row.chunks_exact(32) {
-                let max = b.iter().copied().fold(0f32, |m, v| if v.abs() > m.abs() { v } else { m });
+                let max = b
+                    .iter()
+                    .copied()
+                    .fold(0f32, |m, v| if v.abs() > m.abs() { v } else { m });
                 let d = max / -8.0;
                 let id = if d != 0.0 { 1.0 / d } else { 0.0 };
                 out.extend(f16(d));
@@ -77,7 +80,11 @@ mod tests {
             assert_eq!(Some(bytes.len()), dtype.row_bytes(64));
             let mut back = vec![0f32; 64];
             dequantize_row(dtype, &bytes, &mut back);
-            let err = row.iter().zip(&back).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            let err = row
+                .iter()
+                .zip(&back)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
             assert!(err <= tol, "{dtype}: {err}");
         }
     }

@@ -1,0 +1,69 @@
+//! The lossless gate: greedy DFlash output equals greedy autoregressive output, token for
+//! token, on 20 prompts x 128 tokens of the default model — with a randomly initialised
+//! drafter and with an oracle drafter that forces every accept count 0..B-1 and full accepts.
+
+mod common;
+
+use common::*;
+use dflash_engine::dflash::{AcceptPolicy, DflashDecoder};
+use dflash_engine::session::run_batch;
+use dflash_engine::SamplingParams;
+use dflash_models::synthetic::{drafter_config_for, random_drafter};
+use dflash_models::{DflashDrafter, Target};
+
+const TOKENS: usize = 128;
+const BLOCK: usize = 16;
+
+#[test]
+fn greedy_dflash_equals_greedy_ar() {
+    let b = backend();
+    let m = default_model(&b);
+    let prompts: Vec<Vec<u32>> = PROMPTS.iter().map(|p| chat_prompt(&m, p)).collect();
+    let tok = m.tokenizer;
+    // The oracle needs to know a little past the last token DFlash may be asked about.
+    let (reference, target) = ar_reference(m.model, &tok, &prompts, TOKENS + BLOCK);
+
+    // (b) Oracle drafter: every accept count, including the full block.
+    let taps = vec![1, 8, 14, 20, 27];
+    let mut oracle = Oracle::new(BLOCK, target.vocab(), taps.clone());
+    oracle.queue.extend(sequences(&prompts, &reference));
+    let mut dec = DflashDecoder::new(target, oracle, BLOCK, AcceptPolicy::PerRow).unwrap();
+    let mut total_rounds = 0;
+    for (i, p) in prompts.iter().enumerate() {
+        let r = request(p.clone(), TOKENS, SamplingParams::greedy());
+        let got = run_batch(&mut dec, &tok, &[r], &mut |_, _| {})
+            .unwrap()
+            .remove(0);
+        let want: Vec<u32> = reference[i].tokens.iter().take(TOKENS).copied().collect();
+        assert_eq!(got.tokens, want, "oracle drafter, prompt {i}");
+        total_rounds += got.stats.rounds;
+    }
+    let seen: std::collections::BTreeSet<usize> = dec
+        .drafter
+        .expected_accepts
+        .iter()
+        .flatten()
+        .copied()
+        .collect();
+    assert_eq!(
+        seen,
+        (0..BLOCK).collect(),
+        "every accept count 0..{} ran",
+        BLOCK - 1
+    );
+    assert!(total_rounds > 0);
+
+    // (a) Randomly initialised drafter (almost nothing accepted: stresses rollback).
+    let target = dec.target;
+    let cfg = drafter_config_for(576, 9, 3, 1536, 30, 2, BLOCK, 16);
+    let drafter = DflashDrafter::load(b.clone(), cfg.clone(), &random_drafter(&cfg, 7)).unwrap();
+    let mut dec = DflashDecoder::new(target, drafter, BLOCK, AcceptPolicy::PerRow).unwrap();
+    for (i, p) in prompts.iter().enumerate() {
+        let r = request(p.clone(), TOKENS, SamplingParams::greedy());
+        let got = run_batch(&mut dec, &tok, &[r], &mut |_, _| {})
+            .unwrap()
+            .remove(0);
+        let want: Vec<u32> = reference[i].tokens.iter().take(TOKENS).copied().collect();
+        assert_eq!(got.tokens, want, "random drafter, prompt {i}");
+    }
+}
