@@ -3,6 +3,9 @@
     python -m dflash_train.export --ckpt RUN/ckpt --out RUN/export   # re-export a checkpoint
     python -m dflash_train.export --check RUN/export                 # verify names/shapes/config
 
+``load_drafter(dir)`` reads an export (ours or a published drafter) back into a
+``DFlashDrafter``.
+
 Layout: config.json, README.md (model card), and either model.safetensors or
 (when the bf16 weights exceed the shard limit, default 15 MiB so every file
 stays below 16 MB) model-0000k-of-0000N.safetensors + model.safetensors.index.json
@@ -104,6 +107,27 @@ def load_sharded(in_dir: str, prefix: str = "model") -> Dict[str, torch.Tensor]:
     for f in files:
         out.update(load_file(os.path.join(in_dir, f)))
     return out
+
+
+def load_drafter(export_dir: str, dtype: torch.dtype = torch.float32, device="cpu"):
+    """Read an exported drafter directory (config.json + model.safetensors or
+    HF-style shards, published tensor names; e.g. our own export or a published
+    z-lab drafter) back into a ``DFlashDrafter``.  Returns ``(drafter, cfg)``;
+    the drafter is in eval mode.  Names and shapes must match exactly."""
+    from .drafter import DFlashDrafter
+
+    with open(os.path.join(export_dir, "config.json")) as f:
+        cfg = DrafterConfig.from_hf_dict(json.load(f))
+    sd = load_sharded(export_dir)
+    exp = expected_tensor_shapes(cfg)
+    missing = sorted(set(exp) - set(sd))
+    extra = sorted(set(sd) - set(exp))
+    bad = sorted(k for k in exp if k in sd and list(sd[k].shape) != exp[k])
+    if missing or extra or bad:
+        raise ValueError(f"{export_dir}: missing {missing[:5]} extra {extra[:5]} wrong shape {bad[:5]}")
+    drafter = DFlashDrafter(cfg)
+    drafter.load_state_dict({k: v.to(torch.float32) for k, v in sd.items()}, strict=True)
+    return drafter.to(device=device, dtype=dtype).eval(), cfg
 
 
 def model_card(cfg: DrafterConfig, info: Dict) -> str:
