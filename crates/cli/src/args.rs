@@ -20,6 +20,31 @@ pub struct ModelArgs {
     pub device: Option<String>,
 }
 
+/// Speculative decoding options.
+#[derive(Args, Clone, Debug)]
+pub struct DraftArgs {
+    /// A DFlash drafter directory (config.json + safetensors). The default model uses the
+    /// shipped drafter unless --no-draft is given.
+    #[arg(long, env = "DFLASH_DRAFT", conflicts_with = "no_draft")]
+    pub draft: Option<PathBuf>,
+    /// Plain autoregressive decoding, no drafter.
+    #[arg(long)]
+    pub no_draft: bool,
+    /// Draft block size (at most the drafter's trained block size; default: trained size).
+    #[arg(long)]
+    pub block_size: Option<usize>,
+    /// How a batch commits accepted tokens: each row its own count, or all rows the smallest.
+    #[arg(long, value_enum, default_value_t = BatchAccept::PerRow)]
+    pub batch_accept: BatchAccept,
+}
+
+/// `--batch-accept` values.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BatchAccept {
+    PerRow,
+    Clamp,
+}
+
 /// How tokens are chosen.
 #[derive(Args, Clone, Debug)]
 pub struct SamplingArgs {

@@ -1,73 +1,66 @@
-//! `dflash bench`: prefill and decode throughput, median of repeated runs after a warm-up.
+//! `dflash bench`: throughput, median of repeated runs after a warm-up, arms alternating.
+//!
+//! Without a drafter: prefill and decode tok/s of plain decoding. With a drafter: plain vs
+//! DFlash on the same chat prompts (`ar_tok_per_s`, `dflash_tok_per_s`, `tau`). With
+//! `--batch N`: B = 1 against B = N rows decoded together, per-row accepts against the clamp.
 
+use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
-use dflash_engine::{Decoder, SamplingParams};
-use serde_json::json;
+use dflash_engine::dflash::AcceptPolicy;
+use dflash_engine::session::run_scheduled;
+use dflash_engine::{Decoder, Request, RowStats, SamplingParams};
+use dflash_models::chat::Message;
+use dflash_models::tokenizer::TextTokenizer;
+use serde_json::{json, Value};
 
-use crate::args::ModelArgs;
-use crate::load::{load, Loaded};
+use crate::args::{BatchAccept, DraftArgs, ModelArgs};
+use crate::load::{chat_ids, decoder, drafter_dir, load_target, Loaded};
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
     #[command(flatten)]
     pub model: ModelArgs,
+    #[command(flatten)]
+    pub draft: DraftArgs,
     /// Prompt length for the prefill measurement.
     #[arg(short = 'p', long, default_value_t = 128)]
     pub prompt_tokens: usize,
-    /// Tokens generated for the decode measurement (end-of-sequence ignored).
+    /// Tokens generated per row for the decode measurements.
     #[arg(short = 'n', long, default_value_t = 128)]
     pub gen_tokens: usize,
-    /// Timed runs after the warm-up (the median is reported).
+    /// Timed runs per arm after the warm-up (the median is reported).
     #[arg(short = 'r', long, default_value_t = 3)]
     pub repetitions: usize,
+    /// Rows decoded together: compares B = 1, B = N per-row and B = N clamp.
+    #[arg(long)]
+    pub batch: Option<usize>,
+    /// Chat prompts for the decode comparisons (JSONL lines: a string or {"prompt": ...});
+    /// default: a built-in set of eight.
+    #[arg(long)]
+    pub prompts: Option<PathBuf>,
 }
 
-/// Text the benchmark prompt is cut from (real tokens, not random ids).
+/// Text the prefill prompt is cut from (real tokens, not random ids).
 const CORPUS: &str = "The history of computing is a story of abstraction. Early machines were \
 programmed by rewiring panels; later, stored programs let the same hardware run any algorithm. \
 Languages rose from assembly to structured code, then to objects and functions, each layer \
 hiding details so that people could think about larger problems. Networks joined machines into \
 systems, and systems into the web, where text, images and code now move at the speed of light. ";
 
-/// One timed run.
-#[derive(Clone, Copy, Debug)]
-pub struct Run {
-    pub prefill_tok_per_s: f64,
-    pub decode_tok_per_s: f64,
-}
-
-pub fn bench_prompt(loaded: &Loaded, n: usize) -> Result<Vec<u32>> {
-    let unit = loaded.tokenizer.encode(CORPUS, false)?;
-    if unit.is_empty() {
-        bail!("the tokenizer produced no tokens for the benchmark text");
-    }
-    Ok(unit.iter().copied().cycle().take(n).collect())
-}
-
-/// Prefills `prompt`, then decodes until `gen` tokens exist (ignoring end-of-sequence).
-pub fn timed_run(decoder: &mut dyn Decoder, prompt: &[u32], gen: usize) -> Result<Run> {
-    let capacity = prompt.len() + gen + decoder.lookahead() + 1;
-    let t0 = Instant::now();
-    let (row, _) = decoder.start_row(prompt, capacity, &SamplingParams::greedy())?;
-    let prefill = t0.elapsed().as_secs_f64();
-    let mut produced = 1usize;
-    let mut out = Vec::new();
-    let t1 = Instant::now();
-    while produced < gen {
-        out.clear();
-        decoder.step(&mut out)?;
-        produced += out.iter().map(|(_, t)| t.len()).sum::<usize>();
-    }
-    let decode = t1.elapsed().as_secs_f64();
-    decoder.finish_row(row);
-    Ok(Run {
-        prefill_tok_per_s: prompt.len() as f64 / prefill,
-        decode_tok_per_s: (produced - 1) as f64 / decode,
-    })
-}
+/// Chat prompts used when none are given.
+const PROMPTS: [&str; 8] = [
+    "Explain how a refrigerator works.",
+    "Write a Python function that checks whether a number is prime.",
+    "What are three tips for staying productive while working from home?",
+    "Describe the water cycle in simple terms.",
+    "Write a short poem about the ocean.",
+    "What is the difference between a list and a tuple in Python?",
+    "Give me a two-day itinerary for a trip to Rome.",
+    "Why do leaves change color in the fall?",
+];
 
 pub fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -94,48 +87,260 @@ pub fn cpu_name() -> String {
         .unwrap_or_else(|| std::env::consts::ARCH.to_string())
 }
 
+/// Prefill of `prompt`, then decoding to `gen` tokens (end-of-sequence ignored): (pp, tg).
+fn plain_run(decoder: &mut dyn Decoder, prompt: &[u32], gen: usize) -> Result<(f64, f64)> {
+    let capacity = prompt.len() + gen + decoder.lookahead() + 1;
+    let t0 = Instant::now();
+    let (row, _) = decoder.start_row(prompt, capacity, &SamplingParams::greedy())?;
+    let prefill = t0.elapsed().as_secs_f64();
+    let mut produced = 1usize;
+    let mut out = Vec::new();
+    let t1 = Instant::now();
+    while produced < gen {
+        out.clear();
+        decoder.step(&mut out)?;
+        produced += out.iter().map(|(_, t)| t.len()).sum::<usize>();
+    }
+    let decode = t1.elapsed().as_secs_f64();
+    decoder.finish_row(row);
+    Ok((
+        prompt.len() as f64 / prefill,
+        (produced - 1) as f64 / decode,
+    ))
+}
+
+/// One arm's measurement over a prompt set.
+#[derive(Clone, Debug, Default)]
+struct ArmRun {
+    tok_per_s: f64,
+    stats: RowStats,
+}
+
+/// Decodes every request with at most `max_live` rows at a time; tok/s over wall time.
+fn arm_run(
+    decoder: &mut dyn Decoder,
+    tok: &TextTokenizer,
+    requests: &[Request],
+    max_live: usize,
+) -> Result<ArmRun> {
+    let t0 = Instant::now();
+    let done = run_scheduled(decoder, tok, requests, max_live, &mut |_, _| {})?;
+    let wall = t0.elapsed().as_secs_f64();
+    let mut stats = RowStats::default();
+    for c in &done {
+        stats.merge(&c.stats);
+    }
+    let tokens: usize = done.iter().map(|c| c.tokens.len()).sum();
+    Ok(ArmRun {
+        tok_per_s: tokens as f64 / wall,
+        stats,
+    })
+}
+
+fn read_prompts(path: &Option<PathBuf>) -> Result<Vec<String>> {
+    let Some(p) = path else {
+        return Ok(PROMPTS.iter().map(|s| s.to_string()).collect());
+    };
+    let text =
+        std::fs::read_to_string(p).with_context(|| format!("cannot read {}", p.display()))?;
+    let mut out = Vec::new();
+    for (n, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
+        let v: Value = serde_json::from_str(line)
+            .with_context(|| format!("{} line {}: not JSON", p.display(), n + 1))?;
+        let s = v
+            .as_str()
+            .or_else(|| v.get("prompt").and_then(Value::as_str))
+            .with_context(|| {
+                format!(
+                    "{} line {}: expected a string or {{\"prompt\": ...}}",
+                    p.display(),
+                    n + 1
+                )
+            })?;
+        out.push(s.to_string());
+    }
+    if out.is_empty() {
+        bail!("{} holds no prompts", p.display());
+    }
+    Ok(out)
+}
+
+fn arm_json(name: &str, runs: &[ArmRun]) -> Value {
+    let last = runs.last().cloned().unwrap_or_default();
+    json!({
+        "arm": name,
+        "tok_per_s": median(runs.iter().map(|r| r.tok_per_s).collect()),
+        "runs_tok_per_s": runs.iter().map(|r| r.tok_per_s).collect::<Vec<_>>(),
+        "tau": last.stats.tau(),
+        "rounds": last.stats.rounds,
+        "accepted": last.stats.accepted,
+        "committed_accepts_per_row_round": if last.stats.rounds > 0 {
+            last.stats.accepted as f64 / last.stats.rounds as f64
+        } else { 0.0 },
+        "acceptance_by_position": last.stats.acceptance_by_position(),
+    })
+}
+
 pub fn run(args: BenchArgs) -> Result<()> {
     if args.prompt_tokens == 0 || args.gen_tokens < 2 || args.repetitions == 0 {
         bail!("--prompt-tokens must be >= 1, --gen-tokens >= 2 and --repetitions >= 1");
     }
-    let mut loaded = load(&args.model)?;
-    let ctx = loaded.decoder.context_length();
+    if args.batch == Some(0) {
+        bail!("--batch must be at least 1");
+    }
+    let probe = load_target(&args.model)?;
+    let drafter = drafter_dir(&args.draft, &probe)?;
+    let mut plain_args = args.draft.clone();
+    plain_args.no_draft = true;
+    let mut plain = decoder(probe, None, &plain_args)?;
+    let ctx = plain.decoder.context_length();
     if args.prompt_tokens + args.gen_tokens + 1 > ctx {
         bail!("prompt plus generated tokens exceed the model's context of {ctx}");
     }
-    let prompt = bench_prompt(&loaded, args.prompt_tokens)?;
-    timed_run(loaded.decoder.as_mut(), &prompt, args.gen_tokens)?;
-    let runs: Vec<Run> = (0..args.repetitions)
-        .map(|_| timed_run(loaded.decoder.as_mut(), &prompt, args.gen_tokens))
-        .collect::<Result<_>>()?;
-    let pp = median(runs.iter().map(|r| r.prefill_tok_per_s).collect());
-    let tg = median(runs.iter().map(|r| r.decode_tok_per_s).collect());
-    let v = json!({
-        "model": loaded.name,
-        "model_path": loaded.path,
-        "device": loaded.device,
+
+    // Prefill and plain decode on a fixed-length prompt.
+    let unit = plain.tokenizer.encode(CORPUS, false)?;
+    let prompt: Vec<u32> = unit
+        .iter()
+        .copied()
+        .cycle()
+        .take(args.prompt_tokens)
+        .collect();
+    plain_run(plain.decoder.as_mut(), &prompt, args.gen_tokens)?;
+    let mut pp = Vec::new();
+    let mut tg = Vec::new();
+    for _ in 0..args.repetitions {
+        let (p, t) = plain_run(plain.decoder.as_mut(), &prompt, args.gen_tokens)?;
+        pp.push(p);
+        tg.push(t);
+    }
+    let mut report = json!({
+        "model": plain.name,
+        "model_path": plain.path,
+        "device": plain.device,
         "cpu": cpu_name(),
         "prompt_tokens": args.prompt_tokens,
         "gen_tokens": args.gen_tokens,
         "repetitions": args.repetitions,
         "warmup_runs": 1,
-        "prefill_tok_per_s": pp,
-        "decode_tok_per_s": tg,
-        "runs": runs.iter().map(|r| json!({
-            "prefill_tok_per_s": r.prefill_tok_per_s,
-            "decode_tok_per_s": r.decode_tok_per_s,
-        })).collect::<Vec<_>>(),
+        "prefill_tok_per_s": median(pp.clone()),
+        "decode_tok_per_s": median(tg.clone()),
+        "prefill_runs": pp,
+        "decode_runs": tg,
         "command": std::env::args().collect::<Vec<_>>().join(" "),
     });
-    println!("{v}");
-    eprintln!(
-        "| model | device | pp{} tok/s | tg{} tok/s |",
-        args.prompt_tokens, args.gen_tokens
-    );
-    eprintln!("|---|---|---|---|");
-    eprintln!(
-        "| {} | {} | {:.1} | {:.1} |",
-        loaded.name, loaded.device, pp, tg
-    );
+    let mut table = vec![format!(
+        "| {} | {} | pp{} {:.1} tok/s | tg{} {:.1} tok/s |",
+        plain.name,
+        plain.device,
+        args.prompt_tokens,
+        report["prefill_tok_per_s"].as_f64().unwrap_or(0.0),
+        args.gen_tokens,
+        report["decode_tok_per_s"].as_f64().unwrap_or(0.0)
+    )];
+
+    if let Some(dir) = drafter {
+        let texts = read_prompts(&args.prompts)?;
+        let requests: Vec<Request> = texts
+            .iter()
+            .map(|t| {
+                Ok(Request {
+                    prompt: chat_ids(
+                        &plain.tokenizer,
+                        plain.template.as_ref(),
+                        &[Message::new("user", t)],
+                        false,
+                    )?,
+                    max_tokens: args.gen_tokens,
+                    params: SamplingParams::greedy(),
+                    stop_strings: Vec::new(),
+                })
+            })
+            .collect::<Result<_>>()?;
+        let mut per_row_args = args.draft.clone();
+        per_row_args.batch_accept = BatchAccept::PerRow;
+        let mut clamp_args = args.draft.clone();
+        clamp_args.batch_accept = BatchAccept::Clamp;
+        let mut spec = decoder(load_target(&args.model)?, Some(&dir), &per_row_args)?;
+        report["drafter"] = json!(dir);
+        report["prompts"] = json!(texts.len());
+        match args.batch {
+            None => {
+                // Plain vs DFlash, one row at a time, alternating.
+                arm_run(plain.decoder.as_mut(), &plain.tokenizer, &requests, 1)?;
+                arm_run(spec.decoder.as_mut(), &spec.tokenizer, &requests, 1)?;
+                let (mut ar, mut df) = (Vec::new(), Vec::new());
+                for _ in 0..args.repetitions {
+                    ar.push(arm_run(
+                        plain.decoder.as_mut(),
+                        &plain.tokenizer,
+                        &requests,
+                        1,
+                    )?);
+                    df.push(arm_run(
+                        spec.decoder.as_mut(),
+                        &spec.tokenizer,
+                        &requests,
+                        1,
+                    )?);
+                }
+                let ar_tps = median(ar.iter().map(|r| r.tok_per_s).collect());
+                let df_tps = median(df.iter().map(|r| r.tok_per_s).collect());
+                let tau = df.last().map(|r| r.stats.tau()).unwrap_or(0.0);
+                report["ar_tok_per_s"] = json!(ar_tps);
+                report["dflash_tok_per_s"] = json!(df_tps);
+                report["speedup"] = json!(df_tps / ar_tps);
+                report["tau"] = json!(tau);
+                report["arms"] = json!([arm_json("ar", &ar), arm_json("dflash", &df)]);
+                table.push(format!(
+                    "| AR {:.1} tok/s | DFlash {:.1} tok/s | {:.2}x | tau {:.2} |",
+                    ar_tps,
+                    df_tps,
+                    df_tps / ar_tps,
+                    tau
+                ));
+            }
+            Some(n) => {
+                let mut clamp = decoder(load_target(&args.model)?, Some(&dir), &clamp_args)?;
+                let rows: Vec<Request> = requests.iter().cycle().take(n).cloned().collect();
+                let arms: [(&str, usize); 3] = [("b1", 1), ("per_row", n), ("clamp", n)];
+                let mut runs: Vec<Vec<ArmRun>> = vec![Vec::new(); 3];
+                for rep in 0..=args.repetitions {
+                    for (k, (_, live)) in arms.iter().enumerate() {
+                        let dec: &mut Loaded = if k == 2 { &mut clamp } else { &mut spec };
+                        let r = arm_run(dec.decoder.as_mut(), &dec.tokenizer, &rows, *live)?;
+                        if rep > 0 {
+                            runs[k].push(r);
+                        }
+                    }
+                }
+                let tps: Vec<f64> = runs
+                    .iter()
+                    .map(|r| median(r.iter().map(|x| x.tok_per_s).collect()))
+                    .collect();
+                report["batch"] = json!(n);
+                report["policy_default"] = json!(format!("{:?}", AcceptPolicy::from_env()));
+                report["arms"] = json!(arms
+                    .iter()
+                    .zip(&runs)
+                    .map(|((name, _), r)| arm_json(name, r))
+                    .collect::<Vec<_>>());
+                report["per_row_vs_clamp"] = json!(tps[1] / tps[2]);
+                report["batch_vs_b1"] = json!(tps[1] / tps[0]);
+                table.push(format!(
+                    "| B=1 {:.1} tok/s | B={n} per-row {:.1} tok/s | B={n} clamp {:.1} tok/s | per-row/clamp {:.2}x |",
+                    tps[0], tps[1], tps[2], tps[1] / tps[2]
+                ));
+            }
+        }
+    }
+    println!("{report}");
+    for line in table {
+        eprintln!("{line}");
+    }
     Ok(())
 }

@@ -4,11 +4,11 @@ use std::io::{Read, Write};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use dflash_engine::session::run_batch;
+use dflash_engine::session::{run_batch, run_scheduled};
 use dflash_engine::{Completion, Request, RowStats};
 use serde_json::json;
 
-use crate::args::{ModelArgs, OutputFormat, SamplingArgs};
+use crate::args::{DraftArgs, ModelArgs, OutputFormat, SamplingArgs};
 use crate::load::load;
 
 #[derive(Args, Debug)]
@@ -19,6 +19,15 @@ pub struct GenerateArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    #[command(flatten)]
+    pub draft: DraftArgs,
+    /// Generate for every line of a JSONL file (`{"prompt": ..., "max_tokens": N}`), rows
+    /// decoded together; with `--output-format jsonl`, one result line per input line.
+    #[arg(long, conflicts_with = "prompt")]
+    pub batch: Option<std::path::PathBuf>,
+    /// Most rows decoding at once with --batch (others join as rows finish).
+    #[arg(long, default_value_t = 16)]
+    pub max_batch: usize,
     /// Most tokens to generate.
     #[arg(short = 'n', long, default_value_t = 256)]
     pub max_tokens: usize,
@@ -31,7 +40,8 @@ pub struct GenerateArgs {
     /// Stop when the output contains this text (repeatable; the text is not included).
     #[arg(long = "stop")]
     pub stop: Vec<String>,
-    /// `text`: the answer on stdout and a stats line on stderr; `json`: one object.
+    /// `text`: the answer on stdout and a stats line on stderr; `json`: one object; `jsonl`:
+    /// one object per --batch line.
     #[arg(long, value_enum, default_value_t = OutputFormat::Text)]
     pub output_format: OutputFormat,
 }
@@ -101,10 +111,66 @@ fn read_prompt(arg: &Option<String>) -> Result<String> {
     }
 }
 
+/// One line of a --batch file.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BatchLine {
+    prompt: String,
+    max_tokens: Option<usize>,
+}
+
+fn read_batch(path: &std::path::Path) -> Result<Vec<BatchLine>> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read the batch file {}", path.display()))?;
+    let mut lines = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let l: BatchLine = serde_json::from_str(line).with_context(|| {
+            format!(
+                "{} line {}: expected {{\"prompt\": ..., \"max_tokens\": N}}",
+                path.display(),
+                n + 1
+            )
+        })?;
+        if l.prompt.trim().is_empty() {
+            bail!("{} line {}: the prompt is empty", path.display(), n + 1);
+        }
+        if l.max_tokens == Some(0) {
+            bail!(
+                "{} line {}: max_tokens must be at least 1",
+                path.display(),
+                n + 1
+            );
+        }
+        lines.push(l);
+    }
+    if lines.is_empty() {
+        bail!("the batch file {} has no prompts", path.display());
+    }
+    Ok(lines)
+}
+
+fn result_json(c: &Completion) -> serde_json::Value {
+    json!({
+        "text": c.text,
+        "tokens": c.tokens,
+        "finish_reason": c.finish_reason,
+        "stats": stats_json(&c.stats),
+    })
+}
+
 pub fn run(args: GenerateArgs) -> Result<()> {
     let params = args.sampling.params()?;
     if args.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
+    }
+    if args.max_batch == 0 {
+        bail!("--max-batch must be at least 1");
+    }
+    if let Some(path) = &args.batch {
+        return run_batch_file(&args, path, params);
     }
     if args.output_format == OutputFormat::Jsonl {
         bail!("--output-format jsonl needs --batch");
@@ -113,7 +179,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     if prompt.trim().is_empty() {
         bail!("the prompt is empty");
     }
-    let mut loaded = load(&args.model)?;
+    let mut loaded = load(&args.model, &args.draft)?;
     let ids = loaded.prompt_ids(&prompt, args.system.as_deref(), args.raw)?;
     let request = Request {
         prompt: ids,
@@ -141,13 +207,60 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         println!();
         eprintln!("{}", stats_line(&c.stats));
     } else {
-        let v = json!({
-            "text": c.text,
-            "tokens": c.tokens,
-            "finish_reason": c.finish_reason,
-            "stats": stats_json(&c.stats),
-        });
-        println!("{v}");
+        println!("{}", result_json(&c));
     }
+    Ok(())
+}
+
+fn run_batch_file(
+    args: &GenerateArgs,
+    path: &std::path::Path,
+    params: dflash_engine::SamplingParams,
+) -> Result<()> {
+    let lines = read_batch(path)?;
+    let mut loaded = load(&args.model, &args.draft)?;
+    let mut requests = Vec::with_capacity(lines.len());
+    for (i, l) in lines.iter().enumerate() {
+        let mut p = params.clone();
+        p.seed = params.seed.wrapping_add(i as u64);
+        requests.push(Request {
+            prompt: loaded.prompt_ids(&l.prompt, args.system.as_deref(), args.raw)?,
+            max_tokens: l.max_tokens.unwrap_or(args.max_tokens),
+            params: p,
+            stop_strings: args.stop.clone(),
+        });
+    }
+    let t0 = std::time::Instant::now();
+    let results = run_scheduled(
+        loaded.decoder.as_mut(),
+        &loaded.tokenizer,
+        &requests,
+        args.max_batch,
+        &mut |_, _| {},
+    )?;
+    let wall = t0.elapsed().as_secs_f64();
+    match args.output_format {
+        OutputFormat::Jsonl | OutputFormat::Json => {
+            for c in &results {
+                println!("{}", result_json(c));
+            }
+        }
+        OutputFormat::Text => {
+            for (i, c) in results.iter().enumerate() {
+                println!("--- {} ---\n{}", i + 1, c.text);
+            }
+        }
+    }
+    let mut total = dflash_engine::RowStats::default();
+    for c in &results {
+        total.merge(&c.stats);
+    }
+    let tokens: usize = results.iter().map(|c| c.tokens.len()).sum();
+    eprintln!(
+        "{} rows, {tokens} tokens in {wall:.2} s ({:.1} tok/s overall) | {}",
+        results.len(),
+        tokens as f64 / wall,
+        stats_line(&total)
+    );
     Ok(())
 }

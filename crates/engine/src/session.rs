@@ -129,6 +129,18 @@ pub fn run_batch(
     requests: &[Request],
     on_text: &mut dyn FnMut(usize, &str),
 ) -> Result<Vec<Completion>> {
+    run_scheduled(decoder, tok, requests, usize::MAX, on_text)
+}
+
+/// Like [`run_batch`], with at most `max_live` rows decoding at once: when a row finishes,
+/// the next waiting request joins the batch between rounds (continuous batching).
+pub fn run_scheduled(
+    decoder: &mut dyn Decoder,
+    tok: &TextTokenizer,
+    requests: &[Request],
+    max_live: usize,
+    on_text: &mut dyn FnMut(usize, &str),
+) -> Result<Vec<Completion>> {
     let ctx = decoder.context_length();
     for (i, r) in requests.iter().enumerate() {
         if r.prompt.is_empty() {
@@ -148,52 +160,59 @@ pub fn run_batch(
             )));
         }
     }
-    let mut outputs: Vec<Option<(RowId, Output)>> = Vec::with_capacity(requests.len());
+    let max_live = max_live.max(1);
+    let mut live: Vec<(RowId, Output)> = Vec::new();
     let mut done: Vec<Option<Completion>> = vec![None; requests.len()];
+    let mut next = 0usize;
     let result = (|| -> Result<()> {
-        for (i, r) in requests.iter().enumerate() {
-            // Never run past the context: the token limit is cut to what fits.
-            let max_tokens = r.max_tokens.min(ctx - r.prompt.len());
-            let capacity = r.prompt.len() + max_tokens + decoder.lookahead() + 1;
-            let (row, first) = decoder.start_row(&r.prompt, capacity.min(ctx), &r.params)?;
-            let mut out = Output {
-                index: i,
-                tokens: Vec::new(),
-                text: String::new(),
-                streamed: 0,
-                decoder: StreamDecoder::new(),
-                max_tokens,
-                stops: r
-                    .stop_strings
-                    .iter()
-                    .filter(|s| !s.is_empty())
-                    .cloned()
-                    .collect(),
-                finish: None,
-            };
-            let piece = out.push(tok, first)?;
-            if !piece.is_empty() {
-                on_text(i, &piece);
-            }
-            if out.finish.is_some() {
-                done[i] = Some(finish(decoder, row, out));
-                outputs.push(None);
-            } else {
-                outputs.push(Some((row, out)));
-            }
-        }
         let mut produced = Vec::new();
-        while decoder.live_rows() > 0 {
+        loop {
+            // Admit waiting requests while there is room.
+            while next < requests.len() && live.len() < max_live {
+                let (i, r) = (next, &requests[next]);
+                next += 1;
+                // Never run past the context: the token limit is cut to what fits.
+                let max_tokens = r.max_tokens.min(ctx - r.prompt.len());
+                let capacity = r.prompt.len() + max_tokens + decoder.lookahead() + 1;
+                let (row, first) = decoder.start_row(&r.prompt, capacity.min(ctx), &r.params)?;
+                let mut out = Output {
+                    index: i,
+                    tokens: Vec::new(),
+                    text: String::new(),
+                    streamed: 0,
+                    decoder: StreamDecoder::new(),
+                    max_tokens,
+                    stops: r
+                        .stop_strings
+                        .iter()
+                        .filter(|s| !s.is_empty())
+                        .cloned()
+                        .collect(),
+                    finish: None,
+                };
+                let piece = out.push(tok, first);
+                live.push((row, out));
+                let (row, out) = live.last_mut().expect("just pushed");
+                let piece = piece?;
+                if !piece.is_empty() {
+                    on_text(i, &piece);
+                }
+                if out.finish.is_some() {
+                    let row = *row;
+                    let (_, out) = live.pop().expect("just pushed");
+                    done[i] = Some(finish(decoder, row, out));
+                }
+            }
+            if live.is_empty() {
+                return Ok(());
+            }
             produced.clear();
             decoder.step(&mut produced)?;
             for (row, toks) in produced.drain(..) {
-                let Some(slot) = outputs
-                    .iter_mut()
-                    .find(|o| matches!(o, Some((r, _)) if *r == row))
-                else {
+                let Some(pos) = live.iter().position(|(r, _)| *r == row) else {
                     continue;
                 };
-                let (_, out) = slot.as_mut().expect("matched");
+                let out = &mut live[pos].1;
                 for &t in &toks {
                     let piece = out.push(tok, t)?;
                     if !piece.is_empty() {
@@ -204,16 +223,15 @@ pub fn run_batch(
                     }
                 }
                 if out.finish.is_some() {
-                    let (row, out) = slot.take().expect("matched");
+                    let (row, out) = live.swap_remove(pos);
                     let index = out.index;
                     done[index] = Some(finish(decoder, row, out));
                 }
             }
         }
-        Ok(())
     })();
     if let Err(e) = result {
-        for (row, _) in outputs.into_iter().flatten() {
+        for (row, _) in live {
             decoder.finish_row(row);
         }
         return Err(e);
