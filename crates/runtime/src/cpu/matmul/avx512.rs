@@ -237,7 +237,7 @@ unsafe fn tile<D: Decode, const MR: usize, const NR: usize>(
 
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn run<D: Decode>(
+unsafe fn run_streaming<D: Decode>(
     x: *const f32,
     x_stride: usize,
     m: usize,
@@ -278,6 +278,140 @@ unsafe fn run<D: Decode>(
             i += mr;
         }
         j += if full { NR } else { 1 };
+    }
+}
+
+thread_local! {
+    /// Decoded weight rows of the current tile (reused, grows to the largest K seen).
+    static PANEL: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// The x rows, copied to 64-byte-aligned rows.
+    static XROWS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// One tile of `MR` x rows against `NR` decoded weight rows (`panel`, row stride `k`).
+/// Same per-output order as the streaming kernel: 16-lane chunks of k in order.
+#[inline(always)]
+unsafe fn panel_tile<const MR: usize, const NR: usize>(
+    x: *const f32,
+    x_stride: usize,
+    panel: *const f32,
+    k: usize,
+    out: *mut f32,
+    out_stride: usize,
+) {
+    let mut acc = [[_mm512_setzero_ps(); NR]; MR];
+    for c in 0..k / 16 {
+        let mut wv = [_mm512_setzero_ps(); NR];
+        for (r, w) in wv.iter_mut().enumerate() {
+            *w = _mm512_loadu_ps(panel.add(r * k + 16 * c));
+        }
+        for (i, acc_i) in acc.iter_mut().enumerate() {
+            let xv = _mm512_loadu_ps(x.add(i * x_stride + 16 * c));
+            for (a, w) in acc_i.iter_mut().zip(&wv) {
+                *a = _mm512_fmadd_ps(*w, xv, *a);
+            }
+        }
+    }
+    for (i, acc_i) in acc.iter().enumerate() {
+        for (r, a) in acc_i.iter().enumerate() {
+            *out.add(i * out_stride + r) = reduce(*a);
+        }
+    }
+}
+
+/// Several x rows: each weight tile is decoded once into a panel, then every x row runs
+/// against it (the decode cost is shared by all rows).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn run_panel<D: Decode>(
+    x: *const f32,
+    x_stride: usize,
+    m: usize,
+    w: *const u8,
+    row_bytes: usize,
+    n: usize,
+    k_groups: usize,
+    out: *mut f32,
+    out_stride: usize,
+) {
+    // 12 accumulators + 3 weight vectors + 1 x vector: fits the 16 registers the allocator
+    // prefers (wider tiles spill an accumulator and run slower).
+    const NR: usize = 3;
+    const MR: usize = 4;
+    let k = k_groups * 32;
+    // The panel is taken out of the closure: code inside a closure would not get this
+    // function's target features.
+    let panel = PANEL.with(|cell| {
+        let mut buf = cell.borrow_mut();
+        // 16 spare floats so the panel can start on a 64-byte boundary (no split loads).
+        if buf.len() < NR * k + 16 {
+            buf.resize(NR * k + 16, 0.0);
+        }
+        let p = buf.as_mut_ptr();
+        p.add(p.align_offset(64))
+    });
+    // Aligned copies of the x rows: unaligned 64-byte loads split across cache lines.
+    let (x, x_stride) = XROWS.with(|cell| {
+        let mut buf = cell.borrow_mut();
+        if buf.len() < m * k + 16 {
+            buf.resize(m * k + 16, 0.0);
+        }
+        let p = buf.as_mut_ptr();
+        let p = p.add(p.align_offset(64));
+        for i in 0..m {
+            std::ptr::copy_nonoverlapping(x.add(i * x_stride), p.add(i * k), k);
+        }
+        (p as *const f32, k)
+    });
+    let mut j = 0;
+    while j < n {
+        let nr = (n - j).min(NR);
+        super::prefetch_rows(w, row_bytes, j + NR, NR, n);
+        for r in 0..nr {
+            let row = w.add((j + r) * row_bytes);
+            for g in 0..k_groups {
+                let v = D::decode(row, g);
+                _mm512_storeu_ps(panel.add(r * k + 32 * g), v[0]);
+                _mm512_storeu_ps(panel.add(r * k + 32 * g + 16), v[1]);
+            }
+        }
+        let mut i = 0;
+        while i < m {
+            let mr = (m - i).min(MR);
+            let (xi, oi) = (x.add(i * x_stride), out.add(i * out_stride + j));
+            macro_rules! go {
+                ($($a:literal $b:literal),*) => {
+                    match (mr, nr) {
+                        $(($a, $b) => panel_tile::<$a, $b>(xi, x_stride, panel, k, oi, out_stride),)*
+                        _ => unreachable!("tile shapes are covered"),
+                    }
+                };
+            }
+            go!(4 3, 3 3, 2 3, 1 3, 4 2, 3 2, 2 2, 1 2, 4 1, 3 1, 2 1, 1 1);
+            i += mr;
+        }
+        j += nr;
+    }
+}
+
+/// Streams weights for one x row; decodes once into panels for several.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn run<D: Decode>(
+    x: *const f32,
+    x_stride: usize,
+    m: usize,
+    w: *const u8,
+    row_bytes: usize,
+    n: usize,
+    k_groups: usize,
+    out: *mut f32,
+    out_stride: usize,
+) {
+    if m == 1 {
+        run_streaming::<D>(x, x_stride, m, w, row_bytes, n, k_groups, out, out_stride)
+    } else {
+        run_panel::<D>(x, x_stride, m, w, row_bytes, n, k_groups, out, out_stride)
     }
 }
 
