@@ -18,6 +18,12 @@ use dflash_runtime::cpu::CpuBackend;
 use crate::args::{BatchAccept, DraftArgs, ModelArgs};
 use crate::progress::Bars;
 
+/// Default draft block on the CPU backend. Verifying a block costs a target forward over every
+/// slot, and on a few CPU cores that grows with the block; with the shipped drafter the best
+/// throughput measured on a 2-core machine was at 3-4 slots (docs/benchmarks). `--block-size`
+/// overrides it, up to the drafter's trained block.
+const CPU_DEFAULT_BLOCK: usize = 4;
+
 /// Where the drafter for the default model lives in the source tree.
 const DEFAULT_DRAFTER: &str = "models/drafters/smollm2-135m-instruct-dflash";
 
@@ -142,7 +148,9 @@ pub fn decoder(bundle: Bundle, drafter: Option<&Path>, draft: &DraftArgs) -> Res
             d.cfg
                 .check_target(target.hidden(), target.n_layers(), target.vocab())
                 .with_context(|| format!("the drafter at {} does not fit {name}", dir.display()))?;
-            let block = draft.block_size.unwrap_or(d.block_size());
+            let block = draft
+                .block_size
+                .unwrap_or(d.block_size().min(CPU_DEFAULT_BLOCK));
             let policy = match draft.batch_accept {
                 BatchAccept::Clamp => AcceptPolicy::Clamp,
                 BatchAccept::PerRow => AcceptPolicy::from_env(),
