@@ -67,13 +67,13 @@ impl LlamaConfig {
         if self.hidden == 0 || self.layers == 0 || self.heads == 0 || self.kv_heads == 0 {
             return bad("model config has a zero dimension".into());
         }
-        if self.heads % self.kv_heads != 0 {
+        if !self.heads.is_multiple_of(self.kv_heads) {
             return bad(format!(
                 "{} attention heads are not a multiple of {} KV heads",
                 self.heads, self.kv_heads
             ));
         }
-        if self.head_dim % 2 != 0 || self.head_dim > 512 {
+        if !self.head_dim.is_multiple_of(2) || self.head_dim > 512 {
             return bad(format!("head dimension {} is not supported", self.head_dim));
         }
         if self.context_length == 0 {
@@ -174,7 +174,7 @@ impl LlamaConfig {
             .get("head_dim")
             .and_then(Value::as_u64)
             .map(|x| x as usize)
-            .unwrap_or(if heads > 0 { hidden / heads } else { 0 });
+            .unwrap_or(hidden.checked_div(heads).unwrap_or(0));
         let rope_params = v.get("rope_parameters").or_else(|| v.get("rope_scaling"));
         let rope_theta = v
             .get("rope_theta")

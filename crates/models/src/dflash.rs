@@ -140,7 +140,7 @@ impl DrafterConfig {
             layers,
             heads,
             kv_heads: num("num_key_value_heads").unwrap_or(heads),
-            head_dim: num("head_dim").unwrap_or(if heads > 0 { hidden / heads } else { 0 }),
+            head_dim: num("head_dim").unwrap_or(hidden.checked_div(heads).unwrap_or(0)),
             rms_eps: v
                 .get("rms_norm_eps")
                 .and_then(Value::as_f64)
@@ -150,7 +150,11 @@ impl DrafterConfig {
         if cfg.block_size < 2 {
             return Err(cfg_err(format!("block size {} is below 2", cfg.block_size)));
         }
-        if cfg.heads == 0 || cfg.kv_heads == 0 || cfg.heads % cfg.kv_heads != 0 || cfg.layers == 0 {
+        if cfg.heads == 0
+            || cfg.kv_heads == 0
+            || !cfg.heads.is_multiple_of(cfg.kv_heads)
+            || cfg.layers == 0
+        {
             return Err(cfg_err("drafter head counts are inconsistent"));
         }
         Ok(cfg)
@@ -310,7 +314,7 @@ impl<B: Backend> DflashDrafter<B> {
             hidden_norm: vec("hidden_norm.weight", h)?,
             norm: vec("norm.weight", h)?,
             layers,
-            inv_freq: b.from_host(&inv, 1, inv.len()),
+            inv_freq: b.upload(&inv, 1, inv.len()),
             kv: b.kv_new(cfg.layers, kvd),
             rows: RowTable::default(),
             ws,

@@ -65,7 +65,7 @@ pub(crate) fn load_vector<B: Backend>(
     len: usize,
 ) -> Result<B::Tensor> {
     let w = src.weight(name, Some([1, len]))?;
-    Ok(b.from_host(&w.to_f32(), 1, len))
+    Ok(b.upload(&w.to_f32(), 1, len))
 }
 
 pub(crate) fn load_matrix<B: Backend>(
@@ -188,7 +188,7 @@ impl<B: Backend> LlamaModel<B> {
                 *x /= d;
             }
         }
-        let inv_freq = b.from_host(&inv, 1, inv.len());
+        let inv_freq = b.upload(&inv, 1, inv.len());
         let kv = b.kv_new(cfg.layers, kvd);
         let ws = Workspace {
             x: b.tensor(0, h),

@@ -439,6 +439,8 @@ pub fn random_drafter(cfg: &crate::dflash::DrafterConfig, seed: u64) -> MemorySo
 }
 
 /// A drafter configuration matching a target's shape (for random drafters in tests).
+/// Positional on purpose: test tables read as one line per shape.
+#[allow(clippy::too_many_arguments)]
 pub fn drafter_config_for(
     hidden: usize,
     heads: usize,

@@ -46,7 +46,7 @@ fn drafter_matches_the_reference_over_two_rounds() {
     let mut worst = 0f32;
     for round in ["round1", "round2"] {
         let (hs, hidden) = tensor(&io, &format!("{round}_target_hidden"));
-        let taps = backend.from_host(&hidden, hs[0], hs[1]);
+        let taps = backend.upload(&hidden, hs[0], hs[1]);
         let start = drafter.context_len(row);
         assert_eq!(
             start as i64,

@@ -75,7 +75,8 @@ pub trait Backend: Send + Sync + 'static {
     /// Reshapes `t` to `rows x cols`, reusing its storage when large enough (contents undefined).
     fn reshape(&self, t: &mut Self::Tensor, rows: usize, cols: usize);
     fn shape(&self, t: &Self::Tensor) -> (usize, usize);
-    fn from_host(&self, data: &[f32], rows: usize, cols: usize) -> Self::Tensor;
+    /// A `rows x cols` tensor holding `data` (host to device).
+    fn upload(&self, data: &[f32], rows: usize, cols: usize) -> Self::Tensor;
     fn to_host(&self, t: &Self::Tensor) -> Vec<f32>;
     /// Copies `t` into `out` (resized), reusing `out`'s allocation.
     fn copy_to_host(&self, t: &Self::Tensor, out: &mut Vec<f32>);

@@ -52,7 +52,7 @@ impl DType {
 
     /// Bytes used by a row of `cols` values, or `None` when `cols` is not a whole number of blocks.
     pub const fn row_bytes(self, cols: usize) -> Option<usize> {
-        if cols % self.block_len() != 0 {
+        if !cols.is_multiple_of(self.block_len()) {
             return None;
         }
         Some(cols / self.block_len() * self.block_bytes())

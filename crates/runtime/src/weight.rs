@@ -80,7 +80,7 @@ impl HostWeight {
                 cols,
                 block: dtype.block_len(),
             })?;
-        let expected = row_bytes.checked_mul(rows).unwrap_or(usize::MAX);
+        let expected = row_bytes.saturating_mul(rows);
         if bytes.len() != expected {
             return Err(RuntimeError::ByteLength {
                 name,

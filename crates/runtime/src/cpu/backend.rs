@@ -98,7 +98,7 @@ impl Backend for CpuBackend {
         (t.rows, t.cols)
     }
 
-    fn from_host(&self, data: &[f32], rows: usize, cols: usize) -> CpuTensor {
+    fn upload(&self, data: &[f32], rows: usize, cols: usize) -> CpuTensor {
         assert_eq!(data.len(), rows * cols);
         CpuTensor {
             data: data.to_vec(),

@@ -171,7 +171,7 @@ fn worker(s: &Shared) {
                 return;
             }
             spins = spins.wrapping_add(1);
-            if spins % 1024 == 0 && start.elapsed() > SPIN {
+            if spins.is_multiple_of(1024) && start.elapsed() > SPIN {
                 let slot = s.slot.lock().unwrap_or_else(|e| e.into_inner());
                 if s.epoch.load(Ordering::Acquire) == seen && !s.shutdown.load(Ordering::Relaxed) {
                     drop(s.wake.wait_timeout(slot, Duration::from_millis(100)));

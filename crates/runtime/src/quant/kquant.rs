@@ -39,7 +39,7 @@ pub(super) fn decode_q4k(row: &[u8], g: usize, out: &mut [f32; GROUP]) {
     let blk = &row[(g / 8) * Q4K_BYTES..(g / 8 + 1) * Q4K_BYTES];
     let sub = g % 8;
     let qs = &blk[16 + (sub / 2) * 32..16 + (sub / 2) * 32 + 32];
-    let shift = if sub % 2 == 0 { 0 } else { 4 };
+    let shift = if sub.is_multiple_of(2) { 0 } else { 4 };
     for (o, &q) in out.iter_mut().zip(qs) {
         *o = (((q >> shift) & 0x0F) as f32).mul_add(scale, neg_min);
     }

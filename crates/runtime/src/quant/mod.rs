@@ -34,7 +34,7 @@ pub fn decode_group(dtype: DType, row: &[u8], g: usize, out: &mut [f32; GROUP]) 
 
 /// Dequantizes one whole row into `out` (whose length is the row's column count).
 pub fn dequantize_row(dtype: DType, row: &[u8], out: &mut [f32]) {
-    if dtype == DType::F32 || out.len() % GROUP != 0 {
+    if dtype == DType::F32 || !out.len().is_multiple_of(GROUP) {
         return float::dequantize_any(dtype, row, out);
     }
     let mut buf = [0f32; GROUP];

@@ -151,7 +151,7 @@ impl Decode for Q4K {
         let mask = _mm_set1_epi8(0x0F);
         let load = |o: usize| {
             let q = _mm_loadu_si128(qs.add(o) as *const __m128i);
-            if sub % 2 == 0 {
+            if sub.is_multiple_of(2) {
                 _mm_and_si128(q, mask)
             } else {
                 _mm_and_si128(_mm_srli_epi16(q, 4), mask)

@@ -151,7 +151,7 @@ impl Decode for Q4K {
         let table = nibble_table(scale, neg_min);
         let codes = |o: usize| {
             let q = _mm512_cvtepu8_epi32(load16(qs.add(o)));
-            let q = if sub % 2 == 0 {
+            let q = if sub.is_multiple_of(2) {
                 q
             } else {
                 _mm512_srli_epi32(q, 4)

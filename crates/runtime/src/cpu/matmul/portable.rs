@@ -49,9 +49,9 @@ pub unsafe fn matmul<const L: usize>(
             for g in 0..k_groups {
                 decode_group(dtype, row, g, &mut wbuf);
                 for c in 0..GROUP / L {
-                    for l in 0..L {
+                    for (l, a) in acc.iter_mut().enumerate() {
                         let kk = c * L + l;
-                        acc[l] = wbuf[kk].mul_add(xr[g * GROUP + kk], acc[l]);
+                        *a = wbuf[kk].mul_add(xr[g * GROUP + kk], *a);
                     }
                 }
             }

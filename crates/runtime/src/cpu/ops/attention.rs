@@ -37,10 +37,10 @@ pub fn attend(
     {
         // SAFETY: the CPU supports the instruction set (checked when the backend was built)
         // and the bounds were asserted above.
-        if isa == Isa::Avx512 && hd % 16 == 0 {
+        if isa == Isa::Avx512 && hd.is_multiple_of(16) {
             return unsafe { x86::attend_avx512(q, kv, scale, scores, out) };
         }
-        if matches!(isa, Isa::Avx512 | Isa::Avx2) && hd % 8 == 0 {
+        if matches!(isa, Isa::Avx512 | Isa::Avx2) && hd.is_multiple_of(8) {
             return unsafe { x86::attend_avx2(q, kv, scale, scores, out) };
         }
     }
