@@ -405,8 +405,11 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
             b.matmul(&ws.feat, &self.fc, &mut ws.ctx);
             b.rms_norm(&mut ws.ctx, &self.hidden_norm, eps, false, None);
             for (li, layer) in self.layers.iter().enumerate() {
-                b.matmul(&ws.ctx, &layer.wk, &mut ws.k);
-                b.matmul(&ws.ctx, &layer.wv, &mut ws.v);
+                b.matmul_many(
+                    &ws.ctx,
+                    &[&layer.wk, &layer.wv],
+                    &mut [&mut ws.k, &mut ws.v],
+                );
                 b.rms_norm(&mut ws.k, &layer.k_norm, eps, false, None);
                 b.rope(
                     &mut ws.k,
@@ -473,9 +476,11 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
             b.embed(embed, &self.ids, &mut ws.x);
             for (li, layer) in self.layers.iter().enumerate() {
                 b.rms_norm(&mut ws.x, &layer.input_norm, eps, false, Some(&mut ws.h));
-                b.matmul(&ws.h, &layer.wq, &mut ws.q);
-                b.matmul(&ws.h, &layer.wk, &mut ws.k);
-                b.matmul(&ws.h, &layer.wv, &mut ws.v);
+                b.matmul_many(
+                    &ws.h,
+                    &[&layer.wq, &layer.wk, &layer.wv],
+                    &mut [&mut ws.q, &mut ws.k, &mut ws.v],
+                );
                 b.rms_norm(&mut ws.q, &layer.q_norm, eps, false, None);
                 b.rms_norm(&mut ws.k, &layer.k_norm, eps, false, None);
                 b.rope(&mut ws.q, &meta, &self.inv_freq, hd, RopeStyle::Neox);
@@ -487,8 +492,11 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
                 b.matmul(&ws.att, &layer.wo, &mut ws.o);
                 b.add(&mut ws.x, &ws.o);
                 b.rms_norm(&mut ws.x, &layer.post_norm, eps, false, Some(&mut ws.h));
-                b.matmul(&ws.h, &layer.w_gate, &mut ws.gate);
-                b.matmul(&ws.h, &layer.w_up, &mut ws.up);
+                b.matmul_many(
+                    &ws.h,
+                    &[&layer.w_gate, &layer.w_up],
+                    &mut [&mut ws.gate, &mut ws.up],
+                );
                 b.silu_mul(&mut ws.gate, &ws.up);
                 b.matmul(&ws.gate, &layer.w_down, &mut ws.o);
                 b.add(&mut ws.x, &ws.o);

@@ -288,9 +288,11 @@ impl<B: Backend> LlamaModel<B> {
                 false,
                 Some(&mut ws.h),
             );
-            b.matmul(&ws.h, &layer.wq, &mut ws.q);
-            b.matmul(&ws.h, &layer.wk, &mut ws.k);
-            b.matmul(&ws.h, &layer.wv, &mut ws.v);
+            b.matmul_many(
+                &ws.h,
+                &[&layer.wq, &layer.wk, &layer.wv],
+                &mut [&mut ws.q, &mut ws.k, &mut ws.v],
+            );
             if let Some([bq, bk, bv]) = &layer.bias {
                 b.add_bias(&mut ws.q, bq);
                 b.add_bias(&mut ws.k, bk);
@@ -325,8 +327,11 @@ impl<B: Backend> LlamaModel<B> {
                 false,
                 Some(&mut ws.h),
             );
-            b.matmul(&ws.h, &layer.w_gate, &mut ws.gate);
-            b.matmul(&ws.h, &layer.w_up, &mut ws.up);
+            b.matmul_many(
+                &ws.h,
+                &[&layer.w_gate, &layer.w_up],
+                &mut [&mut ws.gate, &mut ws.up],
+            );
             b.silu_mul(&mut ws.gate, &ws.up);
             b.matmul(&ws.gate, &layer.w_down, &mut ws.o);
             b.add(&mut ws.x, &ws.o);

@@ -106,6 +106,8 @@ pub trait Backend: Send + Sync + 'static {
     fn embed(&self, table: &Self::Weight, ids: &[u32], out: &mut Self::Tensor);
     /// `out = x · wᵀ` (`x: [M, K]`, `w: [N, K]`, `out: [M, N]`).
     fn matmul(&self, x: &Self::Tensor, w: &Self::Weight, out: &mut Self::Tensor);
+    /// Several products of the same `x` at once: `outs[i] = x · ws[i]ᵀ`.
+    fn matmul_many(&self, x: &Self::Tensor, ws: &[&Self::Weight], outs: &mut [&mut Self::Tensor]);
     /// `x[t] += bias` for every row (`bias: [1, cols]`).
     fn add_bias(&self, x: &mut Self::Tensor, bias: &Self::Tensor);
     /// RMS normalisation over groups of `weight.cols` columns; `zero_centred` scales by

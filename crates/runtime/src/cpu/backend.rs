@@ -181,6 +181,17 @@ impl Backend for CpuBackend {
         matmul::matmul(&self.pool, self.isa, &x.data, x.rows, w, &mut out.data);
     }
 
+    fn matmul_many(&self, x: &CpuTensor, ws: &[&HostWeight], outs: &mut [&mut CpuTensor]) {
+        assert_eq!(ws.len(), outs.len());
+        let mut jobs: Vec<(&HostWeight, &mut [f32])> = Vec::with_capacity(ws.len());
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            assert_eq!(x.cols, w.cols, "matmul {}: inner dimensions differ", w.name);
+            out.reshape(x.rows, w.rows);
+            jobs.push((w, &mut out.data));
+        }
+        matmul::matmul_many(&self.pool, self.isa, &x.data, x.rows, &mut jobs);
+    }
+
     fn add_bias(&self, x: &mut CpuTensor, bias: &CpuTensor) {
         assert_eq!(x.cols, bias.cols);
         let b = &bias.data;

@@ -177,34 +177,67 @@ const ROW_UNIT: usize = 16;
 /// `out[i][j] = Σ_k x[i][k] · W[j][k]` for `m` rows of `x` (row stride `w.cols`), in parallel
 /// over weight rows. `out` is `m x w.rows`, row-major.
 pub fn matmul(pool: &CpuPool, isa: Isa, x: &[f32], m: usize, w: &HostWeight, out: &mut [f32]) {
-    let (n, k) = (w.rows, w.cols);
-    assert!(k % GROUP == 0, "matmul needs whole {GROUP}-value groups");
-    assert!(x.len() >= m * k && out.len() >= m * n);
-    let row_bytes = w.row_bytes();
-    let units = n.div_ceil(ROW_UNIT);
+    matmul_many(pool, isa, x, m, &mut [(w, out)]);
+}
+
+/// Several products of the same `x` (e.g. the q, k and v projections) in one parallel region:
+/// the weights' row units are spread over the workers together, so there is one join instead
+/// of one per weight and the load balances across them.
+pub fn matmul_many(
+    pool: &CpuPool,
+    isa: Isa,
+    x: &[f32],
+    m: usize,
+    jobs: &mut [(&HostWeight, &mut [f32])],
+) {
+    let mut first_unit = Vec::with_capacity(jobs.len() + 1);
+    let mut units = 0;
+    for (w, out) in jobs.iter() {
+        assert!(
+            w.cols % GROUP == 0,
+            "matmul needs whole {GROUP}-value groups"
+        );
+        assert!(x.len() >= m * w.cols && out.len() >= m * w.rows);
+        assert_eq!(
+            w.cols, jobs[0].0.cols,
+            "matmul_many needs one inner dimension"
+        );
+        first_unit.push(units);
+        units += w.rows.div_ceil(ROW_UNIT);
+    }
+    first_unit.push(units);
+    let outs: Vec<SyncPtr<f32>> = jobs
+        .iter_mut()
+        .map(|(_, o)| SyncPtr(o.as_mut_ptr()))
+        .collect();
     let tasks = units.min(pool.threads() * 8).max(1);
-    let out_ptr = SyncPtr(out.as_mut_ptr());
-    let w_bytes = w.bytes.as_slice();
     pool.for_each(tasks, |t| {
-        let start = (units * t / tasks) * ROW_UNIT;
-        let end = ((units * (t + 1) / tasks) * ROW_UNIT).min(n);
-        if start >= end {
-            return;
-        }
-        // SAFETY: tasks write disjoint column ranges of `out`; shapes were checked above.
-        unsafe {
-            isa.kernel(
-                w.dtype,
-                x.as_ptr(),
-                k,
-                m,
-                w_bytes.as_ptr().add(start * row_bytes),
-                row_bytes,
-                end - start,
-                k / GROUP,
-                out_ptr.get().add(start),
-                n,
-            );
+        let (lo, hi) = (units * t / tasks, units * (t + 1) / tasks);
+        for (j, (w, _)) in jobs.iter().enumerate() {
+            // This task's units that fall inside weight j.
+            let a = lo.max(first_unit[j]) - first_unit[j];
+            let b = hi.min(first_unit[j + 1]).saturating_sub(first_unit[j]);
+            if a >= b {
+                continue;
+            }
+            let (n, k) = (w.rows, w.cols);
+            let (start, end) = (a * ROW_UNIT, (b * ROW_UNIT).min(n));
+            let row_bytes = w.row_bytes();
+            // SAFETY: tasks write disjoint column ranges of each output; shapes checked above.
+            unsafe {
+                isa.kernel(
+                    w.dtype,
+                    x.as_ptr(),
+                    k,
+                    m,
+                    w.bytes.as_slice().as_ptr().add(start * row_bytes),
+                    row_bytes,
+                    end - start,
+                    k / GROUP,
+                    outs[j].get().add(start),
+                    n,
+                );
+            }
         }
     });
 }

@@ -130,3 +130,29 @@ fn a_row_gets_the_same_bits_alone_or_in_a_batch() {
         }
     }
 }
+
+#[test]
+fn matmul_many_equals_separate_products() {
+    let pool = CpuPool::new(2);
+    let k = 96;
+    let ws: Vec<HostWeight> = [(DType::Q4_1, 37), (DType::Q8_0, 16), (DType::BF16, 5)]
+        .iter()
+        .enumerate()
+        .map(|(i, &(d, n))| random_weight(d, n, k, 20 + i as u64))
+        .collect();
+    for m in [1usize, 3, 16] {
+        let x = random_x(m, k, 4);
+        let mut outs: Vec<Vec<f32>> = ws.iter().map(|w| vec![f32::NAN; m * w.rows]).collect();
+        {
+            let mut jobs: Vec<(&HostWeight, &mut [f32])> = ws
+                .iter()
+                .zip(outs.iter_mut())
+                .map(|(w, o)| (w, o.as_mut_slice()))
+                .collect();
+            matmul_many(&pool, Isa::detect(), &x, m, &mut jobs);
+        }
+        for (w, got) in ws.iter().zip(&outs) {
+            assert_eq!(got, &run(Isa::detect(), &x, m, w), "{} m={m}", w.dtype);
+        }
+    }
+}
