@@ -1,0 +1,89 @@
+//! The shipped drafter in our engine drafts what the training package (PyTorch, with target
+//! features from transformers) drafts for the same context (fixture made by
+//! tools/make_trained_drafter_fixture.py). Slots whose top-1/top-2 logit margin in PyTorch is
+//! below 1e-2 are near-ties that f32 summation order may flip; all others must agree.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use dflash_models::default_model::{ensure_default_model, Silent};
+use dflash_models::{load_model, DflashDrafter, Drafter, LogitRows, RowStep, Target};
+use dflash_runtime::cpu::ops::elementwise::argmax;
+use dflash_runtime::cpu::CpuBackend;
+use dflash_runtime::Backend;
+use serde_json::Value;
+
+#[test]
+fn shipped_drafter_matches_the_training_implementation() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let fixture: Value = serde_json::from_str(
+        &std::fs::read_to_string(root.join("tests/fixtures/trained_drafter_tf.json")).unwrap(),
+    )
+    .unwrap();
+    let b = Arc::new(CpuBackend::new(0));
+    let path = ensure_default_model(&Silent).expect("the default model must be obtainable");
+    let mut target = load_model(b.clone(), &path).unwrap().model;
+    let dir = root.join("../../models/drafters/smollm2-135m-instruct-dflash");
+    let mut drafter = DflashDrafter::open(b.clone(), &dir).unwrap();
+    target.set_tap_layers(drafter.tap_layers()).unwrap();
+    let block = fixture["block_size"].as_u64().unwrap() as usize;
+    let (mut compared, mut near_ties) = (0, 0);
+    for (ci, case) in fixture["cases"].as_array().unwrap().iter().enumerate() {
+        let toks: Vec<u32> = case["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        let a = toks.len() - 1;
+        let row = target.new_row(a + block).unwrap();
+        let drow = drafter.new_row(a + block).unwrap();
+        target
+            .forward(&[RowStep {
+                row,
+                tokens: &toks[..a],
+                logits: LogitRows::None,
+            }])
+            .unwrap();
+        let tap_rows: Vec<u32> = (0..a as u32).collect();
+        drafter
+            .extend(&[(drow, a)], target.taps(), &tap_rows)
+            .unwrap();
+        drafter
+            .draft(
+                &[(drow, toks[a])],
+                block,
+                target.embedding(),
+                target.lm_head(),
+            )
+            .unwrap();
+        let logits = b.to_host(drafter.logits());
+        let vocab = target.vocab();
+        for (slot, (want, margin)) in case["drafts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .zip(case["margins"].as_array().unwrap())
+            .enumerate()
+        {
+            let got = argmax(&logits[slot * vocab..(slot + 1) * vocab]);
+            if margin.as_f64().unwrap() < 1e-2 {
+                near_ties += 1;
+                continue;
+            }
+            compared += 1;
+            assert_eq!(
+                got as u64,
+                want.as_u64().unwrap(),
+                "case {ci} slot {}",
+                slot + 1
+            );
+        }
+        target.release_row(row);
+        drafter.release_row(drow);
+    }
+    assert!(
+        compared > 300,
+        "only {compared} slots compared ({near_ties} near-ties)"
+    );
+}
