@@ -10,6 +10,7 @@ use dflash_engine::dflash::{AcceptPolicy, DflashDecoder};
 use dflash_engine::Decoder;
 use dflash_models::chat::{ChatTemplate, Message};
 use dflash_models::default_model::ensure_default_model;
+use dflash_models::dflash::DrafterConfig;
 use dflash_models::llama::LlamaModel;
 use dflash_models::tokenizer::TextTokenizer;
 use dflash_models::{load_model, DflashDrafter, Drafter, Target};
@@ -143,11 +144,12 @@ pub fn decoder(bundle: Bundle, drafter: Option<&Path>, draft: &DraftArgs) -> Res
     let decoder: Box<dyn Decoder> = match drafter {
         None => Box::new(ArDecoder::new(target)),
         Some(dir) => {
+            // The configuration is checked against the target before any weight is read.
+            DrafterConfig::read(dir)
+                .and_then(|c| c.check_target(target.hidden(), target.n_layers(), target.vocab()))
+                .with_context(|| format!("the drafter at {} does not fit {name}", dir.display()))?;
             let d = DflashDrafter::open(backend, dir)
                 .with_context(|| format!("cannot load the drafter at {}", dir.display()))?;
-            d.cfg
-                .check_target(target.hidden(), target.n_layers(), target.vocab())
-                .with_context(|| format!("the drafter at {} does not fit {name}", dir.display()))?;
             let block = draft
                 .block_size
                 .unwrap_or(d.block_size().min(CPU_DEFAULT_BLOCK));

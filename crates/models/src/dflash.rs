@@ -62,6 +62,15 @@ fn cfg_err(m: impl Into<String>) -> ModelError {
 }
 
 impl DrafterConfig {
+    /// Reads `config.json` of a drafter directory.
+    pub fn read(dir: &Path) -> Result<Self> {
+        let cfg_path = dir.join("config.json");
+        let text = std::fs::read_to_string(&cfg_path).map_err(|e| ModelError::io(&cfg_path, e))?;
+        let v: Value = serde_json::from_str(&text)
+            .map_err(|e| cfg_err(format!("{} is not valid JSON: {e}", cfg_path.display())))?;
+        Self::from_json(&v)
+    }
+
     pub fn from_json(v: &Value) -> Result<Self> {
         let dc = v.get("dflash_config");
         let num = |k: &str| v.get(k).and_then(Value::as_u64).map(|x| x as usize);
@@ -259,11 +268,7 @@ fn resolve(src: &dyn TensorSource, name: &str) -> String {
 impl<B: Backend> DflashDrafter<B> {
     /// Loads a drafter directory (`config.json` + safetensors).
     pub fn open(backend: Arc<B>, dir: &Path) -> Result<Self> {
-        let cfg_path = dir.join("config.json");
-        let text = std::fs::read_to_string(&cfg_path).map_err(|e| ModelError::io(&cfg_path, e))?;
-        let v: Value = serde_json::from_str(&text)
-            .map_err(|e| cfg_err(format!("{} is not valid JSON: {e}", cfg_path.display())))?;
-        let cfg = DrafterConfig::from_json(&v)?;
+        let cfg = DrafterConfig::read(dir)?;
         let src = SafetensorsDir::open(dir)?;
         Self::load(backend, cfg, &src)
     }

@@ -466,3 +466,60 @@ pub fn drafter_config_for(
         rope_theta: 10000.0,
     }
 }
+
+/// Writes a random drafter of `cfg`'s shape as a drafter directory (config.json +
+/// model.safetensors in the published format).
+pub fn write_drafter_dir(
+    cfg: &crate::dflash::DrafterConfig,
+    seed: u64,
+    dir: &std::path::Path,
+) -> std::io::Result<()> {
+    use safetensors::tensor::{Dtype, TensorView};
+    let src = random_drafter(cfg, seed);
+    let mut names: Vec<&String> = src.tensors.keys().collect();
+    names.sort();
+    let views: Vec<(String, TensorView<'_>)> = names
+        .into_iter()
+        .map(|name| {
+            let w = &src.tensors[name];
+            let dtype = match w.dtype {
+                DType::BF16 => Dtype::BF16,
+                DType::F16 => Dtype::F16,
+                _ => Dtype::F32,
+            };
+            let shape = if w.rows == 1 {
+                vec![w.cols]
+            } else {
+                vec![w.rows, w.cols]
+            };
+            let view = TensorView::new(dtype, shape, w.bytes.as_slice()).expect("consistent shape");
+            (name.clone(), view)
+        })
+        .collect();
+    std::fs::create_dir_all(dir)?;
+    let bytes =
+        safetensors::serialize(views, None).map_err(|e| std::io::Error::other(e.to_string()))?;
+    std::fs::write(dir.join("model.safetensors"), bytes)?;
+    let config = serde_json::json!({
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "block_size": cfg.block_size,
+        "dflash_config": {
+            "mask_token_id": cfg.mask_token_id,
+            "target_layer_ids": cfg.target_layer_ids,
+        },
+        "num_target_layers": cfg.num_target_layers,
+        "hidden_size": cfg.hidden,
+        "intermediate_size": cfg.intermediate,
+        "num_hidden_layers": cfg.layers,
+        "num_attention_heads": cfg.heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_eps,
+        "rope_theta": cfg.rope_theta,
+    });
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_string_pretty(&config)?,
+    )
+}
