@@ -2,6 +2,7 @@
 
 mod args;
 mod bench;
+mod eval;
 mod generate;
 mod load;
 mod progress;
@@ -27,6 +28,8 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// Measure prefill and decode throughput.
     Bench(bench::BenchArgs),
+    /// Measure drafter acceptance (tau, acceptance by block slot) over a prompt set.
+    Eval(eval::EvalArgs),
 }
 
 fn init_logging(verbose: u8) {
@@ -50,6 +53,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Generate(a) => generate::run(a),
         Command::Bench(a) => bench::run(a),
+        Command::Eval(a) => eval::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
