@@ -310,18 +310,6 @@ fn rate(n: usize, s: f64) -> f64 {
     }
 }
 
-/// The trained block size from a drafter directory's config.json.
-fn trained_block(dir: &Path) -> Result<usize> {
-    let path = dir.join("config.json");
-    let text = std::fs::read_to_string(&path)
-        .with_context(|| format!("cannot read {}", path.display()))?;
-    let v: Value = serde_json::from_str(&text)
-        .with_context(|| format!("{} is not valid JSON", path.display()))?;
-    Ok(DrafterConfig::from_json(&v)
-        .with_context(|| format!("bad drafter config {}", path.display()))?
-        .block_size)
-}
-
 pub fn run(args: EvalArgs) -> Result<()> {
     let params = args.sampling.params()?;
     if args.max_tokens == 0 {
@@ -364,8 +352,10 @@ pub fn run(args: EvalArgs) -> Result<()> {
             bundle.name
         );
     };
-    let trained = trained_block(&draft_dir)?;
     let mut loaded = decoder(bundle, Some(&draft_dir), &args.draft)?;
+    let trained = DrafterConfig::read(&draft_dir)
+        .with_context(|| format!("cannot read the drafter at {}", draft_dir.display()))?
+        .block_size;
 
     let ctx = loaded.decoder.context_length();
     let mut requests = Vec::with_capacity(prompts.len());
