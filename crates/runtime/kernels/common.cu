@@ -1,0 +1,259 @@
+// dflash-rs CUDA kernels: shared definitions.
+//
+// This file is not compiled on its own: the Rust side pastes it in place of the
+// `#include "common.cu"` line of every other kernel file before handing the source to NVRTC.
+// It needs no CUDA header (no <cuda_fp16.h>, no <stdint.h>), so NVRTC compiles the kernels
+// with no include path at all.
+//
+// Numerics. The kernels are compiled with --fmad=false, so the compiler never fuses a
+// multiply and an add on its own: every fused multiply-add below is written out
+// (`__fmaf_rn`), exactly where the CPU reference (crates/runtime/src/quant/*.rs) uses
+// `mul_add`, and everything else rounds after each operation as the Rust code does.
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+#define DF_INF (__int_as_float(0x7f800000))
+#define DF_FULL_MASK 0xffffffffu
+
+// Stored formats, numbered as the Rust side passes them (`dtype_index` in cuda/kernels.rs).
+#define DT_F32 0
+#define DT_F16 1
+#define DT_BF16 2
+#define DT_Q4_0 3
+#define DT_Q4_1 4
+#define DT_Q8_0 5
+#define DT_Q4K 6
+#define DT_Q6K 7
+
+// A KV row's storage: one allocation of 2 * layers * cap * kv_dim floats; layer l's keys at
+// (2l) * cap * kv_dim, its values at (2l + 1) * cap * kv_dim, position-major. Released rows
+// have base 0 and cap 0. Mirrors `RowDesc` in cuda/kv.rs.
+struct RowDesc {
+    u64 base;
+    u64 cap;
+};
+
+// Values per decode group: every format is read 32 values at a time (quant::GROUP).
+#define GROUP 32
+
+// IEEE half (bits) to float: exact.
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// bfloat16 (bits) to float: exact.
+__device__ __forceinline__ float bf16_to_f32(u16 h) {
+    return __int_as_float(((u32)h) << 16);
+}
+
+// Little-endian u16 at a 2-byte aligned address.
+__device__ __forceinline__ u16 ld_u16(const u8* p) {
+    return *(const u16*)p;
+}
+
+// Little-endian u32 at a 4-byte aligned address.
+__device__ __forceinline__ u32 ld_u32(const u8* p) {
+    return *(const u32*)p;
+}
+
+// ---- group decoders: values g*32 .. g*32+32 of a row -------------------------------------
+// `row` is the start of the row; rows start at multiples of the row size in a buffer from
+// cuMemAlloc (256-byte aligned), so each format's natural alignment holds (see each decoder).
+
+// f32: 128 bytes per group, 16-byte aligned (row bytes = 4*K, K a multiple of 32).
+__device__ __forceinline__ void decode_f32(const u8* row, int g, float* w) {
+    const float4* p = (const float4*)(row + (size_t)g * 128);
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        float4 v = p[i];
+        w[4 * i] = v.x;
+        w[4 * i + 1] = v.y;
+        w[4 * i + 2] = v.z;
+        w[4 * i + 3] = v.w;
+    }
+}
+
+// f16 / bf16: 64 bytes per group, 16-byte aligned.
+template <bool BF>
+__device__ __forceinline__ void decode_half(const u8* row, int g, float* w) {
+    const uint4* p = (const uint4*)(row + (size_t)g * 64);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        uint4 v = p[i];
+        u32 words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            u16 lo = (u16)(words[k] & 0xffffu);
+            u16 hi = (u16)(words[k] >> 16);
+            w[8 * i + 2 * k] = BF ? bf16_to_f32(lo) : f16_to_f32(lo);
+            w[8 * i + 2 * k + 1] = BF ? bf16_to_f32(hi) : f16_to_f32(hi);
+        }
+    }
+}
+
+// Q4_0: 18 bytes (f16 d, 16 nibble bytes); 2-byte aligned. Value = (q - 8) * d.
+__device__ __forceinline__ void decode_q4_0(const u8* row, int g, float* w) {
+    const u8* b = row + (size_t)g * 18;
+    float d = f16_to_f32(ld_u16(b));
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        u16 two = ld_u16(b + 2 + 2 * i);
+        u8 q0 = (u8)(two & 0xff);
+        u8 q1 = (u8)(two >> 8);
+        w[2 * i] = __fmul_rn((float)((int)(q0 & 0x0f) - 8), d);
+        w[2 * i + 16] = __fmul_rn((float)((int)(q0 >> 4) - 8), d);
+        w[2 * i + 1] = __fmul_rn((float)((int)(q1 & 0x0f) - 8), d);
+        w[2 * i + 17] = __fmul_rn((float)((int)(q1 >> 4) - 8), d);
+    }
+}
+
+// Q4_1: 20 bytes (f16 d, f16 m, 16 nibble bytes); 4-byte aligned. Value = fma(q, d, m).
+__device__ __forceinline__ void decode_q4_1(const u8* row, int g, float* w) {
+    const u8* b = row + (size_t)g * 20;
+    u32 dm = ld_u32(b);
+    float d = f16_to_f32((u16)(dm & 0xffffu));
+    float m = f16_to_f32((u16)(dm >> 16));
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        u32 four = ld_u32(b + 4 + 4 * i);
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            u32 q = (four >> (8 * k)) & 0xffu;
+            w[4 * i + k] = __fmaf_rn((float)(q & 0x0fu), d, m);
+            w[4 * i + k + 16] = __fmaf_rn((float)(q >> 4), d, m);
+        }
+    }
+}
+
+// Q8_0: 34 bytes (f16 d, 32 signed bytes); 2-byte aligned. Value = q * d.
+__device__ __forceinline__ void decode_q8_0(const u8* row, int g, float* w) {
+    const u8* b = row + (size_t)g * 34;
+    float d = f16_to_f32(ld_u16(b));
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+        u16 two = ld_u16(b + 2 + 2 * i);
+        w[2 * i] = __fmul_rn((float)(signed char)(two & 0xff), d);
+        w[2 * i + 1] = __fmul_rn((float)(signed char)(two >> 8), d);
+    }
+}
+
+// Q4_K: 144-byte super-blocks of 256 values (8 groups): f16 d, f16 dmin, 12 bytes of packed
+// 6-bit (scale, min) codes, 128 nibble bytes; group (sub-block) s of the super-block uses
+// bytes 32*(s/2).. (low nibbles for even s, high for odd). 16-byte aligned.
+// Value = fma(q, d*scale_s, -(dmin*min_s)).
+__device__ __forceinline__ void decode_q4k(const u8* row, int g, float* w) {
+    const u8* blk = row + (size_t)(g >> 3) * 144;
+    const int sub = g & 7;
+    u32 dd = ld_u32(blk);
+    float d = f16_to_f32((u16)(dd & 0xffffu));
+    float dmin = f16_to_f32((u16)(dd >> 16));
+    const u8* s = blk + 4;
+    u32 sc, mn;
+    if (sub < 4) {
+        sc = s[sub] & 63u;
+        mn = s[sub + 4] & 63u;
+    } else {
+        sc = (s[sub + 4] & 0x0fu) | ((u32)(s[sub - 4] >> 6) << 4);
+        mn = (u32)(s[sub + 4] >> 4) | ((u32)(s[sub] >> 6) << 4);
+    }
+    float scale = __fmul_rn(d, (float)sc);
+    float neg_min = -__fmul_rn(dmin, (float)mn);
+    const uint4* qs = (const uint4*)(blk + 16 + (sub >> 1) * 32);
+    const int shift = (sub & 1) * 4;
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        uint4 v = qs[i];
+        u32 words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+#pragma unroll
+            for (int b = 0; b < 4; b++) {
+                u32 q = (words[k] >> (8 * b + shift)) & 0x0fu;
+                w[16 * i + 4 * k + b] = __fmaf_rn((float)q, scale, neg_min);
+            }
+        }
+    }
+}
+
+// Q6_K: 210-byte super-blocks of 256 values: 128 bytes of low nibbles (ql), 64 bytes of
+// high 2-bit pairs (qh), 16 signed 8-bit scales, f16 d (at 208). 2-byte aligned.
+// Group sub (0..8): half h = sub/4, quarter q = sub%4; low nibble from ql[64h + l + 32(q&1)]
+// (low half for q < 2, high half otherwise), high bits (qh[32h + l] >> 2q) & 3; the group's
+// two 16-value runs use scales 8h+2q and 8h+2q+1. Value = (d*scale) * (code - 32).
+__device__ __forceinline__ void decode_q6k(const u8* row, int g, float* w) {
+    const u8* blk = row + (size_t)(g >> 3) * 210;
+    const int sub = g & 7;
+    const int half = sub >> 2;
+    const int quarter = sub & 3;
+    float d = f16_to_f32(ld_u16(blk + 208));
+    const int slot = 4 * half + quarter;
+    u16 sc2 = ld_u16(blk + 192 + 2 * slot);
+    float s0 = __fmul_rn(d, (float)(signed char)(sc2 & 0xff));
+    float s1 = __fmul_rn(d, (float)(signed char)(sc2 >> 8));
+    const u8* ql = blk + 64 * half + 32 * (quarter & 1);
+    const u8* qh = blk + 128 + 32 * half;
+    const int lshift = (quarter >> 1) * 4;
+    const int hshift = 2 * quarter;
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+        u16 l2 = ld_u16(ql + 2 * i);
+        u16 h2 = ld_u16(qh + 2 * i);
+#pragma unroll
+        for (int k = 0; k < 2; k++) {
+            int l = 2 * i + k;
+            u32 low = ((u32)(k ? (l2 >> 8) : (l2 & 0xff)) >> lshift) & 0x0fu;
+            u32 high = ((u32)(k ? (h2 >> 8) : (h2 & 0xff)) >> hshift) & 3u;
+            int q = (int)(low | (high << 4)) - 32;
+            w[l] = __fmul_rn((float)q, l < 16 ? s0 : s1);
+        }
+    }
+}
+
+// Decodes group g of a row stored as DT into w[0..32].
+template <int DT>
+__device__ __forceinline__ void decode_group(const u8* row, int g, float* w) {
+    if (DT == DT_F32) {
+        decode_f32(row, g, w);
+    } else if (DT == DT_F16) {
+        decode_half<false>(row, g, w);
+    } else if (DT == DT_BF16) {
+        decode_half<true>(row, g, w);
+    } else if (DT == DT_Q4_0) {
+        decode_q4_0(row, g, w);
+    } else if (DT == DT_Q4_1) {
+        decode_q4_1(row, g, w);
+    } else if (DT == DT_Q8_0) {
+        decode_q8_0(row, g, w);
+    } else if (DT == DT_Q4K) {
+        decode_q4k(row, g, w);
+    } else {
+        decode_q6k(row, g, w);
+    }
+}
+
+// ---- warp reductions with a fixed order ----------------------------------------------------
+
+// Sum over the 32 lanes by xor butterfly (offsets 16, 8, 4, 2, 1). Every lane ends with the
+// same value: at each step a lane adds its partner's partial to its own, and float addition
+// is commutative, so the two partners compute the same sum.
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        v = __fadd_rn(v, __shfl_xor_sync(DF_FULL_MASK, v, off));
+    }
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        v = fmaxf(v, __shfl_xor_sync(DF_FULL_MASK, v, off));
+    }
+    return v;
+}

@@ -1,0 +1,212 @@
+// dflash-rs CUDA kernels: element-wise ops, RMS norm, RoPE, row gathers, argmax, KV cache.
+//
+// Each token is computed on its own, with a fixed order, so a token's result never depends on
+// the batch around it. Where the CPU reference (crates/runtime/src/cpu/ops) has a defined
+// summation order, it is reproduced exactly (RMS norm: bit-identical to the CPU backend).
+#include "common.cu"
+
+// Token metadata, 4 u32 per token: row, pos, kv_start, kv_end (backend::TokenMeta).
+#define META_ROW 0
+#define META_POS 1
+#define META_START 2
+#define META_END 3
+
+// ---- element-wise ------------------------------------------------------------------------
+
+// x[i] += y[i]
+extern "C" __global__ void add_f32(float* x, const float* y, i64 n) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        x[i] = __fadd_rn(x[i], y[i]);
+    }
+}
+
+// x[r][c] += bias[c]
+extern "C" __global__ void add_bias_f32(float* x, const float* bias, i64 n, int cols) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        x[i] = __fadd_rn(x[i], bias[i % cols]);
+    }
+}
+
+// gate[i] = gate[i] / (1 + exp(-gate[i])) * up[i], in that order of operations (CPU:
+// elementwise::silu_mul). exp is evaluated in double and rounded to f32, which is the
+// correctly rounded expf in all but rare double-rounding cases, as close as we can get to the
+// CPU's libm expf.
+extern "C" __global__ void silu_mul_f32(float* gate, const float* up, i64 n) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const float g = gate[i];
+        const float e = (float)exp(-(double)g);
+        gate[i] = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, e)), up[i]);
+    }
+}
+
+// out[i] = x[rows[i]] (rows of `cols` values)
+extern "C" __global__ void gather_rows_f32(const float* x, const u32* rows, int n, int cols, float* out) {
+    const int i = blockIdx.y;
+    if (i >= n) return;
+    const float* src = x + (size_t)rows[i] * cols;
+    float* dst = out + (size_t)i * cols;
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x) dst[c] = src[c];
+}
+
+// dst[t][col + c] = src[t][c] for c < c_src (dst rows of c_dst values)
+extern "C" __global__ void copy_columns_f32(const float* src, int rows, int c_src, float* dst, int c_dst, int col) {
+    const int t = blockIdx.y;
+    if (t >= rows) return;
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < c_src; c += gridDim.x * blockDim.x) {
+        dst[(size_t)t * c_dst + col + c] = src[(size_t)t * c_src + c];
+    }
+}
+
+// ---- RMS norm ----------------------------------------------------------------------------
+//
+// Every `dim`-value group of x is normalised: out = w' * (v * inv), inv = 1 / sqrt(ss/dim + eps),
+// w' = 1 + w when zero-centred. The sum of squares ss follows cpu::ops::dot exactly: sixteen
+// partial sums, partial l adding x[i]*x[i] (rounded product, then rounded sum) for
+// i = l, l + 16, ... in increasing order, then combined by halving (l + l+8, then + l+4, ...).
+// Sixteen lanes (half a warp) own a group; the shuffle-down tree is that halving. So the
+// result is bit-identical to the CPU backend's. In place when x == out (each lane reads and
+// writes only its own elements).
+extern "C" __global__ void rms_norm_f32(const float* x, float* out, const float* w, i64 groups, int dim,
+                                        float eps, int zero_centred) {
+    const int half_lane = threadIdx.x & 15;
+    const i64 grp = (blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 4;
+    const bool live = grp < groups;
+    const float* xs = x + (live ? grp : 0) * (i64)dim;
+    float acc = 0.0f;
+    if (live) {
+        for (int i = half_lane; i < dim; i += 16) {
+            const float v = xs[i];
+            acc = __fadd_rn(acc, __fmul_rn(v, v));
+        }
+    }
+#pragma unroll
+    for (int off = 8; off > 0; off >>= 1) {
+        acc = __fadd_rn(acc, __shfl_down_sync(DF_FULL_MASK, acc, off, 16));
+    }
+    const float ss = __shfl_sync(DF_FULL_MASK, acc, 0, 16);
+    if (!live) return;
+    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)dim), eps)));
+    float* os = out + grp * (i64)dim;
+    for (int i = half_lane; i < dim; i += 16) {
+        const float wv = zero_centred ? __fadd_rn(1.0f, w[i]) : w[i];
+        os[i] = __fmul_rn(wv, __fmul_rn(xs[i], inv));
+    }
+}
+
+// ---- RoPE --------------------------------------------------------------------------------
+//
+// Rotates the first 2*half dimensions of every head_dim head of token t at its position.
+// angle = pos * inv_freq[i] in f32 (as the CPU and HF compute it); cos and sin are evaluated
+// in double and rounded to f32 (closer to the CPU's libm cosf/sinf than the f32 intrinsics).
+// style 0: neox (i pairs with i + half); style 1: interleaved (2i pairs with 2i + 1).
+extern "C" __global__ void rope_f32(float* x, const u32* meta, const float* inv_freq, int T, int cols,
+                                    int head_dim, int half, int style) {
+    const int t = blockIdx.y;
+    if (t >= T) return;
+    const float pos = (float)meta[4 * t + META_POS];
+    const int heads = cols / head_dim;
+    float* xt = x + (size_t)t * cols;
+    for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < heads * half; idx += gridDim.x * blockDim.x) {
+        const int h = idx / half;
+        const int i = idx - h * half;
+        const float angle = __fmul_rn(pos, inv_freq[i]);
+        double sd, cd;
+        sincos((double)angle, &sd, &cd);
+        const float c = (float)cd;
+        const float s = (float)sd;
+        float* head = xt + (size_t)h * head_dim;
+        if (style == 0) {
+            const float a = head[i];
+            const float b = head[i + half];
+            head[i] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+            head[i + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+        } else {
+            const float a = head[2 * i];
+            const float b = head[2 * i + 1];
+            head[2 * i] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+            head[2 * i + 1] = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
+        }
+    }
+}
+
+// ---- argmax ------------------------------------------------------------------------------
+//
+// Index of the largest value of every row, the first one on ties; NaN is never chosen (every
+// comparison with it is false) and a row with no number above -inf gives 0, as
+// cpu::ops::elementwise::argmax does. Block per row.
+#define ARGMAX_THREADS 256
+extern "C" __global__ void argmax_rows_f32(const float* x, int rows, int cols, u32* out) {
+    __shared__ float sv[ARGMAX_THREADS / 32];
+    __shared__ u32 si[ARGMAX_THREADS / 32];
+    const int r = blockIdx.x;
+    if (r >= rows) return;
+    const float* xr = x + (size_t)r * cols;
+    float best = -DF_INF;
+    u32 bi = 0xffffffffu;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        const float v = xr[i];
+        if (v > best) {
+            best = v;
+            bi = (u32)i;
+        }
+    }
+    // (value, index) pairs: larger value wins, then smaller index.
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        const float ov = __shfl_xor_sync(DF_FULL_MASK, best, off);
+        const u32 oi = __shfl_xor_sync(DF_FULL_MASK, bi, off);
+        if (ov > best || (ov == best && oi < bi)) {
+            best = ov;
+            bi = oi;
+        }
+    }
+    const int warp = threadIdx.x >> 5;
+    if ((threadIdx.x & 31) == 0) {
+        sv[warp] = best;
+        si[warp] = bi;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int k = 1; k < (int)(blockDim.x >> 5); k++) {
+            if (sv[k] > best || (sv[k] == best && si[k] < bi)) {
+                best = sv[k];
+                bi = si[k];
+            }
+        }
+        out[r] = bi == 0xffffffffu ? 0u : bi;
+    }
+}
+
+// ---- KV cache ----------------------------------------------------------------------------
+
+// Writes token t's k and v ([T, kv_dim]) at (meta.row, meta.pos) of layer `layer`.
+// Bounds (pos < cap) are checked on the host before the launch.
+extern "C" __global__ void kv_write_f32(const float* k, const float* v, const u32* meta, int T, int kv_dim,
+                                        const RowDesc* rows, int layer) {
+    const int t = blockIdx.y;
+    if (t >= T) return;
+    const RowDesc rd = rows[meta[4 * t + META_ROW]];
+    const size_t pos = meta[4 * t + META_POS];
+    float* base = (float*)rd.base;
+    float* kd = base + ((size_t)(2 * layer) * rd.cap + pos) * kv_dim;
+    float* vd = base + ((size_t)(2 * layer + 1) * rd.cap + pos) * kv_dim;
+    const float* ks = k + (size_t)t * kv_dim;
+    const float* vs = v + (size_t)t * kv_dim;
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < kv_dim; c += gridDim.x * blockDim.x) {
+        kd[c] = ks[c];
+        vd[c] = vs[c];
+    }
+}
+
+// Copies positions 0..len of every layer's K and V from one row layout to another (rows may
+// have different capacities): used when a row grows and by kv_copy_row. Strides are
+// cap * kv_dim floats; len_vals = len * kv_dim. blockIdx.y = 2*layer + (0 for K, 1 for V).
+extern "C" __global__ void kv_copy_f32(const float* src, i64 src_stride, float* dst, i64 dst_stride,
+                                       i64 len_vals) {
+    const i64 part = blockIdx.y;
+    const float* sp = src + part * src_stride;
+    float* dp = dst + part * dst_stride;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < len_vals; i += (i64)gridDim.x * blockDim.x) {
+        dp[i] = sp[i];
+    }
+}

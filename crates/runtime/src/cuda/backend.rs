@@ -1,0 +1,821 @@
+//! `Backend` for CUDA GPUs.
+
+use std::sync::Arc;
+
+use super::device::{
+    dtype_index, ensure, int, long, mm_rows_per_warp, mm_smem_bytes, Arg, CudaOptions, Device,
+    PrefillGemm, MM_TILES, MM_WARPS,
+};
+use super::kv::CudaKv;
+use super::tensor::{CudaMeta, CudaTensor, CudaWeight};
+use crate::backend::{AttnShape, Backend, RopeStyle, TokenMeta};
+use crate::error::RuntimeError;
+use crate::weight::HostWeight;
+
+/// Threads per block of the element-wise kernels.
+const EW_THREADS: u32 = 256;
+/// Most blocks an element-wise kernel is launched with (they loop over the rest).
+const EW_MAX_BLOCKS: usize = 4096;
+/// Largest head dimension the attention kernel handles (ATT_MAX_HD in attention.cu).
+const ATT_MAX_HD: usize = 256;
+/// Threads per attention block (ATT_WARPS * 32 in attention.cu).
+const ATT_THREADS: u32 = 128;
+/// Largest rotary half-dimension (as on the CPU).
+const ROPE_MAX_HALF: usize = 256;
+/// Floats of dequantized weight the cuBLAS path keeps at once.
+const DEQ_PANEL_MAX: usize = 32 << 20;
+
+/// The CUDA backend. See the module docs of [`crate::cuda`].
+pub struct CudaBackend {
+    dev: Arc<Device>,
+}
+
+fn grid_1d(n: usize, threads: u32) -> u32 {
+    n.div_ceil(threads as usize).clamp(1, EW_MAX_BLOCKS) as u32
+}
+
+impl CudaBackend {
+    /// Opens device 0 (or `DFLASH_CUDA_DEVICE`) with the options of the environment
+    /// (see [`CudaOptions::from_env`]). Fails with [`RuntimeError::Device`] saying what is
+    /// missing when there is no driver, no GPU or no NVRTC; never panics.
+    pub fn new() -> Result<Self, RuntimeError> {
+        Self::with_options(CudaOptions::from_env()?)
+    }
+
+    pub fn with_options(opts: CudaOptions) -> Result<Self, RuntimeError> {
+        Ok(Self {
+            dev: Arc::new(Device::open(&opts)?),
+        })
+    }
+
+    /// The GPU's name, e.g. "NVIDIA H200".
+    pub fn device_name(&self) -> &str {
+        &self.dev.name
+    }
+
+    /// (major, minor) compute capability.
+    pub fn compute_capability(&self) -> (i32, i32) {
+        self.dev.compute_capability
+    }
+
+    /// What the kernels were compiled for, e.g. `sm_90`.
+    pub fn kernel_target(&self) -> String {
+        self.dev.target.arch_flag()
+    }
+
+    /// The prefill product path in use.
+    pub fn prefill_gemm(&self) -> PrefillGemm {
+        self.dev.prefill_gemm
+    }
+
+    /// Waits for all queued work.
+    pub fn synchronize(&self) {
+        self.dev.bind();
+        super::device::ck(self.dev.stream.synchronize(), "stream synchronisation");
+    }
+
+    fn ptr<T>(&self, s: &cudarc::driver::CudaSlice<T>) -> u64 {
+        self.dev.ptr(s)
+    }
+
+    fn tptr(&self, t: &CudaTensor) -> u64 {
+        self.dev.ptr(&t.buf)
+    }
+
+    fn meta_ptr(&self, m: &CudaMeta) -> u64 {
+        self.ptr(
+            m.buf
+                .as_ref()
+                .expect("metadata of a non-empty step has a buffer"),
+        )
+    }
+
+    /// Copies `ids` into the shared index scratch and runs `f` with its address, holding the
+    /// scratch lock so that no other op can overwrite the indices before the launch.
+    fn with_indices(&self, ids: &[u32], f: impl FnOnce(u64)) {
+        let mut s = self.dev.scratch.lock().expect("scratch lock");
+        let p = ensure(&self.dev.stream, &mut s.idx, ids.len());
+        self.dev.htod(ids, p);
+        f(p);
+    }
+
+    fn elementwise(&self, f: &cudarc::driver::CudaFunction, name: &str, n: usize, args: &[Arg]) {
+        if n == 0 {
+            return;
+        }
+        self.dev.launch(
+            f,
+            name,
+            (grid_1d(n, EW_THREADS), 1, 1),
+            (EW_THREADS, 1, 1),
+            0,
+            args,
+        );
+    }
+
+    /// `out = x · wᵀ`, out already shaped `[M, N]`.
+    fn matmul_launch(&self, x: &CudaTensor, w: &CudaWeight, out: &CudaTensor) {
+        let (m, n, k) = (x.rows, w.rows, w.cols);
+        if m == 0 || n == 0 {
+            return;
+        }
+        if let PrefillGemm::Cublas { min_rows } = self.dev.prefill_gemm {
+            if m > 16 && m >= min_rows {
+                return self.matmul_cublas(x, w, out);
+            }
+        }
+        let max_mt = self.dev.max_mt;
+        let ti = MM_TILES
+            .iter()
+            .position(|&t| t >= m.min(max_mt))
+            .expect("tile sizes cover 1..=16");
+        let mt = MM_TILES[ti];
+        let rows_per_block = MM_WARPS * mm_rows_per_warp(mt);
+        let grid = (n.div_ceil(rows_per_block) as u32, m.div_ceil(mt) as u32, 1);
+        let f = &self.dev.k.mm[dtype_index(w.dtype) * MM_TILES.len() + ti];
+        self.dev.launch(
+            f,
+            "matmul",
+            grid,
+            ((MM_WARPS * 32) as u32, 1, 1),
+            mm_smem_bytes(mt) as u32,
+            &[
+                Arg::Ptr(self.ptr(&w.buf)),
+                long(w.row_bytes),
+                int(n),
+                int(k),
+                Arg::Ptr(self.tptr(x)),
+                int(m),
+                Arg::Ptr(self.tptr(out)),
+            ],
+        );
+    }
+
+    /// Dequantizes rows `row0..row0+count` of `w` (or the rows `ids` when given) into the
+    /// f32 buffer at `out`.
+    fn dequant(&self, w: &CudaWeight, ids: Option<u64>, row0: usize, count: usize, out: u64) {
+        if count == 0 || w.cols == 0 {
+            return;
+        }
+        let ids_arg = Arg::Ptr(ids.unwrap_or(0));
+        if w.cols.is_multiple_of(32) {
+            let f = &self.dev.k.dequant[dtype_index(w.dtype)];
+            let threads = (w.cols / 32).clamp(32, 256).next_multiple_of(32) as u32;
+            self.dev.launch(
+                f,
+                "dequantize",
+                (count as u32, 1, 1),
+                (threads, 1, 1),
+                0,
+                &[
+                    Arg::Ptr(self.ptr(&w.buf)),
+                    long(w.row_bytes),
+                    int(w.cols),
+                    ids_arg,
+                    int(row0),
+                    int(count),
+                    Arg::Ptr(out),
+                ],
+            );
+        } else {
+            assert!(
+                !w.dtype.is_quantized(),
+                "{} rows must be whole blocks",
+                w.dtype
+            );
+            self.dev.launch(
+                &self.dev.k.dequant_float_any,
+                "dequantize",
+                (count as u32, 1, 1),
+                (256, 1, 1),
+                0,
+                &[
+                    Arg::Ptr(self.ptr(&w.buf)),
+                    long(w.row_bytes),
+                    int(w.cols),
+                    int(dtype_index(w.dtype)),
+                    ids_arg,
+                    int(row0),
+                    int(count),
+                    Arg::Ptr(out),
+                ],
+            );
+        }
+    }
+
+    /// The cuBLAS prefill path: dequantize panels of weight rows to f32, SGEMM each.
+    fn matmul_cublas(&self, x: &CudaTensor, w: &CudaWeight, out: &CudaTensor) {
+        use cudarc::cublas::sys as bs;
+        let blas = self
+            .dev
+            .blas
+            .as_ref()
+            .expect("cuBLAS started for this path");
+        let (m, n, k) = (x.rows, w.rows, w.cols);
+        let panel = (DEQ_PANEL_MAX / k.max(1)).clamp(1, n);
+        let mut s = self.dev.scratch.lock().expect("scratch lock");
+        let deq = ensure(&self.dev.stream, &mut s.deq, panel * k);
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let mut n0 = 0;
+        while n0 < n {
+            let nc = panel.min(n - n0);
+            self.dequant(w, None, n0, nc, deq);
+            // Column-major view: C (nc x m, ldc = n) = A^T (nc x k) · B (k x m), with
+            // A = the dequantized panel (k x nc, lda = k) and B = x (k x m, ldb = k).
+            // SAFETY: every pointer is a live device buffer of the sizes given.
+            let r = unsafe {
+                bs::cublasSgemm_v2(
+                    *blas.handle(),
+                    bs::cublasOperation_t::CUBLAS_OP_T,
+                    bs::cublasOperation_t::CUBLAS_OP_N,
+                    nc as i32,
+                    m as i32,
+                    k as i32,
+                    &alpha,
+                    deq as *const f32,
+                    k as i32,
+                    self.tptr(x) as *const f32,
+                    k as i32,
+                    &beta,
+                    (self.tptr(out) + 4 * n0 as u64) as *mut f32,
+                    n as i32,
+                )
+            };
+            assert!(
+                r == bs::cublasStatus_t::CUBLAS_STATUS_SUCCESS,
+                "cuBLAS SGEMM failed: {r:?}"
+            );
+            n0 += nc;
+        }
+    }
+
+    fn kv_relayout(
+        &self,
+        kv: &CudaKv,
+        src: u64,
+        src_cap: usize,
+        dst: u64,
+        dst_cap: usize,
+        len: usize,
+    ) {
+        let vals = len * kv.kv_dim;
+        if vals == 0 || kv.layers == 0 {
+            return;
+        }
+        self.dev.launch(
+            &self.dev.k.kv_copy,
+            "kv copy",
+            (
+                grid_1d(vals, EW_THREADS).min(1024),
+                (2 * kv.layers) as u32,
+                1,
+            ),
+            (EW_THREADS, 1, 1),
+            0,
+            &[
+                Arg::Ptr(src),
+                long(kv.part_len(src_cap)),
+                Arg::Ptr(dst),
+                long(kv.part_len(dst_cap)),
+                long(vals),
+            ],
+        );
+    }
+
+    /// Uploads the host mirror of the KV row table.
+    fn kv_sync_table(&self, kv: &mut CudaKv) {
+        let need = kv.table_host.len();
+        if kv.table.as_ref().is_none_or(|t| t.len() < need) {
+            kv.table = Some(self.dev.zeros::<u64>(need.next_power_of_two().max(16)));
+        }
+        let p = self.ptr(kv.table.as_ref().expect("just set"));
+        self.dev.htod(&kv.table_host, p);
+    }
+}
+
+impl Backend for CudaBackend {
+    type Tensor = CudaTensor;
+    type Weight = CudaWeight;
+    type Kv = CudaKv;
+    type Meta = CudaMeta;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    /// Runs `f` on the calling thread with the context current. All work goes to one
+    /// stream, so there is nothing else to set up.
+    fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        self.dev.bind();
+        f()
+    }
+
+    fn upload_weight(&self, w: &HostWeight) -> Result<CudaWeight, RuntimeError> {
+        self.dev.bind();
+        let bytes = w.bytes.as_slice();
+        let buf = self.dev.uninit::<u8>(bytes.len());
+        self.dev.htod(bytes, self.ptr(&buf));
+        Ok(CudaWeight {
+            name: w.name.clone(),
+            dtype: w.dtype,
+            rows: w.rows,
+            cols: w.cols,
+            row_bytes: w.row_bytes(),
+            buf,
+        })
+    }
+
+    fn tensor(&self, rows: usize, cols: usize) -> CudaTensor {
+        self.dev.bind();
+        CudaTensor {
+            buf: self.dev.zeros::<f32>(rows * cols),
+            rows,
+            cols,
+        }
+    }
+
+    /// Keeps the buffer when it holds `rows * cols` values; otherwise allocates a new one
+    /// (zeroed). Contents are undefined after a reshape, as the trait says.
+    fn reshape(&self, t: &mut CudaTensor, rows: usize, cols: usize) {
+        if rows * cols > t.buf.len() {
+            self.dev.bind();
+            t.buf = self.dev.zeros::<f32>(rows * cols);
+        }
+        t.rows = rows;
+        t.cols = cols;
+    }
+
+    fn shape(&self, t: &CudaTensor) -> (usize, usize) {
+        (t.rows, t.cols)
+    }
+
+    fn upload(&self, data: &[f32], rows: usize, cols: usize) -> CudaTensor {
+        assert_eq!(data.len(), rows * cols);
+        self.dev.bind();
+        let buf = self.dev.uninit::<f32>(data.len());
+        self.dev.htod(data, self.ptr(&buf));
+        CudaTensor { buf, rows, cols }
+    }
+
+    fn to_host(&self, t: &CudaTensor) -> Vec<f32> {
+        let mut out = Vec::new();
+        self.copy_to_host(t, &mut out);
+        out
+    }
+
+    fn copy_to_host(&self, t: &CudaTensor, out: &mut Vec<f32>) {
+        self.dev.bind();
+        out.clear();
+        out.resize(t.len(), 0.0);
+        self.dev.dtoh(self.tptr(t), &mut out[..]);
+    }
+
+    fn upload_meta(&self, meta: &[TokenMeta]) -> CudaMeta {
+        self.dev.bind();
+        let pool = self.dev.meta_pool.clone();
+        if meta.is_empty() {
+            return CudaMeta {
+                host: Vec::new(),
+                buf: None,
+                pool,
+            };
+        }
+        let flat: Vec<u32> = meta
+            .iter()
+            .flat_map(|m| [m.row, m.pos, m.kv_start, m.kv_end])
+            .collect();
+        let reuse = {
+            let mut p = pool.lock().expect("meta pool lock");
+            p.iter()
+                .position(|b| b.len() >= flat.len())
+                .map(|i| p.swap_remove(i))
+        };
+        let buf = reuse.unwrap_or_else(|| self.dev.uninit::<u32>(flat.len().next_power_of_two()));
+        self.dev.htod(&flat, self.ptr(&buf));
+        CudaMeta {
+            host: meta.to_vec(),
+            buf: Some(buf),
+            pool,
+        }
+    }
+
+    fn kv_new(&self, layers: usize, kv_dim: usize) -> CudaKv {
+        CudaKv::new(layers, kv_dim)
+    }
+
+    fn kv_reserve(&self, kv: &mut CudaKv, row: usize, capacity: usize, keep: usize) {
+        self.dev.bind();
+        kv.ensure_row(row);
+        let old_cap = kv.caps[row];
+        if old_cap >= capacity {
+            return;
+        }
+        let new = self.dev.zeros::<f32>(2 * kv.layers * kv.part_len(capacity));
+        let keep = keep.min(old_cap);
+        if let Some(old) = &kv.rows[row] {
+            self.kv_relayout(kv, self.ptr(old), old_cap, self.ptr(&new), capacity, keep);
+        }
+        kv.table_host[2 * row] = self.ptr(&new);
+        kv.table_host[2 * row + 1] = capacity as u64;
+        // The old storage is freed in stream order, after the copy above.
+        kv.rows[row] = Some(new);
+        kv.caps[row] = capacity;
+        self.kv_sync_table(kv);
+    }
+
+    fn kv_capacity(&self, kv: &CudaKv, row: usize) -> usize {
+        kv.capacity(row)
+    }
+
+    fn kv_copy_row(&self, kv: &mut CudaKv, src: usize, dst: usize, len: usize) {
+        let src_cap = kv.capacity(src);
+        assert!(
+            len <= src_cap,
+            "kv_copy_row: {len} positions asked from row {src}, which holds {src_cap}"
+        );
+        self.kv_reserve(kv, dst, src_cap.max(len), 0);
+        if src == dst || len == 0 {
+            return;
+        }
+        let s = self.ptr(kv.rows[src].as_ref().expect("source row reserved"));
+        let d = self.ptr(kv.rows[dst].as_ref().expect("reserved above"));
+        self.kv_relayout(kv, s, src_cap, d, kv.caps[dst], len);
+    }
+
+    fn kv_release(&self, kv: &mut CudaKv, row: usize) {
+        if row >= kv.rows.len() {
+            return;
+        }
+        self.dev.bind();
+        kv.rows[row] = None;
+        kv.caps[row] = 0;
+        kv.table_host[2 * row] = 0;
+        kv.table_host[2 * row + 1] = 0;
+        self.kv_sync_table(kv);
+    }
+
+    fn kv_write(
+        &self,
+        kv: &mut CudaKv,
+        layer: usize,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        meta: &CudaMeta,
+    ) {
+        let dim = kv.kv_dim;
+        assert_eq!(k.cols, dim);
+        assert_eq!(v.cols, dim);
+        assert!(layer < kv.layers, "KV layer {layer} out of range");
+        let t = meta.host.len();
+        assert!(k.rows >= t && v.rows >= t);
+        for m in &meta.host {
+            assert!(
+                (m.row as usize) < kv.rows.len(),
+                "KV row {} was never reserved",
+                m.row
+            );
+            assert!(
+                (m.pos as usize) < kv.capacity(m.row as usize),
+                "KV write past the row's reserved capacity"
+            );
+        }
+        if t == 0 || dim == 0 {
+            return;
+        }
+        self.dev.bind();
+        let table = self.ptr(kv.table.as_ref().expect("rows reserved"));
+        self.dev.launch(
+            &self.dev.k.kv_write,
+            "kv_write",
+            (dim.div_ceil(EW_THREADS as usize) as u32, t as u32, 1),
+            (EW_THREADS, 1, 1),
+            0,
+            &[
+                Arg::Ptr(self.tptr(k)),
+                Arg::Ptr(self.tptr(v)),
+                Arg::Ptr(self.meta_ptr(meta)),
+                int(t),
+                int(dim),
+                Arg::Ptr(table),
+                int(layer),
+            ],
+        );
+    }
+
+    fn embed(&self, table: &CudaWeight, ids: &[u32], out: &mut CudaTensor) {
+        self.reshape(out, ids.len(), table.cols);
+        for &id in ids {
+            assert!(
+                (id as usize) < table.rows,
+                "token id {id} outside the embedding table"
+            );
+        }
+        if ids.is_empty() || table.cols == 0 {
+            return;
+        }
+        self.dev.bind();
+        let o = self.tptr(out);
+        self.with_indices(ids, |p| self.dequant(table, Some(p), 0, ids.len(), o));
+    }
+
+    fn matmul(&self, x: &CudaTensor, w: &CudaWeight, out: &mut CudaTensor) {
+        assert_eq!(x.cols, w.cols, "matmul {}: inner dimensions differ", w.name);
+        assert!(
+            w.cols.is_multiple_of(32),
+            "matmul {}: needs whole 32-value groups",
+            w.name
+        );
+        self.reshape(out, x.rows, w.rows);
+        self.dev.bind();
+        self.matmul_launch(x, w, out);
+    }
+
+    fn matmul_many(&self, x: &CudaTensor, ws: &[&CudaWeight], outs: &mut [&mut CudaTensor]) {
+        assert_eq!(ws.len(), outs.len());
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            self.matmul(x, w, out);
+        }
+    }
+
+    fn add_bias(&self, x: &mut CudaTensor, bias: &CudaTensor) {
+        assert_eq!(x.cols, bias.cols);
+        self.dev.bind();
+        self.elementwise(
+            &self.dev.k.add_bias,
+            "add_bias",
+            x.len(),
+            &[
+                Arg::Ptr(self.tptr(x)),
+                Arg::Ptr(self.tptr(bias)),
+                long(x.len()),
+                int(x.cols.max(1)),
+            ],
+        );
+    }
+
+    fn rms_norm(
+        &self,
+        x: &mut CudaTensor,
+        weight: &CudaTensor,
+        eps: f32,
+        zero_centred: bool,
+        out: Option<&mut CudaTensor>,
+    ) {
+        let dim = weight.len();
+        assert!(dim > 0 && x.cols.is_multiple_of(dim));
+        self.dev.bind();
+        let src = self.tptr(x);
+        let dst = match out {
+            None => src,
+            Some(o) => {
+                self.reshape(o, x.rows, x.cols);
+                self.tptr(o)
+            }
+        };
+        let groups = x.len() / dim;
+        if groups == 0 {
+            return;
+        }
+        // Sixteen lanes per group.
+        let threads = groups * 16;
+        self.dev.launch(
+            &self.dev.k.rms_norm,
+            "rms_norm",
+            (threads.div_ceil(256) as u32, 1, 1),
+            (256, 1, 1),
+            0,
+            &[
+                Arg::Ptr(src),
+                Arg::Ptr(dst),
+                Arg::Ptr(self.tptr(weight)),
+                long(groups),
+                int(dim),
+                Arg::F32(eps),
+                int(zero_centred as usize),
+            ],
+        );
+    }
+
+    fn rope(
+        &self,
+        x: &mut CudaTensor,
+        meta: &CudaMeta,
+        inv_freq: &CudaTensor,
+        head_dim: usize,
+        style: RopeStyle,
+    ) {
+        let t = meta.host.len();
+        assert_eq!(x.rows, t);
+        let half = inv_freq.len();
+        assert!(
+            half <= ROPE_MAX_HALF,
+            "rotary dimension above 512 is not supported"
+        );
+        assert!(head_dim > 0 && x.cols.is_multiple_of(head_dim) && 2 * half <= head_dim);
+        let pairs = (x.cols / head_dim) * half;
+        if t == 0 || pairs == 0 {
+            return;
+        }
+        self.dev.bind();
+        self.dev.launch(
+            &self.dev.k.rope,
+            "rope",
+            (pairs.div_ceil(128) as u32, t as u32, 1),
+            (128, 1, 1),
+            0,
+            &[
+                Arg::Ptr(self.tptr(x)),
+                Arg::Ptr(self.meta_ptr(meta)),
+                Arg::Ptr(self.tptr(inv_freq)),
+                int(t),
+                int(x.cols),
+                int(head_dim),
+                int(half),
+                int(match style {
+                    RopeStyle::Neox => 0,
+                    RopeStyle::Interleaved => 1,
+                }),
+            ],
+        );
+    }
+
+    fn attention(
+        &self,
+        q: &CudaTensor,
+        kv: &CudaKv,
+        layer: usize,
+        meta: &CudaMeta,
+        shape: AttnShape,
+        out: &mut CudaTensor,
+    ) {
+        let AttnShape {
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            scale,
+        } = shape;
+        assert_eq!(q.cols, n_heads * head_dim);
+        assert_eq!(q.rows, meta.host.len());
+        assert!(n_kv_heads > 0 && n_heads % n_kv_heads == 0);
+        assert!(
+            n_kv_heads * head_dim <= kv.kv_dim,
+            "attention: KV heads exceed the cache's width"
+        );
+        assert!(
+            head_dim <= ATT_MAX_HD,
+            "attention: head_dim {head_dim} above {ATT_MAX_HD} is not supported"
+        );
+        assert!(layer < kv.layers, "KV layer {layer} out of range");
+        for m in &meta.host {
+            assert!(
+                (m.row as usize) < kv.rows.len(),
+                "KV row {} was never reserved",
+                m.row
+            );
+            let cap = kv.capacity(m.row as usize);
+            assert!(
+                m.kv_end as usize <= cap || m.kv_start >= m.kv_end,
+                "attention reads positions up to {} of row {}, which holds {cap}",
+                m.kv_end,
+                m.row
+            );
+        }
+        self.reshape(out, q.rows, q.cols);
+        let t = q.rows;
+        if t == 0 || n_heads == 0 || head_dim == 0 {
+            return;
+        }
+        self.dev.bind();
+        let table = self.ptr(kv.table.as_ref().expect("rows reserved"));
+        self.dev.launch(
+            &self.dev.k.attention,
+            "attention",
+            (t as u32, n_heads as u32, 1),
+            (ATT_THREADS, 1, 1),
+            0,
+            &[
+                Arg::Ptr(self.tptr(q)),
+                Arg::Ptr(self.meta_ptr(meta)),
+                Arg::Ptr(table),
+                int(layer),
+                int(t),
+                int(n_heads),
+                int(n_kv_heads),
+                int(head_dim),
+                int(kv.kv_dim),
+                Arg::F32(scale),
+                Arg::Ptr(self.tptr(out)),
+            ],
+        );
+    }
+
+    fn silu_mul(&self, gate: &mut CudaTensor, up: &CudaTensor) {
+        assert_eq!(gate.len(), up.len());
+        self.dev.bind();
+        self.elementwise(
+            &self.dev.k.silu_mul,
+            "silu_mul",
+            gate.len(),
+            &[
+                Arg::Ptr(self.tptr(gate)),
+                Arg::Ptr(self.tptr(up)),
+                long(gate.len()),
+            ],
+        );
+    }
+
+    fn add(&self, x: &mut CudaTensor, y: &CudaTensor) {
+        assert_eq!(x.len(), y.len());
+        self.dev.bind();
+        self.elementwise(
+            &self.dev.k.add,
+            "add",
+            x.len(),
+            &[
+                Arg::Ptr(self.tptr(x)),
+                Arg::Ptr(self.tptr(y)),
+                long(x.len()),
+            ],
+        );
+    }
+
+    fn gather_rows(&self, x: &CudaTensor, rows: &[u32], out: &mut CudaTensor) {
+        for &r in rows {
+            assert!((r as usize) < x.rows, "gather_rows: row {r} of {}", x.rows);
+        }
+        self.reshape(out, rows.len(), x.cols);
+        if rows.is_empty() || x.cols == 0 {
+            return;
+        }
+        self.dev.bind();
+        let (src, dst) = (self.tptr(x), self.tptr(out));
+        self.with_indices(rows, |p| {
+            self.dev.launch(
+                &self.dev.k.gather_rows,
+                "gather_rows",
+                (x.cols.div_ceil(256).min(64) as u32, rows.len() as u32, 1),
+                (256, 1, 1),
+                0,
+                &[
+                    Arg::Ptr(src),
+                    Arg::Ptr(p),
+                    int(rows.len()),
+                    int(x.cols),
+                    Arg::Ptr(dst),
+                ],
+            )
+        });
+    }
+
+    fn copy_columns(&self, src: &CudaTensor, dst: &mut CudaTensor, col: usize) {
+        assert_eq!(src.rows, dst.rows);
+        assert!(col + src.cols <= dst.cols);
+        if src.rows == 0 || src.cols == 0 {
+            return;
+        }
+        self.dev.bind();
+        self.dev.launch(
+            &self.dev.k.copy_columns,
+            "copy_columns",
+            (src.cols.div_ceil(256).min(64) as u32, src.rows as u32, 1),
+            (256, 1, 1),
+            0,
+            &[
+                Arg::Ptr(self.tptr(src)),
+                int(src.rows),
+                int(src.cols),
+                Arg::Ptr(self.tptr(dst)),
+                int(dst.cols),
+                int(col),
+            ],
+        );
+    }
+
+    fn argmax_rows(&self, x: &CudaTensor) -> Vec<u32> {
+        if x.rows == 0 {
+            return Vec::new();
+        }
+        if x.cols == 0 {
+            return vec![0; x.rows];
+        }
+        self.dev.bind();
+        let mut s = self.dev.scratch.lock().expect("scratch lock");
+        let p = ensure(&self.dev.stream, &mut s.argmax, x.rows);
+        self.dev.launch(
+            &self.dev.k.argmax_rows,
+            "argmax_rows",
+            (x.rows as u32, 1, 1),
+            (256, 1, 1),
+            0,
+            &[
+                Arg::Ptr(self.tptr(x)),
+                int(x.rows),
+                int(x.cols),
+                Arg::Ptr(p),
+            ],
+        );
+        let mut out = vec![0u32; x.rows];
+        self.dev.dtoh(p, &mut out);
+        out
+    }
+}

@@ -1,0 +1,444 @@
+//! Kernel sources and their compilation with NVRTC, cached on disk.
+//!
+//! The kernels are the `.cu` files of `crates/runtime/kernels`, embedded in the binary. At
+//! first use each module is compiled by NVRTC for the GPU's compute capability, to a CUBIN
+//! (machine code, `sm_XY`) when NVRTC can target that chip, so nothing depends on the
+//! driver's PTX JIT; otherwise to PTX for the newest virtual architecture NVRTC knows (which
+//! the driver compiles at load). The result is cached under the dflash cache directory, keyed
+//! by a hash of the source, the target, the NVRTC version and the compile options.
+//!
+//! Environment:
+//! - `DFLASH_CUDA_INCLUDE`: extra include directories for NVRTC (`:`-separated). The kernels
+//!   include no CUDA header today, so none is required; the known locations below are passed
+//!   when they exist so that future kernels can use the toolkit headers.
+//! - `CUDA_HOME`, `CUDA_PATH`: `<dir>/include` is searched, then `/usr/local/cuda/include`,
+//!   `/opt/cuda/include` and `/usr/local/cuda-*/include`.
+//! - `DFLASH_CACHE_DIR`, else `$XDG_CACHE_HOME/dflash`, else `~/.cache/dflash`: the cache
+//!   root (kernels go to `<root>/cuda-kernels`). `DFLASH_CUDA_NO_CACHE=1` turns the cache off.
+
+use std::ffi::{c_char, c_int, CStr, CString};
+use std::path::{Path, PathBuf};
+
+use cudarc::nvrtc::sys as nv;
+
+const COMMON: &str = include_str!("../../kernels/common.cu");
+const INCLUDE_COMMON: &str = "#include \"common.cu\"";
+
+/// A kernel module: one `.cu` file of `crates/runtime/kernels`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Module {
+    Matmul,
+    Ops,
+    Attention,
+}
+
+impl Module {
+    pub const ALL: [Module; 3] = [Module::Matmul, Module::Ops, Module::Attention];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Module::Matmul => "matmul",
+            Module::Ops => "ops",
+            Module::Attention => "attention",
+        }
+    }
+
+    fn raw_source(self) -> &'static str {
+        match self {
+            Module::Matmul => include_str!("../../kernels/matmul.cu"),
+            Module::Ops => include_str!("../../kernels/ops.cu"),
+            Module::Attention => include_str!("../../kernels/attention.cu"),
+        }
+    }
+
+    /// The complete source handed to NVRTC: the module with `common.cu` pasted in.
+    pub fn source(self) -> String {
+        let raw = self.raw_source();
+        assert!(
+            raw.contains(INCLUDE_COMMON),
+            "{}.cu must include common.cu",
+            self.name()
+        );
+        raw.replacen(INCLUDE_COMMON, COMMON, 1)
+    }
+}
+
+/// What a compilation produced.
+#[derive(Clone, Debug)]
+pub enum Image {
+    /// Machine code for one chip (`sm_XY`).
+    Cubin(Vec<u8>),
+    /// PTX text for a virtual architecture (`compute_XY`), compiled by the driver at load.
+    Ptx(String),
+}
+
+impl Image {
+    pub fn len(&self) -> usize {
+        match self {
+            Image::Cubin(b) => b.len(),
+            Image::Ptx(s) => s.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The code NVRTC is asked for: machine code for `sm_<arch>` or PTX for `compute_<arch>`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Target {
+    /// Compute capability as major*10 + minor (90 for Hopper).
+    pub arch: u32,
+    pub cubin: bool,
+}
+
+impl Target {
+    pub fn arch_flag(self) -> String {
+        if self.cubin {
+            format!("sm_{}", self.arch)
+        } else {
+            format!("compute_{}", self.arch)
+        }
+    }
+}
+
+/// True when the NVRTC library can be loaded.
+pub fn nvrtc_available() -> bool {
+    // SAFETY: only tries to open the library.
+    unsafe { nv::is_culib_present() }
+}
+
+/// How to make NVRTC loadable, for error messages.
+pub const NVRTC_HINT: &str = "NVRTC (libnvrtc.so.13) was not found. Install the CUDA toolkit \
+(and add its lib64 folder to LD_LIBRARY_PATH if it is not on the loader path), or install the \
+wheel `nvidia-cuda-nvrtc==13.0.*` with pip and add its `nvidia/cu13/lib` folder to LD_LIBRARY_PATH";
+
+fn check(r: nv::nvrtcResult, what: &str) -> Result<(), String> {
+    if r == nv::nvrtcResult::NVRTC_SUCCESS {
+        Ok(())
+    } else {
+        Err(format!("NVRTC {what} failed: {r:?}"))
+    }
+}
+
+/// NVRTC's (major, minor) version.
+pub fn nvrtc_version() -> Result<(i32, i32), String> {
+    if !nvrtc_available() {
+        return Err(NVRTC_HINT.to_string());
+    }
+    let (mut major, mut minor): (c_int, c_int) = (0, 0);
+    // SAFETY: plain out-parameters.
+    check(
+        unsafe { nv::nvrtcVersion(&mut major, &mut minor) },
+        "version",
+    )?;
+    Ok((major, minor))
+}
+
+/// The real architectures (`sm_XY`) this NVRTC can compile for, as XY numbers.
+pub fn supported_archs() -> Result<Vec<u32>, String> {
+    if !nvrtc_available() {
+        return Err(NVRTC_HINT.to_string());
+    }
+    let mut n: c_int = 0;
+    // SAFETY: out-parameter, then a buffer of the announced size.
+    unsafe {
+        check(nv::nvrtcGetNumSupportedArchs(&mut n), "arch count")?;
+        let mut archs = vec![0 as c_int; n.max(0) as usize];
+        check(nv::nvrtcGetSupportedArchs(archs.as_mut_ptr()), "arch list")?;
+        Ok(archs.into_iter().map(|a| a as u32).collect())
+    }
+}
+
+/// Picks what to compile for a device of compute capability `arch` (e.g. 90): its own
+/// machine code when NVRTC supports it, else PTX for the newest older virtual architecture.
+pub fn target_for(arch: u32) -> Result<Target, String> {
+    let archs = supported_archs()?;
+    if archs.contains(&arch) {
+        return Ok(Target { arch, cubin: true });
+    }
+    match archs.iter().copied().filter(|&a| a <= arch).max() {
+        Some(a) => Ok(Target {
+            arch: a,
+            cubin: false,
+        }),
+        None => Err(format!(
+            "this NVRTC cannot compile for compute capability {}.{} (it knows {archs:?}); use an \
+             NVRTC of the CUDA version the driver supports",
+            arch / 10,
+            arch % 10
+        )),
+    }
+}
+
+/// Include directories passed to NVRTC (those that exist), in search order.
+pub fn include_dirs() -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = Vec::new();
+    if let Ok(extra) = std::env::var("DFLASH_CUDA_INCLUDE") {
+        dirs.extend(
+            extra
+                .split(':')
+                .filter(|s| !s.is_empty())
+                .map(PathBuf::from),
+        );
+    }
+    for var in ["CUDA_HOME", "CUDA_PATH"] {
+        if let Ok(home) = std::env::var(var) {
+            if !home.is_empty() {
+                dirs.push(Path::new(&home).join("include"));
+            }
+        }
+    }
+    dirs.push(PathBuf::from("/usr/local/cuda/include"));
+    dirs.push(PathBuf::from("/opt/cuda/include"));
+    if let Ok(entries) = std::fs::read_dir("/usr/local") {
+        let mut versioned: Vec<PathBuf> = entries
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_string_lossy().starts_with("cuda-"))
+            .map(|e| e.path().join("include"))
+            .collect();
+        versioned.sort();
+        versioned.reverse();
+        dirs.extend(versioned);
+    }
+    let mut seen = std::collections::HashSet::new();
+    dirs.into_iter()
+        .filter(|d| d.is_dir() && seen.insert(d.clone()))
+        .collect()
+}
+
+/// The options every module is compiled with (besides include paths).
+///
+/// `--fmad=false`: no multiply-add is fused unless the source says so (`__fmaf_rn`), so the
+/// arithmetic is the one written, as in the CPU reference; IEEE division and square root;
+/// denormals kept.
+fn options(target: Target) -> Vec<String> {
+    vec![
+        format!("--gpu-architecture={}", target.arch_flag()),
+        "--fmad=false".into(),
+        "--prec-div=true".into(),
+        "--prec-sqrt=true".into(),
+        "--ftz=false".into(),
+        "--std=c++17".into(),
+    ]
+}
+
+/// Compiles `module` for `target` with NVRTC (no cache).
+pub fn compile(module: Module, target: Target) -> Result<Image, String> {
+    if !nvrtc_available() {
+        return Err(NVRTC_HINT.to_string());
+    }
+    let src = CString::new(module.source()).map_err(|e| e.to_string())?;
+    let name = CString::new(format!("{}.cu", module.name())).map_err(|e| e.to_string())?;
+    let mut opts = options(target);
+    for dir in include_dirs() {
+        opts.push(format!("--include-path={}", dir.display()));
+    }
+    let c_opts: Vec<CString> = opts
+        .iter()
+        .map(|o| CString::new(o.as_str()).map_err(|e| e.to_string()))
+        .collect::<Result<_, _>>()?;
+    let ptrs: Vec<*const c_char> = c_opts.iter().map(|o| o.as_ptr()).collect();
+
+    let mut prog: nv::nvrtcProgram = std::ptr::null_mut();
+    // SAFETY: the source, name and option strings outlive the program; the program is
+    // destroyed on every path below.
+    unsafe {
+        check(
+            nv::nvrtcCreateProgram(
+                &mut prog,
+                src.as_ptr(),
+                name.as_ptr(),
+                0,
+                std::ptr::null(),
+                std::ptr::null(),
+            ),
+            "create program",
+        )?;
+        let result = (|| {
+            let r = nv::nvrtcCompileProgram(prog, ptrs.len() as c_int, ptrs.as_ptr());
+            if r != nv::nvrtcResult::NVRTC_SUCCESS {
+                let log = program_log(prog);
+                return Err(format!(
+                    "NVRTC could not compile {}.cu for {} ({r:?}), options {opts:?}:\n{log}",
+                    module.name(),
+                    target.arch_flag()
+                ));
+            }
+            let mut size = 0usize;
+            if target.cubin {
+                check(nv::nvrtcGetCUBINSize(prog, &mut size), "cubin size")?;
+                let mut bin = vec![0u8; size];
+                check(
+                    nv::nvrtcGetCUBIN(prog, bin.as_mut_ptr() as *mut c_char),
+                    "get cubin",
+                )?;
+                Ok(Image::Cubin(bin))
+            } else {
+                check(nv::nvrtcGetPTXSize(prog, &mut size), "ptx size")?;
+                let mut buf = vec![0u8; size];
+                check(
+                    nv::nvrtcGetPTX(prog, buf.as_mut_ptr() as *mut c_char),
+                    "get ptx",
+                )?;
+                let text = CStr::from_bytes_until_nul(&buf)
+                    .map_err(|e| e.to_string())?
+                    .to_string_lossy()
+                    .into_owned();
+                Ok(Image::Ptx(text))
+            }
+        })();
+        nv::nvrtcDestroyProgram(&mut prog);
+        result
+    }
+}
+
+/// The compile log of `prog` (empty when it cannot be read).
+unsafe fn program_log(prog: nv::nvrtcProgram) -> String {
+    let mut size = 0usize;
+    if nv::nvrtcGetProgramLogSize(prog, &mut size) != nv::nvrtcResult::NVRTC_SUCCESS {
+        return String::new();
+    }
+    let mut buf = vec![0u8; size.max(1)];
+    if nv::nvrtcGetProgramLog(prog, buf.as_mut_ptr() as *mut c_char)
+        != nv::nvrtcResult::NVRTC_SUCCESS
+    {
+        return String::new();
+    }
+    CStr::from_bytes_until_nul(&buf)
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+/// The dflash cache root: `$DFLASH_CACHE_DIR`, else `$XDG_CACHE_HOME/dflash`, else
+/// `~/.cache/dflash`.
+pub fn cache_root() -> Option<PathBuf> {
+    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty());
+    if let Some(d) = var("DFLASH_CACHE_DIR") {
+        return Some(PathBuf::from(d));
+    }
+    if let Some(d) = var("XDG_CACHE_HOME") {
+        return Some(PathBuf::from(d).join("dflash"));
+    }
+    var("HOME").map(|h| PathBuf::from(h).join(".cache").join("dflash"))
+}
+
+/// 64-bit FNV-1a over several byte strings (each followed by a zero byte).
+fn fnv1a(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for p in parts {
+        for &b in p.iter().chain(std::iter::once(&0u8)) {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h
+}
+
+/// Where the compiled `module` for `target` is cached (None when caching is off).
+pub fn cache_path(module: Module, target: Target) -> Result<Option<PathBuf>, String> {
+    if std::env::var("DFLASH_CUDA_NO_CACHE").is_ok_and(|v| v != "0" && !v.is_empty()) {
+        return Ok(None);
+    }
+    let Some(root) = cache_root() else {
+        return Ok(None);
+    };
+    let (major, minor) = nvrtc_version()?;
+    let version = format!("nvrtc {major}.{minor}");
+    let opts = options(target).join(" ");
+    let src = module.source();
+    let key = fnv1a(&[
+        src.as_bytes(),
+        target.arch_flag().as_bytes(),
+        version.as_bytes(),
+        opts.as_bytes(),
+    ]);
+    let ext = if target.cubin { "cubin" } else { "ptx" };
+    Ok(Some(root.join("cuda-kernels").join(format!(
+        "{}-{}-{key:016x}.{ext}",
+        module.name(),
+        target.arch_flag()
+    ))))
+}
+
+/// The compiled `module` for `target`: from the cache when there, else compiled with NVRTC
+/// and stored (a cache that cannot be written is skipped, not an error).
+pub fn load_or_compile(module: Module, target: Target) -> Result<Image, String> {
+    let path = cache_path(module, target)?;
+    if let Some(p) = &path {
+        if let Ok(bytes) = std::fs::read(p) {
+            if !bytes.is_empty() {
+                return Ok(if target.cubin {
+                    Image::Cubin(bytes)
+                } else {
+                    Image::Ptx(String::from_utf8_lossy(&bytes).into_owned())
+                });
+            }
+        }
+    }
+    let started = std::time::Instant::now();
+    let image = compile(module, target)?;
+    tracing::debug!(
+        "compiled CUDA module {} for {} in {:.1} s",
+        module.name(),
+        target.arch_flag(),
+        started.elapsed().as_secs_f64()
+    );
+    if let Some(p) = &path {
+        let bytes: &[u8] = match &image {
+            Image::Cubin(b) => b,
+            Image::Ptx(s) => s.as_bytes(),
+        };
+        if let Err(e) = write_atomic(p, bytes) {
+            tracing::warn!("could not cache CUDA kernels at {}: {e}", p.display());
+        }
+    }
+    Ok(image)
+}
+
+/// Writes `bytes` to `path` through a temporary file and a rename, so that a reader never
+/// sees a partial file (several processes may compile at once).
+fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir)?;
+    let tmp = dir.join(format!(
+        ".{}.{}.tmp",
+        path.file_name().unwrap_or_default().to_string_lossy(),
+        std::process::id()
+    ));
+    std::fs::write(&tmp, bytes)?;
+    std::fs::rename(&tmp, path)
+}
+
+/// Compiles every kernel module for `sm_<arch>` (no GPU needed, only NVRTC), returning each
+/// module's name and image size. Used to check the kernel sources.
+pub fn compile_all(arch: u32) -> Result<Vec<(&'static str, usize)>, String> {
+    let target = Target { arch, cubin: true };
+    Module::ALL
+        .iter()
+        .map(|&m| compile(m, target).map(|img| (m.name(), img.len())))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sources_paste_common() {
+        for m in Module::ALL {
+            let s = m.source();
+            assert!(!s.contains(INCLUDE_COMMON));
+            assert!(s.contains("decode_group"));
+        }
+    }
+
+    #[test]
+    fn hash_depends_on_every_part() {
+        let a = fnv1a(&[b"x", b"sm_90"]);
+        assert_ne!(a, fnv1a(&[b"x", b"sm_89"]));
+        assert_ne!(a, fnv1a(&[b"xs", b"m_90"]));
+        assert_eq!(a, fnv1a(&[b"x", b"sm_90"]));
+    }
+}

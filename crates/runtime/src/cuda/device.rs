@@ -1,0 +1,552 @@
+//! The CUDA device: context, the one stream, the loaded kernels, launches and copies.
+
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::sys as cu;
+use cudarc::driver::{result as drv, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr};
+
+use super::compile::{self, Image, Module, Target};
+use crate::dtype::DType;
+use crate::error::RuntimeError;
+
+/// How large products (prefill) are computed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefillGemm {
+    /// The same kernel as decode, over blocks of 16 rows of x: every row's result is
+    /// bit-identical to what it gets alone (M = 1), for any M. The default.
+    Kernel,
+    /// For `M >= min_rows` (and M > 16): dequantize the weight to f32 and call cuBLAS SGEMM
+    /// (pedantic math: no TF32). Faster prefill, but a row's result then depends on M, so the
+    /// prompt's KV is no longer bit-identical to a token-by-token run. Needs libcublas.
+    Cublas { min_rows: usize },
+}
+
+/// Options of the CUDA backend.
+#[derive(Clone, Debug)]
+pub struct CudaOptions {
+    /// Device ordinal.
+    pub device: usize,
+    pub prefill_gemm: PrefillGemm,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        Self {
+            device: 0,
+            prefill_gemm: PrefillGemm::Kernel,
+        }
+    }
+}
+
+impl CudaOptions {
+    /// Defaults, overridden by `DFLASH_CUDA_DEVICE` (ordinal) and `DFLASH_CUDA_GEMM`
+    /// (`kernel`, or `cublas` / `cublas:<min_rows>` for the cuBLAS prefill path).
+    pub fn from_env() -> Result<Self, RuntimeError> {
+        let mut o = Self::default();
+        if let Ok(v) = std::env::var("DFLASH_CUDA_DEVICE") {
+            o.device = v.trim().parse().map_err(|_| {
+                RuntimeError::Device(format!("DFLASH_CUDA_DEVICE={v:?} is not a device number"))
+            })?;
+        }
+        if let Ok(v) = std::env::var("DFLASH_CUDA_GEMM") {
+            let v = v.trim();
+            o.prefill_gemm = match v.split_once(':') {
+                _ if v.is_empty() || v == "kernel" => PrefillGemm::Kernel,
+                None if v == "cublas" => PrefillGemm::Cublas { min_rows: 64 },
+                Some(("cublas", n)) => PrefillGemm::Cublas {
+                    min_rows: n.parse().map_err(|_| {
+                        RuntimeError::Device(format!("DFLASH_CUDA_GEMM={v:?}: bad row count"))
+                    })?,
+                },
+                _ => {
+                    return Err(RuntimeError::Device(format!(
+                        "DFLASH_CUDA_GEMM={v:?}: expected `kernel`, `cublas` or `cublas:<rows>`"
+                    )))
+                }
+            };
+        }
+        Ok(o)
+    }
+}
+
+/// Suffixes of the per-format kernels, in `dtype_index` order.
+pub(crate) const DTYPE_SUFFIX: [&str; 8] =
+    ["f32", "f16", "bf16", "q4_0", "q4_1", "q8_0", "q4k", "q6k"];
+
+/// The index of a format in the kernels' numbering (DT_* in common.cu).
+pub(crate) fn dtype_index(d: DType) -> usize {
+    match d {
+        DType::F32 => 0,
+        DType::F16 => 1,
+        DType::BF16 => 2,
+        DType::Q4_0 => 3,
+        DType::Q4_1 => 4,
+        DType::Q8_0 => 5,
+        DType::Q4K => 6,
+        DType::Q6K => 7,
+    }
+}
+
+/// Rows of x per block of the matmul kernels, and the matching weight rows per warp.
+pub(crate) const MM_TILES: [usize; 5] = [1, 2, 4, 8, 16];
+pub(crate) const MM_WARPS: usize = 8;
+
+pub(crate) fn mm_rows_per_warp(mt: usize) -> usize {
+    match mt {
+        1 => 4,
+        2 => 2,
+        _ => 1,
+    }
+}
+
+/// Dynamic shared memory of a matmul kernel with `mt` rows of x per block (matmul.cu).
+pub(crate) fn mm_smem_bytes(mt: usize) -> usize {
+    mt * 32 * 33 * 4
+}
+
+/// Function handles of every kernel.
+pub(crate) struct Kernels {
+    /// `mm[dtype_index * 5 + tile_index]`.
+    pub mm: Vec<CudaFunction>,
+    /// `dequant[dtype_index]` (rows that are whole groups).
+    pub dequant: Vec<CudaFunction>,
+    pub dequant_float_any: CudaFunction,
+    pub add: CudaFunction,
+    pub add_bias: CudaFunction,
+    pub silu_mul: CudaFunction,
+    pub gather_rows: CudaFunction,
+    pub copy_columns: CudaFunction,
+    pub rms_norm: CudaFunction,
+    pub rope: CudaFunction,
+    pub argmax_rows: CudaFunction,
+    pub kv_write: CudaFunction,
+    pub kv_copy: CudaFunction,
+    pub attention: CudaFunction,
+}
+
+/// A kernel argument. Every argument is passed through an 8-byte slot; the kernel reads as
+/// many bytes as its parameter has (little-endian, so 4-byte values sit in the low half).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Arg {
+    /// A device pointer (`T*` in the kernel).
+    Ptr(u64),
+    /// `int`.
+    I32(i32),
+    /// `long long` (`i64`).
+    I64(i64),
+    /// `float`.
+    F32(f32),
+}
+
+/// `usize` as an `int` kernel argument; panics when it does not fit.
+pub(crate) fn int(v: usize) -> Arg {
+    Arg::I32(
+        i32::try_from(v).unwrap_or_else(|_| panic!("{v} does not fit a 32-bit kernel argument")),
+    )
+}
+
+/// `usize` as a `long long` kernel argument.
+pub(crate) fn long(v: usize) -> Arg {
+    Arg::I64(i64::try_from(v).expect("size fits i64"))
+}
+
+/// Panics with the CUDA error (ops have no error channel in the `Backend` trait).
+pub(crate) fn ck<T>(r: Result<T, drv::DriverError>, what: &str) -> T {
+    r.unwrap_or_else(|e| panic!("CUDA {what} failed: {e}"))
+}
+
+/// Scratch buffers reused across ops (no allocation in a steady decode loop).
+#[derive(Default)]
+pub(crate) struct Scratch {
+    /// Token ids (embed) and row indices (gather_rows).
+    pub idx: Option<CudaSlice<u32>>,
+    /// argmax results.
+    pub argmax: Option<CudaSlice<u32>>,
+    /// Dequantized weight panels for the cuBLAS path.
+    pub deq: Option<CudaSlice<f32>>,
+}
+
+/// Returns `slot`'s buffer, reallocated when shorter than `n` (contents undefined).
+pub(crate) fn ensure<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+    stream: &Arc<CudaStream>,
+    slot: &mut Option<CudaSlice<T>>,
+    n: usize,
+) -> u64 {
+    if slot.as_ref().is_none_or(|s| s.len() < n) {
+        *slot = None;
+        *slot = Some(ck(stream.alloc_zeros::<T>(n.max(1)), "allocation"));
+    }
+    dptr(stream, slot.as_ref().expect("just set"))
+}
+
+/// The raw device address of a buffer.
+pub(crate) fn dptr<T>(stream: &CudaStream, s: &CudaSlice<T>) -> u64 {
+    let (p, _sync) = s.device_ptr(stream);
+    p
+}
+
+/// The device and everything the ops share.
+pub(crate) struct Device {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    pub k: Kernels,
+    /// Largest rows-of-x tile the matmul kernels may use (16 when the device allows the
+    /// shared memory it needs).
+    pub max_mt: usize,
+    pub name: String,
+    pub compute_capability: (i32, i32),
+    pub target: Target,
+    pub blas: Option<CudaBlas>,
+    pub prefill_gemm: PrefillGemm,
+    pub scratch: Mutex<Scratch>,
+    /// Device buffers of dropped metadata, reused by `upload_meta`.
+    pub meta_pool: Arc<Mutex<Vec<CudaSlice<u32>>>>,
+}
+
+impl Device {
+    /// Opens the device. Every missing piece (driver, GPU, NVRTC, cuBLAS when asked for)
+    /// is an error that says what is missing and how to fix it.
+    pub fn open(opts: &CudaOptions) -> Result<Device, RuntimeError> {
+        // cudarc panics when a library or symbol cannot be loaded; check the libraries first
+        // and keep any other panic from escaping as one.
+        match std::panic::catch_unwind(|| Self::open_inner(opts)) {
+            Ok(r) => r,
+            Err(p) => {
+                let msg = p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_else(|| "unknown panic".into());
+                Err(RuntimeError::Device(format!(
+                    "CUDA initialisation failed: {msg}"
+                )))
+            }
+        }
+    }
+
+    fn open_inner(opts: &CudaOptions) -> Result<Device, RuntimeError> {
+        let dev_err = RuntimeError::Device;
+        // SAFETY: only tries to open the library.
+        if !unsafe { cu::is_culib_present() } {
+            return Err(dev_err(
+                "the NVIDIA driver library (libcuda.so.1) was not found: install the NVIDIA \
+                 driver, or add the folder holding libcuda.so.1 to LD_LIBRARY_PATH"
+                    .into(),
+            ));
+        }
+        if let Err(e) = drv::init() {
+            return Err(dev_err(format!(
+                "the CUDA driver did not initialise ({e}); is an NVIDIA GPU present and the \
+                 driver loaded (does `nvidia-smi` work)?"
+            )));
+        }
+        let count = CudaContext::device_count()
+            .map_err(|e| dev_err(format!("could not count CUDA devices: {e}")))?;
+        if count <= 0 {
+            return Err(dev_err(
+                "no CUDA GPU found (the driver reports 0 devices)".into(),
+            ));
+        }
+        if opts.device >= count as usize {
+            return Err(dev_err(format!(
+                "CUDA device {} requested, but only {count} present",
+                opts.device
+            )));
+        }
+        if !compile::nvrtc_available() {
+            return Err(dev_err(compile::NVRTC_HINT.into()));
+        }
+        if matches!(opts.prefill_gemm, PrefillGemm::Cublas { .. })
+            // SAFETY: only tries to open the library.
+            && !unsafe { cudarc::cublas::sys::is_culib_present() }
+        {
+            return Err(dev_err(
+                "cuBLAS (libcublas.so.13) was not found, and DFLASH_CUDA_GEMM asks for the \
+                 cuBLAS prefill path: install the CUDA toolkit or the `nvidia-cublas` wheel \
+                 (and add its lib folder to LD_LIBRARY_PATH), or unset DFLASH_CUDA_GEMM"
+                    .into(),
+            ));
+        }
+
+        let ctx = CudaContext::new(opts.device)
+            .map_err(|e| dev_err(format!("could not open CUDA device {}: {e}", opts.device)))?;
+        // One stream only: cudarc's per-buffer event tracking (an event record per buffer use
+        // and a wait per launch) buys nothing and costs per-launch overhead, so it is turned
+        // off before any buffer is allocated. SAFETY: all work goes to `stream`, in order.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| dev_err(format!("could not create a CUDA stream: {e}")))?;
+        let cc = ctx
+            .compute_capability()
+            .map_err(|e| dev_err(format!("could not read the compute capability: {e}")))?;
+        let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        keep_pool_memory(&ctx);
+
+        let arch = match std::env::var("DFLASH_CUDA_ARCH") {
+            Ok(v) => v
+                .trim()
+                .trim_start_matches("sm_")
+                .parse::<u32>()
+                .map_err(|_| dev_err(format!("DFLASH_CUDA_ARCH={v:?}: expected e.g. sm_90")))?,
+            Err(_) => (cc.0 * 10 + cc.1) as u32,
+        };
+        let target = compile::target_for(arch).map_err(dev_err)?;
+        let (k, target) = load_kernels(&ctx, target).map_err(dev_err)?;
+
+        let optin = ctx
+            .attribute(
+                cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )
+            .unwrap_or(48 * 1024) as usize;
+        let mut max_mt = 1;
+        for (ti, &mt) in MM_TILES.iter().enumerate() {
+            let need = mm_smem_bytes(mt);
+            if need > optin {
+                break;
+            }
+            if need > 48 * 1024 {
+                let mut ok = true;
+                for d in 0..DTYPE_SUFFIX.len() {
+                    ok &= k.mm[d * MM_TILES.len() + ti]
+                        .set_attribute(
+                            cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            need as i32,
+                        )
+                        .is_ok();
+                }
+                if !ok {
+                    break;
+                }
+            }
+            max_mt = mt;
+        }
+
+        let blas = match opts.prefill_gemm {
+            PrefillGemm::Kernel => None,
+            PrefillGemm::Cublas { .. } => {
+                let blas = CudaBlas::new(stream.clone())
+                    .map_err(|e| dev_err(format!("could not start cuBLAS: {e}")))?;
+                // SAFETY: a valid handle; pedantic math keeps SGEMM in full f32 (no TF32).
+                let r = unsafe {
+                    cudarc::cublas::sys::cublasSetMathMode(
+                        *blas.handle(),
+                        cudarc::cublas::sys::cublasMath_t::CUBLAS_PEDANTIC_MATH,
+                    )
+                };
+                if r != cudarc::cublas::sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                    return Err(dev_err(format!("could not set cuBLAS math mode: {r:?}")));
+                }
+                Some(blas)
+            }
+        };
+
+        Ok(Device {
+            ctx,
+            stream,
+            k,
+            max_mt,
+            name,
+            compute_capability: cc,
+            target,
+            blas,
+            prefill_gemm: opts.prefill_gemm,
+            scratch: Mutex::new(Scratch::default()),
+            meta_pool: Arc::new(Mutex::new(Vec::new())),
+        })
+    }
+
+    /// Makes the context current on the calling thread.
+    pub fn bind(&self) {
+        ck(
+            self.ctx.bind_to_thread(),
+            "binding the context to this thread",
+        );
+    }
+
+    /// Launches `f` on the stream. `name` is for error messages.
+    pub fn launch(
+        &self,
+        f: &CudaFunction,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        smem: u32,
+        args: &[Arg],
+    ) {
+        const MAX_ARGS: usize = 16;
+        assert!(args.len() <= MAX_ARGS, "too many kernel arguments");
+        assert!(
+            grid.0 > 0 && grid.1 > 0 && grid.2 > 0,
+            "empty grid for {name}"
+        );
+        assert!(
+            grid.1 <= 65535 && grid.2 <= 65535,
+            "grid too large for {name}: {grid:?}"
+        );
+        let mut slots = [0u64; MAX_ARGS];
+        for (s, a) in slots.iter_mut().zip(args) {
+            *s = match *a {
+                Arg::Ptr(p) => p,
+                Arg::I32(v) => v as u32 as u64,
+                Arg::I64(v) => v as u64,
+                Arg::F32(v) => v.to_bits() as u64,
+            };
+        }
+        let mut params = [std::ptr::null_mut::<c_void>(); MAX_ARGS];
+        for (p, s) in params.iter_mut().zip(slots.iter_mut()) {
+            *p = s as *mut u64 as *mut c_void;
+        }
+        // SAFETY: the argument list matches the kernel's parameters (each call site is
+        // written against the kernel's signature) and the slots outlive the call, which
+        // copies the parameters.
+        let r = unsafe {
+            drv::launch_kernel(
+                f.cu_function(),
+                grid,
+                block,
+                smem,
+                self.stream.cu_stream(),
+                &mut params[..args.len()],
+            )
+        };
+        ck(r, &format!("launch of {name}"));
+    }
+
+    /// Copies `src` to device address `dst` (stream-ordered; `src` may be reused at once).
+    pub fn htod<T>(&self, src: &[T], dst: u64) {
+        if src.is_empty() {
+            return;
+        }
+        // SAFETY: `dst` is a live buffer of at least `src.len()` elements (callers ensure it).
+        ck(
+            unsafe { drv::memcpy_htod_async(dst, src, self.stream.cu_stream()) },
+            "host-to-device copy",
+        );
+    }
+
+    /// Copies device address `src` into `dst` and waits for it.
+    pub fn dtoh<T>(&self, src: u64, dst: &mut [T]) {
+        if dst.is_empty() {
+            return;
+        }
+        // SAFETY: `src` is a live buffer of at least `dst.len()` elements (callers ensure it).
+        ck(
+            unsafe { drv::memcpy_dtoh_async(dst, src, self.stream.cu_stream()) },
+            "device-to-host copy",
+        );
+        ck(self.stream.synchronize(), "stream synchronisation");
+    }
+
+    /// Allocates `n` zeroed elements (at least one, so that every buffer has an address).
+    pub fn zeros<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        n: usize,
+    ) -> CudaSlice<T> {
+        ck(self.stream.alloc_zeros::<T>(n.max(1)), "allocation")
+    }
+
+    /// Allocates `n` elements with undefined contents (at least one).
+    pub fn uninit<T: cudarc::driver::DeviceRepr>(&self, n: usize) -> CudaSlice<T> {
+        // SAFETY: callers write before they read (or the contents are documented undefined).
+        ck(unsafe { self.stream.alloc::<T>(n.max(1)) }, "allocation")
+    }
+
+    pub fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
+        dptr(&self.stream, s)
+    }
+}
+
+/// Keeps freed memory in the device's default pool instead of returning it to the driver at
+/// every synchronisation, so that stream-ordered allocations after a sync stay cheap.
+fn keep_pool_memory(ctx: &CudaContext) {
+    if !ctx.has_async_alloc() {
+        return;
+    }
+    // SAFETY: plain driver queries on the current device; failures are ignored (this is
+    // only a performance setting).
+    unsafe {
+        let mut pool: cu::CUmemoryPool = std::ptr::null_mut();
+        if cu::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) == cu::CUresult::CUDA_SUCCESS {
+            let mut threshold: u64 = u64::MAX;
+            let _ = cu::cuMemPoolSetAttribute(
+                pool,
+                cu::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                &mut threshold as *mut u64 as *mut c_void,
+            );
+        }
+    }
+}
+
+/// Compiles (or reads from the cache) and loads every module; falls back from machine code
+/// to PTX when the driver refuses the machine code.
+fn load_kernels(ctx: &Arc<CudaContext>, target: Target) -> Result<(Kernels, Target), String> {
+    match load_kernels_for(ctx, target) {
+        Ok(k) => Ok((k, target)),
+        Err(e) if target.cubin => {
+            let ptx = Target {
+                arch: target.arch,
+                cubin: false,
+            };
+            tracing::warn!(
+                "loading {} kernels failed ({e}); trying PTX",
+                target.arch_flag()
+            );
+            load_kernels_for(ctx, ptx)
+                .map(|k| (k, ptx))
+                .map_err(|e2| format!("{e}; with PTX: {e2}"))
+        }
+        Err(e) => Err(e),
+    }
+}
+
+fn load_kernels_for(ctx: &Arc<CudaContext>, target: Target) -> Result<Kernels, String> {
+    let mut modules = Vec::new();
+    for m in Module::ALL {
+        let image = compile::load_or_compile(m, target)?;
+        let ptx = match image {
+            Image::Cubin(bytes) => cudarc::nvrtc::Ptx::from_binary(bytes),
+            Image::Ptx(text) => cudarc::nvrtc::Ptx::from_src(text),
+        };
+        let module = ctx.load_module(ptx).map_err(|e| {
+            format!(
+                "the driver could not load the {} kernels built for {}: {e}",
+                m.name(),
+                target.arch_flag()
+            )
+        })?;
+        modules.push((m, module));
+    }
+    let get = |m: Module, name: &str| -> Result<CudaFunction, String> {
+        let module = &modules.iter().find(|(mm, _)| *mm == m).expect("loaded").1;
+        module
+            .load_function(name)
+            .map_err(|e| format!("kernel {name} missing from {}.cu: {e}", m.name()))
+    };
+    let mut mm = Vec::new();
+    let mut dequant = Vec::new();
+    for sfx in DTYPE_SUFFIX {
+        for mt in MM_TILES {
+            mm.push(get(Module::Matmul, &format!("mm_{sfx}_{mt}"))?);
+        }
+        dequant.push(get(Module::Matmul, &format!("dequant_{sfx}"))?);
+    }
+    Ok(Kernels {
+        mm,
+        dequant,
+        dequant_float_any: get(Module::Matmul, "dequant_float_any")?,
+        add: get(Module::Ops, "add_f32")?,
+        add_bias: get(Module::Ops, "add_bias_f32")?,
+        silu_mul: get(Module::Ops, "silu_mul_f32")?,
+        gather_rows: get(Module::Ops, "gather_rows_f32")?,
+        copy_columns: get(Module::Ops, "copy_columns_f32")?,
+        rms_norm: get(Module::Ops, "rms_norm_f32")?,
+        rope: get(Module::Ops, "rope_f32")?,
+        argmax_rows: get(Module::Ops, "argmax_rows_f32")?,
+        kv_write: get(Module::Ops, "kv_write_f32")?,
+        kv_copy: get(Module::Ops, "kv_copy_f32")?,
+        attention: get(Module::Attention, "attention_f32")?,
+    })
+}

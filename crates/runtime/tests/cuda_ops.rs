@@ -1,0 +1,932 @@
+//! The CUDA backend against the CPU backend, op by op, on random inputs; and the batch
+//! invariance the lossless contract needs (a row's matmul and attention results are
+//! bit-identical whatever it is batched with).
+//!
+//! Every test first opens the GPU and prints "skipped: no CUDA device (<reason>)" and returns
+//! when there is none, so `cargo test --features cuda` passes on machines without one.
+//! `kernels_compile_with_nvrtc` needs only NVRTC (no GPU).
+#![cfg(feature = "cuda")]
+
+use std::sync::OnceLock;
+
+use dflash_runtime::backend::{AttnShape, RopeStyle};
+use dflash_runtime::cpu::CpuBackend;
+use dflash_runtime::cuda::{compile, CudaBackend, CudaOptions, PrefillGemm};
+use dflash_runtime::{Backend, DType, HostWeight, TokenMeta, WeightBytes};
+use rand::{Rng, SeedableRng};
+
+fn gpu() -> Option<&'static CudaBackend> {
+    static GPU: OnceLock<Result<CudaBackend, String>> = OnceLock::new();
+    match GPU.get_or_init(|| CudaBackend::new().map_err(|e| e.to_string())) {
+        Ok(b) => Some(b),
+        Err(e) => {
+            println!("skipped: no CUDA device ({e})");
+            None
+        }
+    }
+}
+
+fn cpu() -> &'static CpuBackend {
+    static CPU: OnceLock<CpuBackend> = OnceLock::new();
+    CPU.get_or_init(|| CpuBackend::new(2))
+}
+
+fn rng(seed: u64) -> rand::rngs::StdRng {
+    rand::rngs::StdRng::seed_from_u64(seed)
+}
+
+fn random_vec(n: usize, lo: f32, hi: f32, seed: u64) -> Vec<f32> {
+    let mut r = rng(seed);
+    (0..n).map(|_| r.random_range(lo..hi)).collect()
+}
+
+/// Random weights of `dtype`: random codes, finite moderate scales.
+fn random_weight(dtype: DType, rows: usize, cols: usize, seed: u64) -> HostWeight {
+    let mut r = rng(seed);
+    let row_bytes = dtype.row_bytes(cols).expect("whole blocks");
+    let mut bytes = vec![0u8; rows * row_bytes];
+    let f16 = |v: f32| half::f16::from_f32(v).to_bits().to_le_bytes();
+    match dtype {
+        DType::F32 => {
+            for c in bytes.chunks_exact_mut(4) {
+                c.copy_from_slice(&r.random_range(-1.0f32..1.0).to_le_bytes());
+            }
+        }
+        DType::F16 => {
+            for c in bytes.chunks_exact_mut(2) {
+                c.copy_from_slice(&f16(r.random_range(-1.0f32..1.0)));
+            }
+        }
+        DType::BF16 => {
+            for c in bytes.chunks_exact_mut(2) {
+                let b = half::bf16::from_f32(r.random_range(-1.0f32..1.0));
+                c.copy_from_slice(&b.to_bits().to_le_bytes());
+            }
+        }
+        _ => {
+            r.fill(&mut bytes[..]);
+            let scales: &[usize] = match dtype {
+                DType::Q4_0 | DType::Q8_0 => &[0],
+                DType::Q4_1 | DType::Q4K => &[0, 2],
+                DType::Q6K => &[208],
+                _ => unreachable!(),
+            };
+            for blk in bytes.chunks_exact_mut(dtype.block_bytes()) {
+                for &o in scales {
+                    blk[o..o + 2].copy_from_slice(&f16(r.random_range(-0.05f32..0.05)));
+                }
+            }
+        }
+    }
+    HostWeight::new(
+        format!("w_{dtype}"),
+        dtype,
+        rows,
+        cols,
+        WeightBytes::from_vec(bytes),
+    )
+    .expect("consistent shape")
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// Asserts |a - b| <= abs + rel * scale[i] element-wise.
+fn assert_close(what: &str, got: &[f32], want: &[f32], scale: &[f32], rel: f32, abs: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths differ");
+    let mut worst = (0usize, 0f32);
+    for i in 0..got.len() {
+        let err = (got[i] - want[i]).abs();
+        let tol = abs + rel * scale[i];
+        if err.is_nan() || err > tol {
+            panic!(
+                "{what}: element {i}: gpu {} vs cpu {} (error {err}, tolerance {tol})",
+                got[i], want[i]
+            );
+        }
+        if err > worst.1 {
+            worst = (i, err);
+        }
+    }
+    println!("{what}: max |error| {:.3e} at {}", worst.1, worst.0);
+}
+
+fn magnitudes(v: &[f32]) -> Vec<f32> {
+    v.iter().map(|x| x.abs().max(1.0)).collect()
+}
+
+#[test]
+fn missing_pieces_are_errors_not_panics() {
+    // On a machine without a GPU this must come back as an error with a reason; with one,
+    // creation succeeds. Either way it must not panic.
+    match CudaBackend::new() {
+        Ok(b) => println!(
+            "CUDA device: {} (compute {:?}, kernels {})",
+            b.device_name(),
+            b.compute_capability(),
+            b.kernel_target()
+        ),
+        Err(e) => {
+            let msg = e.to_string();
+            println!("skipped: no CUDA device ({msg})");
+            assert!(
+                msg.len() > 20,
+                "the error should say what is missing: {msg}"
+            );
+        }
+    }
+}
+
+#[test]
+fn kernels_compile_with_nvrtc() {
+    if !compile::nvrtc_available() {
+        println!("skipped: NVRTC not found ({})", compile::NVRTC_HINT);
+        return;
+    }
+    let (major, minor) = compile::nvrtc_version().expect("NVRTC version");
+    let archs = compile::supported_archs().expect("NVRTC architectures");
+    println!("NVRTC {major}.{minor}; real architectures {archs:?}");
+    println!("include dirs: {:?}", compile::include_dirs());
+    for arch in [90u32] {
+        let started = std::time::Instant::now();
+        let sizes = compile::compile_all(arch).unwrap_or_else(|e| panic!("sm_{arch}: {e}"));
+        for (name, size) in &sizes {
+            println!("sm_{arch}: {name}.cu -> {size} bytes of CUBIN");
+        }
+        println!(
+            "sm_{arch}: all kernels compiled in {:.1} s",
+            started.elapsed().as_secs_f64()
+        );
+        // The PTX fallback must compile too.
+        let t = compile::Target { arch, cubin: false };
+        for m in compile::Module::ALL {
+            let img = compile::compile(m, t).unwrap_or_else(|e| panic!("compute_{arch}: {e}"));
+            assert!(!img.is_empty());
+        }
+    }
+}
+
+#[test]
+fn upload_reshape_and_copies() {
+    let Some(g) = gpu() else { return };
+    let data = random_vec(6 * 7, -3.0, 3.0, 1);
+    let t = g.upload(&data, 6, 7);
+    assert_eq!(g.shape(&t), (6, 7));
+    assert_eq!(bits(&g.to_host(&t)), bits(&data));
+    let mut out = vec![9.0; 3];
+    g.copy_to_host(&t, &mut out);
+    assert_eq!(bits(&out), bits(&data));
+
+    let mut z = g.tensor(10, 10);
+    assert_eq!(g.to_host(&z), vec![0.0; 100]);
+    let cap = z.capacity();
+    g.reshape(&mut z, 5, 4);
+    assert_eq!(g.shape(&z), (5, 4));
+    assert_eq!(z.capacity(), cap, "shrinking must keep the buffer");
+    g.reshape(&mut z, 10, 10);
+    assert_eq!(
+        z.capacity(),
+        cap,
+        "growing within capacity must keep the buffer"
+    );
+    g.reshape(&mut z, 20, 20);
+    assert!(z.capacity() >= 400);
+    let e = g.tensor(0, 16);
+    assert_eq!(g.to_host(&e), Vec::<f32>::new());
+}
+
+#[test]
+fn embed_every_dtype_bit_exact() {
+    let Some(g) = gpu() else { return };
+    let c = cpu();
+    for (i, dtype) in DType::ALL.into_iter().enumerate() {
+        let cols = if dtype.block_len() == 256 { 512 } else { 96 };
+        let w = random_weight(dtype, 50, cols, 100 + i as u64);
+        let ids: Vec<u32> = vec![0, 49, 7, 7, 23, 1];
+        let (wg, wc) = (g.upload_weight(&w).unwrap(), c.upload_weight(&w).unwrap());
+        let mut og = g.tensor(0, cols);
+        let mut oc = c.tensor(0, cols);
+        g.embed(&wg, &ids, &mut og);
+        c.embed(&wc, &ids, &mut oc);
+        assert_eq!(g.shape(&og), (ids.len(), cols));
+        assert_eq!(
+            bits(&g.to_host(&og)),
+            bits(&c.to_host(&oc)),
+            "embed {dtype} differs from the CPU"
+        );
+    }
+    // Plain float rows that are not whole groups.
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        let w = random_weight(dtype, 9, 40, 7);
+        let ids = [3u32, 8, 0];
+        let mut og = g.tensor(0, 0);
+        let mut oc = cpu().tensor(0, 0);
+        g.embed(&g.upload_weight(&w).unwrap(), &ids, &mut og);
+        c.embed(&w, &ids, &mut oc);
+        assert_eq!(
+            bits(&g.to_host(&og)),
+            bits(&c.to_host(&oc)),
+            "embed {dtype} x40"
+        );
+    }
+}
+
+/// Σ_k |w[n][k] x[m][k]| for every output: the scale rounding errors are measured against.
+fn product_magnitudes(w: &HostWeight, x: &[f32], m: usize) -> Vec<f32> {
+    let wf = w.to_f32();
+    let k = w.cols;
+    let mut out = vec![0f32; m * w.rows];
+    for i in 0..m {
+        for j in 0..w.rows {
+            let s: f64 = (0..k)
+                .map(|kk| (wf[j * k + kk] as f64 * x[i * k + kk] as f64).abs())
+                .sum();
+            out[i * w.rows + j] = s as f32;
+        }
+    }
+    out
+}
+
+#[test]
+fn matmul_every_dtype_matches_cpu_and_is_batch_invariant() {
+    let Some(g) = gpu() else { return };
+    let c = cpu();
+    let ms = [1usize, 2, 5, 16, 100];
+    for (di, dtype) in DType::ALL.into_iter().enumerate() {
+        // More than 32 groups (two staging chunks, the second partial) and an odd row count.
+        let k = if dtype.block_len() == 256 { 1280 } else { 1088 };
+        let n = 67;
+        let w = random_weight(dtype, n, k, 200 + di as u64);
+        let wg = g.upload_weight(&w).unwrap();
+        let x_all = random_vec(100 * k, -2.0, 2.0, 300 + di as u64);
+        let mag = product_magnitudes(&w, &x_all, 100);
+        let mut full = Vec::new();
+        for &m in ms.iter().rev() {
+            let x = &x_all[..m * k];
+            let xg = g.upload(x, m, k);
+            let mut og = g.tensor(0, 0);
+            g.matmul(&xg, &wg, &mut og);
+            assert_eq!(g.shape(&og), (m, n));
+            let got = g.to_host(&og);
+            let xc = c.upload(x, m, k);
+            let mut oc = c.tensor(0, 0);
+            c.matmul(&xc, &w, &mut oc);
+            assert_close(
+                &format!("matmul {dtype} M={m}"),
+                &got,
+                &c.to_host(&oc),
+                &mag[..m * n],
+                2e-6,
+                1e-6,
+            );
+            if m == 100 {
+                full = got;
+            } else {
+                assert_eq!(
+                    bits(&got),
+                    bits(&full[..m * n]),
+                    "matmul {dtype}: rows at M={m} differ from the same rows at M=100"
+                );
+            }
+        }
+        // Single rows (decode) against the same rows inside the M=100 batch (prefill chunks
+        // of 16: rows 15, 16 and 99 sit at chunk edges).
+        for r in [0usize, 7, 15, 16, 31, 50, 99] {
+            let xg = g.upload(&x_all[r * k..(r + 1) * k], 1, k);
+            let mut og = g.tensor(0, 0);
+            g.matmul(&xg, &wg, &mut og);
+            assert_eq!(
+                bits(&g.to_host(&og)),
+                bits(&full[r * n..(r + 1) * n]),
+                "matmul {dtype}: row {r} alone differs from row {r} of the M=100 batch"
+            );
+        }
+    }
+}
+
+#[test]
+fn matmul_many_equals_separate_products() {
+    let Some(g) = gpu() else { return };
+    let k = 256;
+    let ws: Vec<HostWeight> = [(DType::Q4_1, 96), (DType::Q8_0, 32), (DType::F16, 32)]
+        .into_iter()
+        .enumerate()
+        .map(|(i, (d, n))| random_weight(d, n, k, 400 + i as u64))
+        .collect();
+    let wg: Vec<_> = ws.iter().map(|w| g.upload_weight(w).unwrap()).collect();
+    let x = g.upload(&random_vec(3 * k, -1.0, 1.0, 5), 3, k);
+    let mut outs: Vec<_> = (0..3).map(|_| g.tensor(0, 0)).collect();
+    {
+        let refs: Vec<_> = wg.iter().collect();
+        let mut out_refs: Vec<_> = outs.iter_mut().collect();
+        g.matmul_many(&x, &refs, &mut out_refs);
+    }
+    for (w, o) in wg.iter().zip(&outs) {
+        let mut single = g.tensor(0, 0);
+        g.matmul(&x, w, &mut single);
+        assert_eq!(bits(&g.to_host(o)), bits(&g.to_host(&single)));
+    }
+}
+
+#[test]
+fn cublas_prefill_path_matches_cpu() {
+    if gpu().is_none() {
+        return;
+    }
+    let opts = CudaOptions {
+        prefill_gemm: PrefillGemm::Cublas { min_rows: 17 },
+        ..CudaOptions::default()
+    };
+    let g = match CudaBackend::with_options(opts) {
+        Ok(g) => g,
+        Err(e) => {
+            println!("skipped: cuBLAS path unavailable ({e})");
+            return;
+        }
+    };
+    let c = cpu();
+    for (di, dtype) in [DType::Q4_1, DType::Q6K, DType::BF16]
+        .into_iter()
+        .enumerate()
+    {
+        let k = 512;
+        let (n, m) = (70, 40);
+        let w = random_weight(dtype, n, k, 500 + di as u64);
+        let x = random_vec(m * k, -2.0, 2.0, 600 + di as u64);
+        let mut og = g.tensor(0, 0);
+        g.matmul(&g.upload(&x, m, k), &g.upload_weight(&w).unwrap(), &mut og);
+        let mut oc = c.tensor(0, 0);
+        c.matmul(&c.upload(&x, m, k), &w, &mut oc);
+        assert_close(
+            &format!("cuBLAS matmul {dtype} M={m}"),
+            &g.to_host(&og),
+            &c.to_host(&oc),
+            &product_magnitudes(&w, &x, m),
+            2e-6,
+            1e-6,
+        );
+    }
+}
+
+#[test]
+fn rms_norm_is_bit_identical_to_cpu() {
+    let Some(g) = gpu() else { return };
+    let c = cpu();
+    // (rows, cols, weight dim): whole-row groups, head-sized groups, odd sizes, a row of one.
+    for (case, &(rows, cols, dim)) in [
+        (7, 576, 576),
+        (5, 6 * 64, 64),
+        (3, 3 * 40, 40),
+        (33, 17, 17),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let x = random_vec(rows * cols, -4.0, 4.0, 700 + case as u64);
+        let w = random_vec(dim, -1.0, 1.0, 800 + case as u64);
+        for zero_centred in [false, true] {
+            let (wg, wc) = (g.upload(&w, 1, dim), c.upload(&w, 1, dim));
+            // Out of place.
+            let mut xg = g.upload(&x, rows, cols);
+            let mut xc = c.upload(&x, rows, cols);
+            let mut og = g.tensor(0, 0);
+            let mut oc = c.tensor(0, 0);
+            g.rms_norm(&mut xg, &wg, 1e-5, zero_centred, Some(&mut og));
+            c.rms_norm(&mut xc, &wc, 1e-5, zero_centred, Some(&mut oc));
+            let want = c.to_host(&oc);
+            let got = g.to_host(&og);
+            assert_close("rms_norm", &got, &want, &magnitudes(&want), 1e-6, 0.0);
+            assert_eq!(
+                bits(&got),
+                bits(&want),
+                "rms_norm ({rows}x{cols}, dim {dim}, zero_centred {zero_centred}) is not bit-identical"
+            );
+            assert_eq!(bits(&g.to_host(&xg)), bits(&x), "input changed");
+            // In place.
+            g.rms_norm(&mut xg, &wg, 1e-5, zero_centred, None);
+            assert_eq!(bits(&g.to_host(&xg)), bits(&want), "in-place rms_norm");
+        }
+    }
+}
+
+#[test]
+fn rope_both_styles_match_cpu() {
+    let Some(g) = gpu() else { return };
+    let c = cpu();
+    let mut r = rng(9);
+    for style in [RopeStyle::Neox, RopeStyle::Interleaved] {
+        for (head_dim, rot) in [(64usize, 64usize), (64, 32), (128, 128)] {
+            let heads = 5;
+            let t = 9;
+            let half = rot / 2;
+            let inv: Vec<f32> = (0..half)
+                .map(|i| 10000f32.powf(-((2 * i) as f32) / rot as f32))
+                .collect();
+            let meta: Vec<TokenMeta> = (0..t)
+                .map(|i| TokenMeta::causal(i as u32 % 2, r.random_range(0..6000)))
+                .collect();
+            let x = random_vec(t * heads * head_dim, -2.0, 2.0, 900 + head_dim as u64);
+            let mut xg = g.upload(&x, t, heads * head_dim);
+            let mut xc = c.upload(&x, t, heads * head_dim);
+            g.rope(
+                &mut xg,
+                &g.upload_meta(&meta),
+                &g.upload(&inv, 1, half),
+                head_dim,
+                style,
+            );
+            c.rope(
+                &mut xc,
+                &c.upload_meta(&meta),
+                &c.upload(&inv, 1, half),
+                head_dim,
+                style,
+            );
+            let want = c.to_host(&xc);
+            assert_close(
+                &format!("rope {style:?} hd {head_dim} rot {rot}"),
+                &g.to_host(&xg),
+                &want,
+                &magnitudes(&want),
+                1e-6,
+                0.0,
+            );
+        }
+    }
+}
+
+#[test]
+fn elementwise_ops_match_cpu() {
+    let Some(g) = gpu() else { return };
+    let c = cpu();
+    let (rows, cols) = (13, 300);
+    let a = random_vec(rows * cols, -8.0, 8.0, 11);
+    let b = random_vec(rows * cols, -2.0, 2.0, 12);
+    let bias = random_vec(cols, -1.0, 1.0, 13);
+
+    let mut xg = g.upload(&a, rows, cols);
+    let mut xc = c.upload(&a, rows, cols);
+    g.add(&mut xg, &g.upload(&b, rows, cols));
+    c.add(&mut xc, &c.upload(&b, rows, cols));
+    assert_eq!(bits(&g.to_host(&xg)), bits(&c.to_host(&xc)), "add");
+
+    g.add_bias(&mut xg, &g.upload(&bias, 1, cols));
+    c.add_bias(&mut xc, &c.upload(&bias, 1, cols));
+    assert_eq!(bits(&g.to_host(&xg)), bits(&c.to_host(&xc)), "add_bias");
+
+    let mut gg = g.upload(&a, rows, cols);
+    let mut gc = c.upload(&a, rows, cols);
+    g.silu_mul(&mut gg, &g.upload(&b, rows, cols));
+    c.silu_mul(&mut gc, &c.upload(&b, rows, cols));
+    let want = c.to_host(&gc);
+    assert_close(
+        "silu_mul",
+        &g.to_host(&gg),
+        &want,
+        &magnitudes(&want),
+        4e-7,
+        0.0,
+    );
+
+    let sel = [12u32, 0, 5, 5, 7];
+    let mut og = g.tensor(0, 0);
+    let mut oc = c.tensor(0, 0);
+    g.gather_rows(&xg, &sel, &mut og);
+    c.gather_rows(&xc, &sel, &mut oc);
+    assert_eq!(g.shape(&og), (sel.len(), cols));
+    assert_eq!(bits(&g.to_host(&og)), bits(&c.to_host(&oc)), "gather_rows");
+
+    let src = random_vec(rows * 40, -1.0, 1.0, 14);
+    let (sg, sc) = (g.upload(&src, rows, 40), c.upload(&src, rows, 40));
+    let mut dg = g.upload(&a, rows, cols);
+    let mut dc = c.upload(&a, rows, cols);
+    for col in [0, 77, cols - 40] {
+        g.copy_columns(&sg, &mut dg, col);
+        c.copy_columns(&sc, &mut dc, col);
+    }
+    assert_eq!(bits(&g.to_host(&dg)), bits(&c.to_host(&dc)), "copy_columns");
+}
+
+#[test]
+fn argmax_takes_first_maximum_and_skips_nan() {
+    let Some(g) = gpu() else { return };
+    let c = cpu();
+    let cols = 10_000;
+    let mut rows: Vec<Vec<f32>> = vec![
+        {
+            let mut v = vec![0.0; cols];
+            v[1] = 3.0;
+            v[2] = 3.0;
+            v[3] = 2.0;
+            v
+        },
+        {
+            let mut v = vec![0.1; cols];
+            v[0] = f32::NAN;
+            v[1] = 0.5;
+            v
+        },
+        vec![f32::NEG_INFINITY; cols],
+        vec![f32::NAN; cols],
+        random_vec(cols, -1.0, 1.0, 15),
+    ];
+    // Ties far apart (different threads of the kernel): the first one wins.
+    let mut v = random_vec(cols, -1.0, 1.0, 16);
+    for i in [9_999, 4_000, 257, 256, 3_001] {
+        v[i] = 7.0;
+    }
+    rows.push(v);
+    let mut v = vec![f32::NAN; cols];
+    v[cols - 1] = -5.0;
+    rows.push(v);
+    let flat: Vec<f32> = rows.concat();
+    let got = g.argmax_rows(&g.upload(&flat, rows.len(), cols));
+    let want = c.argmax_rows(&c.upload(&flat, rows.len(), cols));
+    assert_eq!(got, want);
+    assert_eq!(got[0], 1);
+    assert_eq!(got[1], 1);
+    assert_eq!(got[2], 0);
+    assert_eq!(got[5], 256);
+    assert_eq!(got[6], (cols - 1) as u32);
+}
+
+/// Fills `layers` layers of rows `lens` (row r holds lens[r] positions) with the same random
+/// K and V on both backends.
+#[allow(clippy::too_many_arguments)]
+fn fill_kv(
+    g: &CudaBackend,
+    c: &CpuBackend,
+    kvg: &mut <CudaBackend as Backend>::Kv,
+    kvc: &mut <CpuBackend as Backend>::Kv,
+    layers: usize,
+    kv_dim: usize,
+    lens: &[usize],
+    seed: u64,
+) {
+    for (row, &len) in lens.iter().enumerate() {
+        g.kv_reserve(kvg, row, len, 0);
+        c.kv_reserve(kvc, row, len, 0);
+        let meta: Vec<TokenMeta> = (0..len)
+            .map(|p| TokenMeta::causal(row as u32, p as u32))
+            .collect();
+        let (mg, mc) = (g.upload_meta(&meta), c.upload_meta(&meta));
+        for layer in 0..layers {
+            let s = seed + 1000 * row as u64 + 10 * layer as u64;
+            let k = random_vec(len * kv_dim, -1.0, 1.0, s);
+            let v = random_vec(len * kv_dim, -1.0, 1.0, s + 1);
+            g.kv_write(
+                kvg,
+                layer,
+                &g.upload(&k, len, kv_dim),
+                &g.upload(&v, len, kv_dim),
+                &mg,
+            );
+            c.kv_write(
+                kvc,
+                layer,
+                &c.upload(&k, len, kv_dim),
+                &c.upload(&v, len, kv_dim),
+                &mc,
+            );
+        }
+    }
+}
+
+#[test]
+fn attention_ragged_rows_and_masks_match_cpu_and_are_batch_invariant() {
+    let Some(g) = gpu() else { return };
+    let c = cpu();
+    let (layers, n_heads, n_kv_heads, head_dim) = (2, 6, 2, 64);
+    let kv_dim = n_kv_heads * head_dim;
+    let shape = AttnShape {
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        scale: 1.0 / (head_dim as f32).sqrt(),
+    };
+    let lens = [5usize, 300, 37, 1];
+    let mut kvg = g.kv_new(layers, kv_dim);
+    let mut kvc = c.kv_new(layers, kv_dim);
+    fill_kv(g, c, &mut kvg, &mut kvc, layers, kv_dim, &lens, 40);
+
+    let tm = |row: u32, pos: u32, s: u32, e: u32| TokenMeta {
+        row,
+        pos,
+        kv_start: s,
+        kv_end: e,
+    };
+    let meta = vec![
+        TokenMeta::causal(0, 4),
+        TokenMeta::causal(1, 0),
+        TokenMeta::causal(1, 299),
+        tm(1, 290, 284, 300), // a block of 16 attending to itself bidirectionally
+        tm(1, 284, 284, 300),
+        tm(1, 200, 72, 201), // sliding window
+        TokenMeta::causal(2, 36),
+        tm(2, 10, 0, 37),
+        tm(3, 0, 0, 1),
+        tm(2, 3, 3, 3), // nothing visible: zeros
+        TokenMeta::causal(1, 129),
+    ];
+    let t = meta.len();
+    let q = random_vec(t * n_heads * head_dim, -2.0, 2.0, 77);
+    for layer in 0..layers {
+        let mut og = g.tensor(0, 0);
+        let mut oc = c.tensor(0, 0);
+        g.attention(
+            &g.upload(&q, t, n_heads * head_dim),
+            &kvg,
+            layer,
+            &g.upload_meta(&meta),
+            shape,
+            &mut og,
+        );
+        c.attention(
+            &c.upload(&q, t, n_heads * head_dim),
+            &kvc,
+            layer,
+            &c.upload_meta(&meta),
+            shape,
+            &mut oc,
+        );
+        let got = g.to_host(&og);
+        let want = c.to_host(&oc);
+        assert_close(
+            &format!("attention layer {layer}"),
+            &got,
+            &want,
+            &vec![1.0; want.len()],
+            1e-5,
+            0.0,
+        );
+        let row_len = n_heads * head_dim;
+        assert!(got[9 * row_len..10 * row_len].iter().all(|&v| v == 0.0));
+        // Each token alone gives the same bits as inside the batch.
+        for (i, m) in meta.iter().enumerate() {
+            let mut o1 = g.tensor(0, 0);
+            g.attention(
+                &g.upload(&q[i * row_len..(i + 1) * row_len], 1, row_len),
+                &kvg,
+                layer,
+                &g.upload_meta(std::slice::from_ref(m)),
+                shape,
+                &mut o1,
+            );
+            assert_eq!(
+                bits(&g.to_host(&o1)),
+                bits(&got[i * row_len..(i + 1) * row_len]),
+                "attention of token {i} alone differs from the batch"
+            );
+        }
+    }
+}
+
+#[test]
+fn attention_long_context() {
+    let Some(g) = gpu() else { return };
+    let c = cpu();
+    let (layers, n_heads, n_kv_heads, head_dim) = (1, 4, 1, 128);
+    let kv_dim = n_kv_heads * head_dim;
+    let shape = AttnShape {
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        scale: 1.0 / (head_dim as f32).sqrt(),
+    };
+    let len = 20_000;
+    let mut kvg = g.kv_new(layers, kv_dim);
+    let mut kvc = c.kv_new(layers, kv_dim);
+    fill_kv(g, c, &mut kvg, &mut kvc, layers, kv_dim, &[len], 90);
+    let meta = vec![
+        TokenMeta::causal(0, (len - 1) as u32),
+        TokenMeta::causal(0, 12_345),
+    ];
+    let q = random_vec(2 * n_heads * head_dim, -3.0, 3.0, 91);
+    let mut og = g.tensor(0, 0);
+    let mut oc = c.tensor(0, 0);
+    g.attention(
+        &g.upload(&q, 2, n_heads * head_dim),
+        &kvg,
+        0,
+        &g.upload_meta(&meta),
+        shape,
+        &mut og,
+    );
+    c.attention(
+        &c.upload(&q, 2, n_heads * head_dim),
+        &kvc,
+        0,
+        &c.upload_meta(&meta),
+        shape,
+        &mut oc,
+    );
+    let want = c.to_host(&oc);
+    assert_close(
+        "attention 20k keys",
+        &g.to_host(&og),
+        &want,
+        &vec![1.0; want.len()],
+        1e-5,
+        0.0,
+    );
+}
+
+#[test]
+fn kv_grow_truncate_copy_release() {
+    let Some(g) = gpu() else { return };
+    let c = cpu();
+    let (layers, n_heads, n_kv_heads, head_dim) = (3, 2, 1, 32);
+    let kv_dim = n_kv_heads * head_dim;
+    let shape = AttnShape {
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        scale: 0.2,
+    };
+    let mut kvg = g.kv_new(layers, kv_dim);
+    let mut kvc = c.kv_new(layers, kv_dim);
+    assert_eq!(g.kv_capacity(&kvg, 0), 0);
+    fill_kv(g, c, &mut kvg, &mut kvc, layers, kv_dim, &[8], 500);
+    assert_eq!(g.kv_capacity(&kvg, 0), 8);
+
+    // Grow row 0 keeping 6 positions (a rollback to 6), then write positions 6..20.
+    g.kv_reserve(&mut kvg, 0, 40, 6);
+    c.kv_reserve(&mut kvc, 0, 40, 6);
+    assert_eq!(g.kv_capacity(&kvg, 0), 40);
+    let meta: Vec<TokenMeta> = (6..20).map(|p| TokenMeta::causal(0, p)).collect();
+    let (mg, mc) = (g.upload_meta(&meta), c.upload_meta(&meta));
+    for layer in 0..layers {
+        let k = random_vec(14 * kv_dim, -1.0, 1.0, 600 + layer as u64);
+        let v = random_vec(14 * kv_dim, -1.0, 1.0, 700 + layer as u64);
+        g.kv_write(
+            &mut kvg,
+            layer,
+            &g.upload(&k, 14, kv_dim),
+            &g.upload(&v, 14, kv_dim),
+            &mg,
+        );
+        c.kv_write(
+            &mut kvc,
+            layer,
+            &c.upload(&k, 14, kv_dim),
+            &c.upload(&v, 14, kv_dim),
+            &mc,
+        );
+    }
+    // Fork row 0 into row 3, then release row 0 and reuse it with a small capacity.
+    g.kv_copy_row(&mut kvg, 0, 3, 20);
+    c.kv_copy_row(&mut kvc, 0, 3, 20);
+    assert_eq!(g.kv_capacity(&kvg, 3), 40);
+    let q = random_vec(n_heads * head_dim, -2.0, 2.0, 800);
+    let attend = |row: u32,
+                  kvg: &<CudaBackend as Backend>::Kv,
+                  kvc: &<CpuBackend as Backend>::Kv,
+                  layer: usize| {
+        let m = [TokenMeta::causal(row, 19)];
+        let mut og = g.tensor(0, 0);
+        let mut oc = c.tensor(0, 0);
+        g.attention(
+            &g.upload(&q, 1, n_heads * head_dim),
+            kvg,
+            layer,
+            &g.upload_meta(&m),
+            shape,
+            &mut og,
+        );
+        c.attention(
+            &c.upload(&q, 1, n_heads * head_dim),
+            kvc,
+            layer,
+            &c.upload_meta(&m),
+            shape,
+            &mut oc,
+        );
+        (g.to_host(&og), c.to_host(&oc))
+    };
+    for layer in 0..layers {
+        let (g0, c0) = attend(0, &kvg, &kvc, layer);
+        let (g3, c3) = attend(3, &kvg, &kvc, layer);
+        assert_close(
+            "attention after grow",
+            &g0,
+            &c0,
+            &vec![1.0; c0.len()],
+            1e-5,
+            0.0,
+        );
+        assert_eq!(bits(&c0), bits(&c3), "cpu copy");
+        assert_eq!(bits(&g0), bits(&g3), "a copied row attends like its source");
+    }
+    g.kv_release(&mut kvg, 0);
+    c.kv_release(&mut kvc, 0);
+    assert_eq!(g.kv_capacity(&kvg, 0), 0);
+    // Row 3 is independent of row 0's storage.
+    for layer in 0..layers {
+        let (g3, c3) = attend(3, &kvg, &kvc, layer);
+        assert_close(
+            "attention after release",
+            &g3,
+            &c3,
+            &vec![1.0; c3.len()],
+            1e-5,
+            0.0,
+        );
+    }
+    g.kv_reserve(&mut kvg, 0, 4, 0);
+    assert_eq!(g.kv_capacity(&kvg, 0), 4);
+}
+
+#[test]
+fn decode_and_verify_layers_agree_bit_for_bit() {
+    // A miniature transformer layer step (norm, q/k/v, rope, kv write, attention, o, mlp) run
+    // for a block of 16 tokens at once and token by token must give the same bits: what the
+    // lossless contract asks of verify (M = block) against decode (M = 1).
+    let Some(g) = gpu() else { return };
+    let (hidden, n_heads, n_kv_heads, head_dim, inter) =
+        (256usize, 4usize, 2usize, 32usize, 512usize);
+    let kv_dim = n_kv_heads * head_dim;
+    let shape = AttnShape {
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        scale: 1.0 / (head_dim as f32).sqrt(),
+    };
+    let wq = g
+        .upload_weight(&random_weight(DType::Q4_1, n_heads * head_dim, hidden, 1))
+        .unwrap();
+    let wk = g
+        .upload_weight(&random_weight(DType::Q8_0, kv_dim, hidden, 2))
+        .unwrap();
+    let wv = g
+        .upload_weight(&random_weight(DType::Q4_0, kv_dim, hidden, 3))
+        .unwrap();
+    let wo = g
+        .upload_weight(&random_weight(DType::F16, hidden, n_heads * head_dim, 4))
+        .unwrap();
+    let wg = g
+        .upload_weight(&random_weight(DType::Q4K, inter, hidden, 5))
+        .unwrap();
+    let wd = g
+        .upload_weight(&random_weight(DType::Q6K, hidden, inter, 6))
+        .unwrap();
+    let norm = g.upload(&random_vec(hidden, 0.5, 1.5, 7), 1, hidden);
+    let inv: Vec<f32> = (0..head_dim / 2)
+        .map(|i| 10000f32.powf(-((2 * i) as f32) / head_dim as f32))
+        .collect();
+    let inv = g.upload(&inv, 1, head_dim / 2);
+    let prefix = 21;
+    let block = 16;
+    let x_all = random_vec((prefix + block) * hidden, -1.0, 1.0, 8);
+
+    let step = |kv: &mut <CudaBackend as Backend>::Kv, x: &[f32], start: usize| -> Vec<f32> {
+        let t = x.len() / hidden;
+        let meta: Vec<TokenMeta> = (0..t)
+            .map(|i| TokenMeta::causal(0, (start + i) as u32))
+            .collect();
+        let meta = g.upload_meta(&meta);
+        let mut xt = g.upload(x, t, hidden);
+        let (mut h, mut q, mut k, mut v, mut att, mut o, mut gate) = (
+            g.tensor(0, 0),
+            g.tensor(0, 0),
+            g.tensor(0, 0),
+            g.tensor(0, 0),
+            g.tensor(0, 0),
+            g.tensor(0, 0),
+            g.tensor(0, 0),
+        );
+        g.rms_norm(&mut xt, &norm, 1e-5, false, Some(&mut h));
+        g.matmul_many(&h, &[&wq, &wk, &wv], &mut [&mut q, &mut k, &mut v]);
+        g.rope(&mut q, &meta, &inv, head_dim, RopeStyle::Neox);
+        g.rope(&mut k, &meta, &inv, head_dim, RopeStyle::Neox);
+        g.kv_write(kv, 0, &k, &v, &meta);
+        g.attention(&q, kv, 0, &meta, shape, &mut att);
+        g.matmul(&att, &wo, &mut o);
+        g.add(&mut xt, &o);
+        g.matmul(&xt, &wg, &mut gate);
+        let up = g.upload(&g.to_host(&gate), t, inter);
+        g.silu_mul(&mut gate, &up);
+        g.matmul(&gate, &wd, &mut o);
+        g.add(&mut xt, &o);
+        g.to_host(&xt)
+    };
+
+    let mut kv_a = g.kv_new(1, kv_dim);
+    g.kv_reserve(&mut kv_a, 0, 64, 0);
+    step(&mut kv_a, &x_all[..prefix * hidden], 0);
+    let verify = step(&mut kv_a, &x_all[prefix * hidden..], prefix);
+
+    let mut kv_b = g.kv_new(1, kv_dim);
+    g.kv_reserve(&mut kv_b, 0, 64, 0);
+    step(&mut kv_b, &x_all[..prefix * hidden], 0);
+    let mut decode = Vec::new();
+    for i in 0..block {
+        let r = prefix + i;
+        decode.extend(step(&mut kv_b, &x_all[r * hidden..(r + 1) * hidden], r));
+    }
+    assert_eq!(
+        bits(&verify),
+        bits(&decode),
+        "verify (M=16) differs from decode (M=1)"
+    );
+}
