@@ -106,15 +106,6 @@ __device__ __forceinline__ void matmul_body(const u8* __restrict__ w, i64 row_by
     MM_KERNEL(mm_##SUFFIX##_8, DT, 8, 1)       \
     MM_KERNEL(mm_##SUFFIX##_16, DT, 16, 1)
 
-MM_KERNELS(f32, DT_F32)
-MM_KERNELS(f16, DT_F16)
-MM_KERNELS(bf16, DT_BF16)
-MM_KERNELS(q4_0, DT_Q4_0)
-MM_KERNELS(q4_1, DT_Q4_1)
-MM_KERNELS(q8_0, DT_Q8_0)
-MM_KERNELS(q4k, DT_Q4K)
-MM_KERNELS(q6k, DT_Q6K)
-
 // ---- dequantization --------------------------------------------------------------------
 //
 // out[t] = row ids[t] of the table (or row row0 + t when ids is null), as f32; cols must be a
@@ -149,33 +140,34 @@ __device__ __forceinline__ void dequant_body(const u8* __restrict__ table, i64 r
         dequant_body<DT>(table, row_bytes, cols, ids, row0, T, out);                            \
     }
 
-DQ_KERNEL(f32, DT_F32)
-DQ_KERNEL(f16, DT_F16)
-DQ_KERNEL(bf16, DT_BF16)
-DQ_KERNEL(q4_0, DT_Q4_0)
-DQ_KERNEL(q4_1, DT_Q4_1)
-DQ_KERNEL(q8_0, DT_Q8_0)
-DQ_KERNEL(q4k, DT_Q4K)
-DQ_KERNEL(q6k, DT_Q6K)
+// Instantiations. The Rust side compiles this file once per format, with DF_MM_DTYPE set to
+// that format's number, so that the formats compile in parallel and a model only waits for
+// the ones it uses; without DF_MM_DTYPE every format is instantiated.
+#define DF_FORMAT(SUFFIX, DT) \
+    MM_KERNELS(SUFFIX, DT)    \
+    DQ_KERNEL(SUFFIX, DT)
 
-// Plain float rows of any length (f32, f16, bf16: dt = 0, 1, 2), element by element.
-extern "C" __global__ void dequant_float_any(const u8* table, i64 row_bytes, int cols, int dt,
-                                             const u32* ids, int row0, int T, float* out) {
-    const int t = blockIdx.x;
-    if (t >= T) return;
-    const size_t src = ids ? (size_t)ids[t] : (size_t)row0 + (size_t)t;
-    const u8* row = table + src * (size_t)row_bytes;
-    float* o = out + (size_t)t * cols;
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        float v;
-        if (dt == DT_F32) {
-            const u8* p = row + 4 * (size_t)i;
-            v = __int_as_float((int)((u32)p[0] | ((u32)p[1] << 8) | ((u32)p[2] << 16) | ((u32)p[3] << 24)));
-        } else {
-            const u8* p = row + 2 * (size_t)i;
-            u16 h = (u16)((u32)p[0] | ((u32)p[1] << 8));
-            v = dt == DT_F16 ? f16_to_f32(h) : bf16_to_f32(h);
-        }
-        o[i] = v;
-    }
-}
+#if !defined(DF_MM_DTYPE) || DF_MM_DTYPE == DT_F32
+DF_FORMAT(f32, DT_F32)
+#endif
+#if !defined(DF_MM_DTYPE) || DF_MM_DTYPE == DT_F16
+DF_FORMAT(f16, DT_F16)
+#endif
+#if !defined(DF_MM_DTYPE) || DF_MM_DTYPE == DT_BF16
+DF_FORMAT(bf16, DT_BF16)
+#endif
+#if !defined(DF_MM_DTYPE) || DF_MM_DTYPE == DT_Q4_0
+DF_FORMAT(q4_0, DT_Q4_0)
+#endif
+#if !defined(DF_MM_DTYPE) || DF_MM_DTYPE == DT_Q4_1
+DF_FORMAT(q4_1, DT_Q4_1)
+#endif
+#if !defined(DF_MM_DTYPE) || DF_MM_DTYPE == DT_Q8_0
+DF_FORMAT(q8_0, DT_Q8_0)
+#endif
+#if !defined(DF_MM_DTYPE) || DF_MM_DTYPE == DT_Q4K
+DF_FORMAT(q4k, DT_Q4K)
+#endif
+#if !defined(DF_MM_DTYPE) || DF_MM_DTYPE == DT_Q6K
+DF_FORMAT(q6k, DT_Q6K)
+#endif

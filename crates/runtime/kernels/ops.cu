@@ -57,6 +57,28 @@ extern "C" __global__ void copy_columns_f32(const float* src, int rows, int c_sr
     }
 }
 
+// Plain float rows of any length (f32, f16, bf16: dt = 0, 1, 2), element by element.
+extern "C" __global__ void dequant_float_any(const u8* table, i64 row_bytes, int cols, int dt,
+                                             const u32* ids, int row0, int T, float* out) {
+    const int t = blockIdx.x;
+    if (t >= T) return;
+    const size_t src = ids ? (size_t)ids[t] : (size_t)row0 + (size_t)t;
+    const u8* row = table + src * (size_t)row_bytes;
+    float* o = out + (size_t)t * cols;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        float v;
+        if (dt == DT_F32) {
+            const u8* p = row + 4 * (size_t)i;
+            v = __int_as_float((int)((u32)p[0] | ((u32)p[1] << 8) | ((u32)p[2] << 16) | ((u32)p[3] << 24)));
+        } else {
+            const u8* p = row + 2 * (size_t)i;
+            u16 h = (u16)((u32)p[0] | ((u32)p[1] << 8));
+            v = dt == DT_F16 ? f16_to_f32(h) : bf16_to_f32(h);
+        }
+        o[i] = v;
+    }
+}
+
 // ---- RMS norm ----------------------------------------------------------------------------
 //
 // Every `dim`-value group of x is normalised: out = w' * (v * inv), inv = 1 / sqrt(ss/dim + eps),

@@ -17,7 +17,13 @@ use rand::{Rng, SeedableRng};
 
 fn gpu() -> Option<&'static CudaBackend> {
     static GPU: OnceLock<Result<CudaBackend, String>> = OnceLock::new();
-    match GPU.get_or_init(|| CudaBackend::new().map_err(|e| e.to_string())) {
+    let open = || {
+        let b = CudaBackend::new()?;
+        // Every format's kernels at once (in parallel) rather than one by one on first use.
+        b.preload(&DType::ALL)?;
+        Ok::<_, dflash_runtime::RuntimeError>(b)
+    };
+    match GPU.get_or_init(|| open().map_err(|e| e.to_string())) {
         Ok(b) => Some(b),
         Err(e) => {
             println!("skipped: no CUDA device ({e})");

@@ -9,6 +9,7 @@ use super::device::{
 use super::kv::CudaKv;
 use super::tensor::{CudaMeta, CudaTensor, CudaWeight};
 use crate::backend::{AttnShape, Backend, RopeStyle, TokenMeta};
+use crate::dtype::DType;
 use crate::error::RuntimeError;
 use crate::weight::HostWeight;
 
@@ -66,6 +67,13 @@ impl CudaBackend {
     /// The prefill product path in use.
     pub fn prefill_gemm(&self) -> PrefillGemm {
         self.dev.prefill_gemm
+    }
+
+    /// Compiles and loads the matmul kernels of several weight formats at once (in parallel);
+    /// otherwise each format's kernels are built when its first weight is uploaded.
+    pub fn preload(&self, formats: &[DType]) -> Result<(), RuntimeError> {
+        self.dev.bind();
+        self.dev.preload(formats).map_err(RuntimeError::Device)
     }
 
     /// Waits for all queued work.
@@ -132,7 +140,7 @@ impl CudaBackend {
         let mt = MM_TILES[ti];
         let rows_per_block = MM_WARPS * mm_rows_per_warp(mt);
         let grid = (n.div_ceil(rows_per_block) as u32, m.div_ceil(mt) as u32, 1);
-        let f = &self.dev.k.mm[dtype_index(w.dtype) * MM_TILES.len() + ti];
+        let f = &self.dev.loaded(w.dtype).mm[ti];
         self.dev.launch(
             f,
             "matmul",
@@ -159,7 +167,7 @@ impl CudaBackend {
         }
         let ids_arg = Arg::Ptr(ids.unwrap_or(0));
         if w.cols.is_multiple_of(32) {
-            let f = &self.dev.k.dequant[dtype_index(w.dtype)];
+            let f = &self.dev.loaded(w.dtype).dequant;
             let threads = (w.cols / 32).clamp(32, 256).next_multiple_of(32) as u32;
             self.dev.launch(
                 f,
@@ -312,6 +320,7 @@ impl Backend for CudaBackend {
 
     fn upload_weight(&self, w: &HostWeight) -> Result<CudaWeight, RuntimeError> {
         self.dev.bind();
+        self.dev.format(w.dtype).map_err(RuntimeError::Device)?;
         let bytes = w.bytes.as_slice();
         let buf = self.dev.uninit::<u8>(bytes.len());
         self.dev.htod(bytes, self.ptr(&buf));

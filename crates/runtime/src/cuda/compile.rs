@@ -24,34 +24,51 @@ use cudarc::nvrtc::sys as nv;
 const COMMON: &str = include_str!("../../kernels/common.cu");
 const INCLUDE_COMMON: &str = "#include \"common.cu\"";
 
-/// A kernel module: one `.cu` file of `crates/runtime/kernels`.
+/// Suffixes of the per-format kernels (`mm_<suffix>_<tile>`, `dequant_<suffix>`), in the
+/// order of the kernels' format numbers (DT_* in common.cu).
+pub const FORMAT_SUFFIX: [&str; 8] = ["f32", "f16", "bf16", "q4_0", "q4_1", "q8_0", "q4k", "q6k"];
+
+/// A compiled unit: `ops.cu`, `attention.cu`, or `matmul.cu` for one format (by its number).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Module {
-    Matmul,
     Ops,
     Attention,
+    Matmul(usize),
 }
 
 impl Module {
-    pub const ALL: [Module; 3] = [Module::Matmul, Module::Ops, Module::Attention];
+    /// Every unit: the two shared modules, then matmul for each format.
+    pub const ALL: [Module; 10] = [
+        Module::Ops,
+        Module::Attention,
+        Module::Matmul(0),
+        Module::Matmul(1),
+        Module::Matmul(2),
+        Module::Matmul(3),
+        Module::Matmul(4),
+        Module::Matmul(5),
+        Module::Matmul(6),
+        Module::Matmul(7),
+    ];
 
-    pub fn name(self) -> &'static str {
+    pub fn name(self) -> String {
         match self {
-            Module::Matmul => "matmul",
-            Module::Ops => "ops",
-            Module::Attention => "attention",
+            Module::Ops => "ops".into(),
+            Module::Attention => "attention".into(),
+            Module::Matmul(d) => format!("matmul_{}", FORMAT_SUFFIX[d]),
         }
     }
 
     fn raw_source(self) -> &'static str {
         match self {
-            Module::Matmul => include_str!("../../kernels/matmul.cu"),
+            Module::Matmul(_) => include_str!("../../kernels/matmul.cu"),
             Module::Ops => include_str!("../../kernels/ops.cu"),
             Module::Attention => include_str!("../../kernels/attention.cu"),
         }
     }
 
-    /// The complete source handed to NVRTC: the module with `common.cu` pasted in.
+    /// The complete source handed to NVRTC: the file with `common.cu` pasted in (and, for
+    /// matmul, the format to instantiate defined first).
     pub fn source(self) -> String {
         let raw = self.raw_source();
         assert!(
@@ -59,7 +76,14 @@ impl Module {
             "{}.cu must include common.cu",
             self.name()
         );
-        raw.replacen(INCLUDE_COMMON, COMMON, 1)
+        let body = raw.replacen(INCLUDE_COMMON, COMMON, 1);
+        match self {
+            Module::Matmul(d) => {
+                assert!(d < FORMAT_SUFFIX.len());
+                format!("#define DF_MM_DTYPE {d}\n{body}")
+            }
+            _ => body,
+        }
     }
 }
 
@@ -411,14 +435,44 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     std::fs::rename(&tmp, path)
 }
 
-/// Compiles every kernel module for `sm_<arch>` (no GPU needed, only NVRTC), returning each
-/// module's name and image size. Used to check the kernel sources.
-pub fn compile_all(arch: u32) -> Result<Vec<(&'static str, usize)>, String> {
-    let target = Target { arch, cubin: true };
-    Module::ALL
-        .iter()
-        .map(|&m| compile(m, target).map(|img| (m.name(), img.len())))
-        .collect()
+/// Compiles every unit for `sm_<arch>` (no GPU needed, only NVRTC), in parallel, returning
+/// each unit's name and CUBIN size. Used to check the kernel sources.
+pub fn compile_all(arch: u32) -> Result<Vec<(String, usize)>, String> {
+    compile_many(&Module::ALL, Target { arch, cubin: true }, false).map(|v| {
+        v.into_iter()
+            .map(|(m, img)| (m.name(), img.len()))
+            .collect()
+    })
+}
+
+/// Compiles (or, with `cached`, reads from the cache) several units at once, one thread each.
+pub fn compile_many(
+    modules: &[Module],
+    target: Target,
+    cached: bool,
+) -> Result<Vec<(Module, Image)>, String> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = modules
+            .iter()
+            .map(|&m| {
+                s.spawn(move || {
+                    let r = if cached {
+                        load_or_compile(m, target)
+                    } else {
+                        compile(m, target)
+                    };
+                    r.map(|img| (m, img))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("NVRTC compilation panicked".into()))
+            })
+            .collect()
+    })
 }
 
 #[cfg(test)]
@@ -431,6 +485,9 @@ mod tests {
             let s = m.source();
             assert!(!s.contains(INCLUDE_COMMON));
             assert!(s.contains("decode_group"));
+            if let Module::Matmul(d) = m {
+                assert!(s.starts_with(&format!("#define DF_MM_DTYPE {d}\n")));
+            }
         }
     }
 

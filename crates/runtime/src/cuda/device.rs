@@ -1,13 +1,13 @@
 //! The CUDA device: context, the one stream, the loaded kernels, launches and copies.
 
 use std::ffi::c_void;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::sys as cu;
 use cudarc::driver::{result as drv, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr};
 
-use super::compile::{self, Image, Module, Target};
+use super::compile::{self, Image, Module, Target, FORMAT_SUFFIX};
 use crate::dtype::DType;
 use crate::error::RuntimeError;
 
@@ -71,10 +71,6 @@ impl CudaOptions {
     }
 }
 
-/// Suffixes of the per-format kernels, in `dtype_index` order.
-pub(crate) const DTYPE_SUFFIX: [&str; 8] =
-    ["f32", "f16", "bf16", "q4_0", "q4_1", "q8_0", "q4k", "q6k"];
-
 /// The index of a format in the kernels' numbering (DT_* in common.cu).
 pub(crate) fn dtype_index(d: DType) -> usize {
     match d {
@@ -106,12 +102,8 @@ pub(crate) fn mm_smem_bytes(mt: usize) -> usize {
     mt * 32 * 33 * 4
 }
 
-/// Function handles of every kernel.
+/// Function handles of the kernels every model needs (ops.cu, attention.cu).
 pub(crate) struct Kernels {
-    /// `mm[dtype_index * 5 + tile_index]`.
-    pub mm: Vec<CudaFunction>,
-    /// `dequant[dtype_index]` (rows that are whole groups).
-    pub dequant: Vec<CudaFunction>,
     pub dequant_float_any: CudaFunction,
     pub add: CudaFunction,
     pub add_bias: CudaFunction,
@@ -124,6 +116,13 @@ pub(crate) struct Kernels {
     pub kv_write: CudaFunction,
     pub kv_copy: CudaFunction,
     pub attention: CudaFunction,
+}
+
+/// The kernels of one weight format (matmul.cu compiled for it), loaded on first use.
+pub(crate) struct FormatKernels {
+    /// `mm[tile_index]` for the tiles of `MM_TILES`.
+    pub mm: Vec<CudaFunction>,
+    pub dequant: CudaFunction,
 }
 
 /// A kernel argument. Every argument is passed through an 8-byte slot; the kernel reads as
@@ -192,6 +191,9 @@ pub(crate) struct Device {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
     pub k: Kernels,
+    /// Per-format kernels, by `dtype_index`, loaded by `format`.
+    formats: [OnceLock<FormatKernels>; 8],
+    format_lock: Mutex<()>,
     /// Largest rows-of-x tile the matmul kernels may use (16 when the device allows the
     /// shared memory it needs).
     pub max_mt: usize,
@@ -301,28 +303,12 @@ impl Device {
                 cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
             )
             .unwrap_or(48 * 1024) as usize;
-        let mut max_mt = 1;
-        for (ti, &mt) in MM_TILES.iter().enumerate() {
-            let need = mm_smem_bytes(mt);
-            if need > optin {
-                break;
-            }
-            if need > 48 * 1024 {
-                let mut ok = true;
-                for d in 0..DTYPE_SUFFIX.len() {
-                    ok &= k.mm[d * MM_TILES.len() + ti]
-                        .set_attribute(
-                            cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                            need as i32,
-                        )
-                        .is_ok();
-                }
-                if !ok {
-                    break;
-                }
-            }
-            max_mt = mt;
-        }
+        let max_mt = MM_TILES
+            .iter()
+            .copied()
+            .filter(|&mt| mm_smem_bytes(mt) <= optin.max(48 * 1024))
+            .max()
+            .unwrap_or(1);
 
         let blas = match opts.prefill_gemm {
             PrefillGemm::Kernel => None,
@@ -347,6 +333,8 @@ impl Device {
             ctx,
             stream,
             k,
+            formats: Default::default(),
+            format_lock: Mutex::new(()),
             max_mt,
             name,
             compute_capability: cc,
@@ -355,6 +343,73 @@ impl Device {
             prefill_gemm: opts.prefill_gemm,
             scratch: Mutex::new(Scratch::default()),
             meta_pool: Arc::new(Mutex::new(Vec::new())),
+        })
+    }
+
+    /// The kernels of format `d`, compiled (or read from the cache) and loaded on first use.
+    pub fn format(&self, d: DType) -> Result<&FormatKernels, String> {
+        let i = dtype_index(d);
+        if let Some(f) = self.formats[i].get() {
+            return Ok(f);
+        }
+        let _one_at_a_time = self.format_lock.lock().map_err(|e| e.to_string())?;
+        if let Some(f) = self.formats[i].get() {
+            return Ok(f);
+        }
+        let image = compile::load_or_compile(Module::Matmul(i), self.target)?;
+        let f = self.load_format(i, image)?;
+        Ok(self.formats[i].get_or_init(|| f))
+    }
+
+    /// Compiles the kernels of several formats at once (one thread each) and loads them.
+    pub fn preload(&self, formats: &[DType]) -> Result<(), String> {
+        let _one_at_a_time = self.format_lock.lock().map_err(|e| e.to_string())?;
+        let todo: Vec<Module> = formats
+            .iter()
+            .map(|&d| dtype_index(d))
+            .filter(|&i| self.formats[i].get().is_none())
+            .map(Module::Matmul)
+            .collect();
+        for (m, image) in compile::compile_many(&todo, self.target, true)? {
+            let Module::Matmul(i) = m else { unreachable!() };
+            let f = self.load_format(i, image)?;
+            let _ = self.formats[i].set(f);
+        }
+        Ok(())
+    }
+
+    /// The kernels of a format whose weights were uploaded (which loaded them).
+    pub fn loaded(&self, d: DType) -> &FormatKernels {
+        self.formats[dtype_index(d)]
+            .get()
+            .expect("weights are uploaded through upload_weight, which loads their kernels")
+    }
+
+    fn load_format(&self, i: usize, image: Image) -> Result<FormatKernels, String> {
+        let m = Module::Matmul(i);
+        let module = load_image(&self.ctx, m, image, self.target)?;
+        let get = |name: &str| {
+            module
+                .load_function(name)
+                .map_err(|e| format!("kernel {name} missing from {}: {e}", m.name()))
+        };
+        let sfx = FORMAT_SUFFIX[i];
+        let mut mm = Vec::new();
+        for mt in MM_TILES {
+            let f = get(&format!("mm_{sfx}_{mt}"))?;
+            let need = mm_smem_bytes(mt);
+            if mt <= self.max_mt && need > 48 * 1024 {
+                f.set_attribute(
+                    cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    need as i32,
+                )
+                .map_err(|e| format!("could not allow {need} bytes of shared memory: {e}"))?;
+            }
+            mm.push(f);
+        }
+        Ok(FormatKernels {
+            mm,
+            dequant: get(&format!("dequant_{sfx}"))?,
         })
     }
 
@@ -480,8 +535,28 @@ fn keep_pool_memory(ctx: &CudaContext) {
     }
 }
 
-/// Compiles (or reads from the cache) and loads every module; falls back from machine code
-/// to PTX when the driver refuses the machine code.
+/// Loads a compiled unit into the context.
+fn load_image(
+    ctx: &Arc<CudaContext>,
+    m: Module,
+    image: Image,
+    target: Target,
+) -> Result<Arc<cudarc::driver::CudaModule>, String> {
+    let ptx = match image {
+        Image::Cubin(bytes) => cudarc::nvrtc::Ptx::from_binary(bytes),
+        Image::Ptx(text) => cudarc::nvrtc::Ptx::from_src(text),
+    };
+    ctx.load_module(ptx).map_err(|e| {
+        format!(
+            "the driver could not load the {} kernels built for {}: {e}",
+            m.name(),
+            target.arch_flag()
+        )
+    })
+}
+
+/// Compiles (or reads from the cache) and loads the shared kernels; falls back from machine
+/// code to PTX when the driver refuses the machine code. Returns the target that worked.
 fn load_kernels(ctx: &Arc<CudaContext>, target: Target) -> Result<(Kernels, Target), String> {
     match load_kernels_for(ctx, target) {
         Ok(k) => Ok((k, target)),
@@ -504,39 +579,17 @@ fn load_kernels(ctx: &Arc<CudaContext>, target: Target) -> Result<(Kernels, Targ
 
 fn load_kernels_for(ctx: &Arc<CudaContext>, target: Target) -> Result<Kernels, String> {
     let mut modules = Vec::new();
-    for m in Module::ALL {
-        let image = compile::load_or_compile(m, target)?;
-        let ptx = match image {
-            Image::Cubin(bytes) => cudarc::nvrtc::Ptx::from_binary(bytes),
-            Image::Ptx(text) => cudarc::nvrtc::Ptx::from_src(text),
-        };
-        let module = ctx.load_module(ptx).map_err(|e| {
-            format!(
-                "the driver could not load the {} kernels built for {}: {e}",
-                m.name(),
-                target.arch_flag()
-            )
-        })?;
-        modules.push((m, module));
+    for (m, image) in compile::compile_many(&[Module::Ops, Module::Attention], target, true)? {
+        modules.push((m, load_image(ctx, m, image, target)?));
     }
     let get = |m: Module, name: &str| -> Result<CudaFunction, String> {
         let module = &modules.iter().find(|(mm, _)| *mm == m).expect("loaded").1;
         module
             .load_function(name)
-            .map_err(|e| format!("kernel {name} missing from {}.cu: {e}", m.name()))
+            .map_err(|e| format!("kernel {name} missing from {}: {e}", m.name()))
     };
-    let mut mm = Vec::new();
-    let mut dequant = Vec::new();
-    for sfx in DTYPE_SUFFIX {
-        for mt in MM_TILES {
-            mm.push(get(Module::Matmul, &format!("mm_{sfx}_{mt}"))?);
-        }
-        dequant.push(get(Module::Matmul, &format!("dequant_{sfx}"))?);
-    }
     Ok(Kernels {
-        mm,
-        dequant,
-        dequant_float_any: get(Module::Matmul, "dequant_float_any")?,
+        dequant_float_any: get(Module::Ops, "dequant_float_any")?,
         add: get(Module::Ops, "add_f32")?,
         add_bias: get(Module::Ops, "add_bias_f32")?,
         silu_mul: get(Module::Ops, "silu_mul_f32")?,
