@@ -1,0 +1,160 @@
+#!/usr/bin/env bash
+# GPU check of the CUDA backend, in one call on a machine with an NVIDIA GPU.
+#
+# The GPU machine (the H200 device machine) has no Rust toolchain, so the test binaries are
+# built here, on a machine without a GPU, and carried there:
+#
+#   bash tools/gpu_check.sh --build
+#
+# builds `cargo test -p dflash-runtime --features cuda --no-run`, copies the cuda_ops test
+# executable (stripped) to .gpu/cuda_ops and makes sure .git/info/exclude ignores /.gpu/.
+# Any other prebuilt test executable put in .gpu/ is run too (e.g. a model-level test built
+# with the cuda feature; carry the model files it needs in .gpu/ as well and point it at them).
+# Then, with the device tool:
+#
+#   run  command: "bash tools/gpu_check.sh"   carry: [".gpu"]
+#
+# On the GPU machine this script sets CUDA_HOME (if unset) and LD_LIBRARY_PATH (the toolkit's
+# and the pip wheels' lib folders, for libnvrtc / libcublas), runs every executable in .gpu/
+# one test at a time (first the plain run, which also compiles the kernels with NVRTC into
+# the cache; then, when compute-sanitizer is there, a memcheck pass), and prints a summary.
+# Tests that print "skipped: no CUDA device" count as failures here: this script exists to
+# run them on a GPU. Logs go to $OUT (the device tool brings them back) or /tmp/gpu_check.
+#
+# Environment: GPU_CHECK_SANITIZER=0 skips the memcheck pass; GPU_CHECK_FILTER=<name> runs
+# only tests whose name contains it; GPU_CHECK_TIMEOUT=<s> limits each plain run (400).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+if [ "${1:-}" = "--build" ]; then
+    set -e
+    exe=$(cargo test -p dflash-runtime --features cuda --no-run --message-format=json \
+        | python3 -c '
+import json, sys
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("target", {}).get("name") == "cuda_ops" \
+            and m.get("profile", {}).get("test") and m.get("executable"):
+        print(m["executable"])
+' | tail -n 1)
+    [ -n "$exe" ] || { echo "could not find the cuda_ops test executable" >&2; exit 1; }
+    mkdir -p .gpu
+    cp "$exe" .gpu/cuda_ops
+    strip .gpu/cuda_ops 2>/dev/null || true
+    mkdir -p .git/info
+    grep -qxF '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+    ls -la .gpu
+    echo "built: carry [\".gpu\"] and run: bash tools/gpu_check.sh"
+    exit 0
+fi
+
+out="${OUT:-/tmp/gpu_check}"
+mkdir -p "$out"
+log="$out/gpu_check.log"
+: > "$log"
+say() { echo "$@" | tee -a "$log"; }
+
+# --- CUDA locations -----------------------------------------------------------------------
+if [ -z "${CUDA_HOME:-}" ]; then
+    for d in /usr/local/cuda /usr/local/cuda-13.0 /usr/local/cuda-13 /opt/cuda; do
+        if [ -d "$d/include" ]; then export CUDA_HOME="$d"; break; fi
+    done
+fi
+libdirs=()
+[ -n "${CUDA_HOME:-}" ] && libdirs+=("$CUDA_HOME/lib64" "$CUDA_HOME/lib")
+# pip wheels (nvidia-cuda-nvrtc, nvidia-cublas: nvidia/cu13/lib, or nvidia/<name>/lib)
+while IFS= read -r d; do libdirs+=("$d"); done < <(python3 - 2>/dev/null <<'EOF'
+import glob, os, site
+roots = set(site.getsitepackages() + [site.getusersitepackages()])
+for r in sorted(roots):
+    for d in sorted(glob.glob(os.path.join(r, "nvidia", "*", "lib"))):
+        print(d)
+EOF
+)
+have_lib() { ldconfig -p 2>/dev/null | grep -q "$1"; }
+for lib in libnvrtc.so.13 libcublas.so.13; do
+    if ! have_lib "$lib"; then
+        for d in "${libdirs[@]}"; do
+            if [ -e "$d/$lib" ]; then
+                case ":${LD_LIBRARY_PATH:-}:" in *":$d:"*) ;; *) export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ;; esac
+                break
+            fi
+        done
+    fi
+done
+export DFLASH_CACHE_DIR="${DFLASH_CACHE_DIR:-/tmp/dflash-cache}"
+export RUST_BACKTRACE=1
+
+say "== machine"
+nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv 2>&1 | tee -a "$log"
+say "CUDA_HOME=${CUDA_HOME:-unset}"
+say "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
+for lib in libcuda.so.1 libnvrtc.so.13 libcublas.so.13; do
+    if have_lib "$lib"; then say "$lib: on the loader path"; else
+        found=""
+        IFS=: read -ra ds <<< "${LD_LIBRARY_PATH:-}"
+        for d in "${ds[@]}"; do [ -e "$d/$lib" ] && found="$d"; done
+        say "$lib: ${found:-NOT FOUND}"
+    fi
+done
+
+bins=()
+for f in .gpu/*; do
+    [ -f "$f" ] || continue
+    case "$f" in *.d|*.json|*.txt|*.gguf|*.safetensors) continue ;; esac
+    chmod +x "$f" 2>/dev/null
+    [ -x "$f" ] && bins+=("$f")
+done
+if [ ${#bins[@]} -eq 0 ]; then
+    say "no test executables in .gpu/: build them with 'bash tools/gpu_check.sh --build' and carry .gpu"
+    exit 2
+fi
+
+filter=()
+[ -n "${GPU_CHECK_FILTER:-}" ] && filter=("$GPU_CHECK_FILTER")
+status=0
+summary=()
+for b in "${bins[@]}"; do
+    name=$(basename "$b")
+    say ""
+    say "== $name (plain run)"
+    start=$(date +%s)
+    timeout "${GPU_CHECK_TIMEOUT:-400}" "$b" --test-threads=1 --nocapture "${filter[@]}" > "$out/$name.log" 2>&1
+    rc=$?
+    cat "$out/$name.log" >> "$log"
+    grep -E "^test |test result|max \|error\||CUDA device:|panicked|skipped" "$out/$name.log" | head -150
+    secs=$(( $(date +%s) - start ))
+    skipped=$(grep -c "skipped: no CUDA device" "$out/$name.log")
+    result=$(grep "test result" "$out/$name.log" | tail -n 1)
+    if [ $rc -ne 0 ] || [ "$skipped" -gt 0 ]; then status=1; fi
+    summary+=("$name: exit $rc in ${secs}s; ${result:-no result line}; no-GPU skips: $skipped")
+done
+
+if [ "${GPU_CHECK_SANITIZER:-1}" != "0" ] && command -v compute-sanitizer > /dev/null; then
+    for b in "${bins[@]}"; do
+        name=$(basename "$b")
+        say ""
+        say "== $name (compute-sanitizer memcheck)"
+        start=$(date +%s)
+        # The long-context and matmul-sweep tests are slow under the sanitizer; the others
+        # touch every kernel.
+        timeout 300 compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
+            "$b" --test-threads=1 --skip attention_long_context --skip matmul_every_dtype "${filter[@]}" \
+            > "$out/$name.memcheck.log" 2>&1
+        rc=$?
+        grep -E "ERROR SUMMARY|test result|Invalid|out of bounds|========= " "$out/$name.memcheck.log" | head -40 | tee -a "$log"
+        secs=$(( $(date +%s) - start ))
+        [ $rc -ne 0 ] && [ $rc -ne 124 ] && status=1
+        [ $rc -eq 124 ] && rc="timeout"
+        summary+=("$name memcheck: exit $rc in ${secs}s; $(grep 'ERROR SUMMARY' "$out/$name.memcheck.log" | tail -n 1)")
+    done
+fi
+
+say ""
+say "== summary"
+for s in "${summary[@]}"; do say "$s"; done
+if [ $status -eq 0 ]; then say "GPU CHECK PASSED"; else say "GPU CHECK FAILED (logs in $out)"; fi
+exit $status
