@@ -1,6 +1,7 @@
 //! The lossless gate: greedy DFlash output equals greedy autoregressive output, token for
-//! token, on 20 prompts x 128 tokens of the default model — with a randomly initialised
-//! drafter and with an oracle drafter that forces every accept count 0..B-1 and full accepts.
+//! token, on 20 prompts x 128 tokens of the default model — with an oracle drafter that forces
+//! every accept count 0..B-1 and full accepts, with a randomly initialised drafter, and with the
+//! trained drafter shipped for the default model.
 
 mod common;
 
@@ -66,4 +67,22 @@ fn greedy_dflash_equals_greedy_ar() {
         let want: Vec<u32> = reference[i].tokens.iter().take(TOKENS).copied().collect();
         assert_eq!(got.tokens, want, "random drafter, prompt {i}");
     }
+
+    // (c) The trained drafter shipped for the default model, at its trained block size.
+    let target = dec.target;
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models/drafters/smollm2-135m-instruct-dflash");
+    let drafter = DflashDrafter::open(b.clone(), &dir).unwrap();
+    let mut dec = DflashDecoder::new(target, drafter, BLOCK, AcceptPolicy::PerRow).unwrap();
+    let mut accepted = 0;
+    for (i, p) in prompts.iter().enumerate() {
+        let r = request(p.clone(), TOKENS, SamplingParams::greedy());
+        let got = run_batch(&mut dec, &tok, &[r], &mut |_, _| {})
+            .unwrap()
+            .remove(0);
+        let want: Vec<u32> = reference[i].tokens.iter().take(TOKENS).copied().collect();
+        assert_eq!(got.tokens, want, "trained drafter, prompt {i}");
+        accepted += got.stats.accepted;
+    }
+    assert!(accepted > 0, "the trained drafter gets drafts accepted");
 }
