@@ -44,6 +44,10 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = q[(size_t)t * q_cols + (size_t)h * head_dim + d];
     __syncthreads();
 
+    // Keys are 16-byte aligned when every offset is a multiple of four floats (row storage
+    // comes from cuMemAlloc).
+    const bool vec4 = ((head_dim | kv_dim) & 3) == 0;
+
     float m = -DF_INF;
     float l = 0.0f;
     float acc[ATT_PER_LANE];
@@ -57,7 +61,19 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
         if (valid) {
             const float* kr = kb + (size_t)j * kv_dim;
             float dot = 0.0f;
-            for (int d = 0; d < head_dim; d++) dot = __fmaf_rn(qs[d], kr[d], dot);
+            if (vec4) {
+                // Same order as the scalar loop, four values per load.
+                const float4* k4 = (const float4*)kr;
+                for (int d4 = 0; d4 < head_dim / 4; d4++) {
+                    const float4 kk = k4[d4];
+                    dot = __fmaf_rn(qs[4 * d4], kk.x, dot);
+                    dot = __fmaf_rn(qs[4 * d4 + 1], kk.y, dot);
+                    dot = __fmaf_rn(qs[4 * d4 + 2], kk.z, dot);
+                    dot = __fmaf_rn(qs[4 * d4 + 3], kk.w, dot);
+                }
+            } else {
+                for (int d = 0; d < head_dim; d++) dot = __fmaf_rn(qs[d], kr[d], dot);
+            }
             sc = __fmul_rn(dot, scale);
         }
         const float mn = fmaxf(m, warp_max(sc));

@@ -417,6 +417,14 @@ impl Backend for CudaBackend {
         kv.ensure_row(row);
         let old_cap = kv.caps[row];
         if old_cap >= capacity {
+            // The device table must cover every row the host knows, allocated or not.
+            if kv
+                .table
+                .as_ref()
+                .is_none_or(|t| t.len() < kv.table_host.len())
+            {
+                self.kv_sync_table(kv);
+            }
             return;
         }
         let new = self.dev.zeros::<f32>(2 * kv.layers * kv.part_len(capacity));
