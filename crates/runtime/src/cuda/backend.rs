@@ -132,10 +132,12 @@ impl CudaBackend {
                 return self.matmul_cublas(x, w, out);
             }
         }
-        let max_mt = self.dev.max_mt;
+        // The smallest tile holding all of x (or the largest the device allows, in blocks of
+        // it), unless DFLASH_CUDA_MM_TILE fixes one. The tile never changes a row's result.
+        let want = self.dev.fixed_mt.unwrap_or_else(|| m.min(self.dev.max_mt));
         let ti = MM_TILES
             .iter()
-            .position(|&t| t >= m.min(max_mt))
+            .position(|&t| t >= want)
             .expect("tile sizes cover 1..=16");
         let mt = MM_TILES[ti];
         let rows_per_block = MM_WARPS * mm_rows_per_warp(mt);

@@ -197,6 +197,9 @@ pub(crate) struct Device {
     /// Largest rows-of-x tile the matmul kernels may use (16 when the device allows the
     /// shared memory it needs).
     pub max_mt: usize,
+    /// A tile forced by `DFLASH_CUDA_MM_TILE` (1, 2, 4, 8 or 16) for every product: a
+    /// debugging aid (one kernel instance for every M).
+    pub fixed_mt: Option<usize>,
     pub name: String,
     pub compute_capability: (i32, i32),
     pub target: Target,
@@ -310,6 +313,19 @@ impl Device {
             .max()
             .unwrap_or(1);
 
+        let fixed_mt = match std::env::var("DFLASH_CUDA_MM_TILE") {
+            Ok(v) => match v.trim().parse::<usize>() {
+                Ok(t) if MM_TILES.contains(&t) && t <= max_mt => Some(t),
+                _ => {
+                    return Err(dev_err(format!(
+                        "DFLASH_CUDA_MM_TILE={v:?}: expected one of {:?} (at most {max_mt} here)",
+                        MM_TILES
+                    )))
+                }
+            },
+            Err(_) => None,
+        };
+
         let blas = match opts.prefill_gemm {
             PrefillGemm::Kernel => None,
             PrefillGemm::Cublas { .. } => {
@@ -336,6 +352,7 @@ impl Device {
             formats: Default::default(),
             format_lock: Mutex::new(()),
             max_mt,
+            fixed_mt,
             name,
             compute_capability: cc,
             target,

@@ -27,6 +27,34 @@
 //!   Buffers are reused by capacity (`reshape`, metadata pool, scratch), so a steady decode
 //!   loop does not allocate device memory.
 
+//!
+//! # Kernel shapes
+//!
+//! - **matmul** (`kernels/matmul.cu`): blocks of 8 warps; a warp owns R weight rows (R = 4, 2,
+//!   1 for tiles of MT = 1, 2, >= 4 rows of x), its 32 lanes take the row's 32-value groups
+//!   round-robin (lane l: groups l, l+32, ...), decode each group once and multiply it with
+//!   the MT rows of x, staged 1024 values at a time in shared memory (each group padded to 33
+//!   floats: no bank conflicts). Per output: lane partial sums with fma in group order, then
+//!   a fixed xor-butterfly. The tile (MT = 1, 2, 4, 8, 16) is the smallest that holds M rows;
+//!   M > 16 runs as blocks of 16 rows of the same kernel (grid.y). **Large M uses that same
+//!   kernel by default** (full batch invariance, like the CPU backend); the cuBLAS path
+//!   (dequantize a panel of weight rows to f32, SGEMM with pedantic math, i.e. no TF32) is
+//!   opt-in because it makes prompt rows depend on the chunk size.
+//! - **attention** (`kernels/attention.cu`): a block of 4 warps per (token, query head);
+//!   keys in tiles of 32 at fixed offsets from `kv_start`, tile t to warp t mod 4, online
+//!   softmax per warp (a lane scores one key; lanes then own head dimensions for the value
+//!   sum), warps merged in order. Any context length, head_dim <= 256.
+//! - **RMS norm**: sixteen lanes per group, reproducing the CPU's 16-lane sum and halving tree.
+//! - element-wise ops, RoPE, gathers, argmax and KV copies: simple grid-stride kernels.
+//!
+//! # Environment
+//!
+//! `DFLASH_CUDA_DEVICE` (ordinal, default 0); `DFLASH_CUDA_GEMM` (`kernel` default, `cublas`
+//! or `cublas:<min rows>`); `DFLASH_CUDA_ARCH` (compile for another `sm_XY`);
+//! `DFLASH_CUDA_MM_TILE` (force one matmul tile, for debugging); `DFLASH_CUDA_INCLUDE`,
+//! `CUDA_HOME`, `CUDA_PATH` (NVRTC include folders); `DFLASH_CACHE_DIR` /
+//! `XDG_CACHE_HOME` / `HOME` (kernel cache root), `DFLASH_CUDA_NO_CACHE=1`.
+
 mod backend;
 pub mod compile;
 mod device;
