@@ -15,6 +15,9 @@ use dflash_models::llama::LlamaModel;
 use dflash_models::tokenizer::TextTokenizer;
 use dflash_models::{load_model, DflashDrafter, Drafter, Target};
 use dflash_runtime::cpu::CpuBackend;
+#[cfg(feature = "cuda")]
+use dflash_runtime::cuda::CudaBackend;
+use dflash_runtime::Backend;
 
 use crate::args::{BatchAccept, DraftArgs, ModelArgs};
 use crate::progress::Bars;
@@ -28,10 +31,16 @@ const CPU_DEFAULT_BLOCK: usize = 4;
 /// Where the drafter for the default model lives in the source tree.
 const DEFAULT_DRAFTER: &str = "models/drafters/smollm2-135m-instruct-dflash";
 
+/// A target model on the device it was loaded for.
+pub enum DeviceTarget {
+    Cpu(Arc<CpuBackend>, Box<LlamaModel<CpuBackend>>),
+    #[cfg(feature = "cuda")]
+    Cuda(Arc<CudaBackend>, Box<LlamaModel<CudaBackend>>),
+}
+
 /// A loaded target with what is needed to talk to it.
 pub struct Bundle {
-    pub backend: Arc<CpuBackend>,
-    pub target: LlamaModel<CpuBackend>,
+    pub target: DeviceTarget,
     pub tokenizer: TextTokenizer,
     pub template: Option<ChatTemplate>,
     pub name: String,
@@ -52,19 +61,54 @@ pub struct Loaded {
     pub device: String,
 }
 
-fn check_device(args: &ModelArgs) -> Result<()> {
+/// Where to run: `--device`, else the first CUDA GPU when this build has CUDA and one is
+/// usable, else the CPU.
+enum DeviceChoice {
+    Cpu,
+    #[cfg(feature = "cuda")]
+    Cuda(usize),
+}
+
+fn choose_device(args: &ModelArgs) -> Result<DeviceChoice> {
+    let cuda_ordinal = |d: &str| -> Result<usize> {
+        match d.strip_prefix("cuda:") {
+            None => Ok(0),
+            Some(n) => n
+                .parse()
+                .map_err(|_| anyhow::anyhow!("device `{d}`: expected cuda:N with N a GPU index")),
+        }
+    };
     match args.device.as_deref() {
-        None | Some("cpu") => Ok(()),
+        Some("cpu") => Ok(DeviceChoice::Cpu),
         Some(d) if d == "cuda" || d.starts_with("cuda:") => {
-            bail!("device `{d}`: this build of dflash has no CUDA support (build with --features cuda)")
+            let ordinal = cuda_ordinal(d)?;
+            #[cfg(feature = "cuda")]
+            {
+                Ok(DeviceChoice::Cuda(ordinal))
+            }
+            #[cfg(not(feature = "cuda"))]
+            {
+                let _ = ordinal;
+                bail!("device `{d}`: this build of dflash has no CUDA support (build with --features cuda)")
+            }
         }
         Some(d) => bail!("unknown device `{d}` (expected cpu, cuda or cuda:N)"),
+        None => {
+            #[cfg(feature = "cuda")]
+            {
+                match dflash_runtime::cuda::CudaBackend::new() {
+                    Ok(_) => return Ok(DeviceChoice::Cuda(0)),
+                    Err(e) => tracing::info!("no usable CUDA device ({e}); running on the CPU"),
+                }
+            }
+            Ok(DeviceChoice::Cpu)
+        }
     }
 }
 
 /// Loads the target model the user named, or the default model.
 pub fn load_target(args: &ModelArgs) -> Result<Bundle> {
-    check_device(args)?;
+    let choice = choose_device(args)?;
     let (path, is_default) = match &args.model {
         Some(p) => {
             if !p.exists() {
@@ -74,17 +118,41 @@ pub fn load_target(args: &ModelArgs) -> Result<Bundle> {
         }
         None => (ensure_default_model(&Bars::default())?, true),
     };
-    let backend = Arc::new(CpuBackend::new(args.threads));
-    let device = format!("cpu {} x{}", backend.isa(), backend.threads());
-    let loaded = load_model(backend.clone(), &path)
-        .with_context(|| format!("cannot load the model at {}", path.display()))?;
-    tracing::info!(model = %loaded.name, %device, "model loaded");
+    let context = || format!("cannot load the model at {}", path.display());
+    let (target, device, loaded_parts) = match choice {
+        DeviceChoice::Cpu => {
+            let backend = Arc::new(CpuBackend::new(args.threads));
+            let device = format!("cpu {} x{}", backend.isa(), backend.threads());
+            let m = load_model(backend.clone(), &path).with_context(context)?;
+            let parts = (m.tokenizer, m.template, m.name);
+            (DeviceTarget::Cpu(backend, Box::new(m.model)), device, parts)
+        }
+        #[cfg(feature = "cuda")]
+        DeviceChoice::Cuda(ordinal) => {
+            let mut opts = dflash_runtime::cuda::CudaOptions::from_env()?;
+            opts.device = ordinal;
+            let backend = Arc::new(CudaBackend::with_options(opts)?);
+            let device = format!(
+                "cuda:{ordinal} {} ({})",
+                backend.device_name(),
+                backend.kernel_target()
+            );
+            let m = load_model(backend.clone(), &path).with_context(context)?;
+            let parts = (m.tokenizer, m.template, m.name);
+            (
+                DeviceTarget::Cuda(backend, Box::new(m.model)),
+                device,
+                parts,
+            )
+        }
+    };
+    let (tokenizer, template, name) = loaded_parts;
+    tracing::info!(model = %name, %device, "model loaded");
     Ok(Bundle {
-        backend,
-        target: loaded.model,
-        tokenizer: loaded.tokenizer,
-        template: loaded.template,
-        name: loaded.name,
+        target,
+        tokenizer,
+        template,
+        name,
         path,
         device,
         is_default,
@@ -132,7 +200,6 @@ pub fn drafter_dir(draft: &DraftArgs, bundle: &Bundle) -> Result<Option<PathBuf>
 /// A decoder over `bundle`'s target: DFlash with the drafter at `drafter`, else plain.
 pub fn decoder(bundle: Bundle, drafter: Option<&Path>, draft: &DraftArgs) -> Result<Loaded> {
     let Bundle {
-        backend,
         target,
         tokenizer,
         template,
@@ -141,24 +208,12 @@ pub fn decoder(bundle: Bundle, drafter: Option<&Path>, draft: &DraftArgs) -> Res
         device,
         ..
     } = bundle;
-    let decoder: Box<dyn Decoder> = match drafter {
-        None => Box::new(ArDecoder::new(target)),
-        Some(dir) => {
-            // The configuration is checked against the target before any weight is read.
-            DrafterConfig::read(dir)
-                .and_then(|c| c.check_target(target.hidden(), target.n_layers(), target.vocab()))
-                .with_context(|| format!("the drafter at {} does not fit {name}", dir.display()))?;
-            let d = DflashDrafter::open(backend, dir)
-                .with_context(|| format!("cannot load the drafter at {}", dir.display()))?;
-            let block = draft
-                .block_size
-                .unwrap_or(d.block_size().min(CPU_DEFAULT_BLOCK));
-            let policy = match draft.batch_accept {
-                BatchAccept::Clamp => AcceptPolicy::Clamp,
-                BatchAccept::PerRow => AcceptPolicy::from_env(),
-            };
-            Box::new(DflashDecoder::new(target, d, block, policy)?)
+    let decoder = match target {
+        DeviceTarget::Cpu(b, t) => {
+            decoder_on(b, *t, &name, drafter, draft, Some(CPU_DEFAULT_BLOCK))?
         }
+        #[cfg(feature = "cuda")]
+        DeviceTarget::Cuda(b, t) => decoder_on(b, *t, &name, drafter, draft, None)?,
     };
     Ok(Loaded {
         decoder,
@@ -168,6 +223,34 @@ pub fn decoder(bundle: Bundle, drafter: Option<&Path>, draft: &DraftArgs) -> Res
         path,
         device,
     })
+}
+
+fn decoder_on<B: Backend>(
+    backend: Arc<B>,
+    target: LlamaModel<B>,
+    name: &str,
+    drafter: Option<&Path>,
+    draft: &DraftArgs,
+    default_block_cap: Option<usize>,
+) -> Result<Box<dyn Decoder>> {
+    let Some(dir) = drafter else {
+        return Ok(Box::new(ArDecoder::new(target)));
+    };
+    // The configuration is checked against the target before any weight is read.
+    DrafterConfig::read(dir)
+        .and_then(|c| c.check_target(target.hidden(), target.n_layers(), target.vocab()))
+        .with_context(|| format!("the drafter at {} does not fit {name}", dir.display()))?;
+    let d = DflashDrafter::open(backend, dir)
+        .with_context(|| format!("cannot load the drafter at {}", dir.display()))?;
+    let trained = d.block_size();
+    let block = draft
+        .block_size
+        .unwrap_or(default_block_cap.map_or(trained, |cap| trained.min(cap)));
+    let policy = match draft.batch_accept {
+        BatchAccept::Clamp => AcceptPolicy::Clamp,
+        BatchAccept::PerRow => AcceptPolicy::from_env(),
+    };
+    Ok(Box::new(DflashDecoder::new(target, d, block, policy)?))
 }
 
 /// Loads the model and, unless disabled, its drafter.

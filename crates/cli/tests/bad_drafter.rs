@@ -78,6 +78,9 @@ fn missing_or_empty_drafter_directory() {
     );
 }
 
+/// A change made to a drafter's config.json.
+type ConfigEdit = fn(&mut serde_json::Value);
+
 fn edit_config(draft: &Path, f: impl FnOnce(&mut serde_json::Value)) {
     let p = draft.join("config.json");
     let mut v: serde_json::Value =
@@ -88,7 +91,7 @@ fn edit_config(draft: &Path, f: impl FnOnce(&mut serde_json::Value)) {
 
 #[test]
 fn incompatible_configs_are_refused() {
-    let cases: [(&str, fn(&mut serde_json::Value)); 4] = [
+    let cases: [(&str, ConfigEdit); 4] = [
         ("hidden size", |v| {
             v["hidden_size"] = 128.into();
         }),
