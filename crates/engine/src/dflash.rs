@@ -77,16 +77,25 @@ impl<T: Target, D: Drafter<B = T::B>> DflashDecoder<T, D> {
             )));
         }
         target.set_tap_layers(drafter.tap_layers())?;
-        tracing::info!(
-            block,
-            ?policy,
-            reason = match policy {
-                AcceptPolicy::PerRow => "per-row KV caches keep every row's prefix contiguous",
-                AcceptPolicy::Clamp =>
-                    "clamp requested (--batch-accept clamp or DFLASH_PER_ROW_ACCEPTS=0)",
-            },
-            "DFlash batch accept policy"
-        );
+        let policy = if policy == AcceptPolicy::PerRow && !target.per_row_commit() {
+            tracing::warn!(
+                "the target's cache layout cannot commit a different accept count per row; \
+                 DFlash batches fall back to the clamp (every row commits the batch minimum)"
+            );
+            AcceptPolicy::Clamp
+        } else {
+            tracing::info!(
+                block,
+                ?policy,
+                reason = match policy {
+                    AcceptPolicy::PerRow => "per-row KV caches keep every row's prefix contiguous",
+                    AcceptPolicy::Clamp =>
+                        "clamp requested (--batch-accept clamp or DFLASH_PER_ROW_ACCEPTS=0)",
+                },
+                "DFlash batch accept policy"
+            );
+            policy
+        };
         Ok(Self {
             target,
             drafter,

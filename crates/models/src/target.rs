@@ -59,4 +59,12 @@ pub trait Target: Send {
     fn embedding(&self) -> &<Self::B as Backend>::Weight;
     /// Output projection (shared with drafters).
     fn lm_head(&self) -> &<Self::B as Backend>::Weight;
+
+    /// Whether the rows of one batch can each keep a different number of a verified block's
+    /// tokens (every row truncated to its own length, its valid prefix staying contiguous).
+    /// A layout that cannot — one rectangular cache shared by the batch — makes DFlash commit
+    /// the batch's smallest accept count instead.
+    fn per_row_commit(&self) -> bool {
+        true
+    }
 }
