@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use clap::{Args, ValueEnum};
-use dflash_engine::SamplingParams;
+use dflash_engine::{SamplingParams, SpecMode};
 
 /// Which model to run and where.
 #[derive(Args, Clone, Debug)]
@@ -37,6 +37,27 @@ pub struct DraftArgs {
     /// How a batch commits accepted tokens: each row its own count, or all rows the smallest.
     #[arg(long, value_enum, default_value_t = BatchAccept::PerRow)]
     pub batch_accept: BatchAccept,
+    /// `auto`: greedy decoding drafts only while drafting is measured to be faster than plain
+    /// steps (default for `generate`); `always`: every round drafts (default for `bench` and
+    /// `eval`, which measure the drafter).
+    #[arg(long, value_enum)]
+    pub speculation: Option<Speculation>,
+}
+
+/// `--speculation` values.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Speculation {
+    Auto,
+    Always,
+}
+
+impl Speculation {
+    pub fn mode(self) -> SpecMode {
+        match self {
+            Speculation::Auto => SpecMode::Auto,
+            Speculation::Always => SpecMode::Always,
+        }
+    }
 }
 
 /// `--batch-accept` values.

@@ -18,7 +18,7 @@ use dflash_models::dflash::DrafterConfig;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{json, Value};
 
-use crate::args::{DraftArgs, ModelArgs, SamplingArgs};
+use crate::args::{DraftArgs, ModelArgs, SamplingArgs, Speculation};
 use crate::load::{decoder, drafter_dir, load_target};
 
 /// Prompt sets that ship with the source tree.
@@ -325,6 +325,12 @@ pub fn run(args: EvalArgs) -> Result<()> {
         bail!(
             "eval measures a drafter, and --no-draft turns it off; drop --no-draft (or pass \
              --draft DIR)"
+        );
+    }
+    if args.draft.speculation == Some(Speculation::Auto) {
+        bail!(
+            "eval measures the drafter on every round; --speculation auto would skip rounds \
+             (drop it)"
         );
     }
     let (source, path) = match (&args.prompts, args.dataset) {

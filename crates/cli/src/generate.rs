@@ -8,7 +8,7 @@ use dflash_engine::session::{run_batch, run_scheduled};
 use dflash_engine::{Completion, Request, RowStats};
 use serde_json::json;
 
-use crate::args::{DraftArgs, ModelArgs, OutputFormat, SamplingArgs};
+use crate::args::{DraftArgs, ModelArgs, OutputFormat, SamplingArgs, Speculation};
 use crate::load::load;
 
 #[derive(Args, Debug)]
@@ -66,6 +66,9 @@ pub fn stats_json(s: &RowStats) -> serde_json::Value {
         v["verify_s"] = json!(s.verify_s);
         v["commit_s"] = json!(s.commit_s);
     }
+    if s.plain_steps > 0 {
+        v["plain_steps"] = json!(s.plain_steps);
+    }
     v
 }
 
@@ -95,7 +98,17 @@ pub fn stats_line(s: &RowStats) -> String {
             100.0 * s.commit_s / total
         ));
     }
+    if s.plain_steps > 0 {
+        line.push_str(&format!(", plain steps {}", s.plain_steps));
+    }
     line
+}
+
+/// `generate` drafts only where it pays unless told otherwise.
+fn generate_draft_args(draft: &DraftArgs) -> DraftArgs {
+    let mut d = draft.clone();
+    d.speculation.get_or_insert(Speculation::Auto);
+    d
 }
 
 fn read_prompt(arg: &Option<String>) -> Result<String> {
@@ -179,7 +192,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     if prompt.trim().is_empty() {
         bail!("the prompt is empty");
     }
-    let mut loaded = load(&args.model, &args.draft)?;
+    let mut loaded = load(&args.model, &generate_draft_args(&args.draft))?;
     let ids = loaded.prompt_ids(&prompt, args.system.as_deref(), args.raw)?;
     let request = Request {
         prompt: ids,
@@ -218,7 +231,7 @@ fn run_batch_file(
     params: dflash_engine::SamplingParams,
 ) -> Result<()> {
     let lines = read_batch(path)?;
-    let mut loaded = load(&args.model, &args.draft)?;
+    let mut loaded = load(&args.model, &generate_draft_args(&args.draft))?;
     let mut requests = Vec::with_capacity(lines.len());
     for (i, l) in lines.iter().enumerate() {
         let mut p = params.clone();

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use dflash_engine::ar::ArDecoder;
 use dflash_engine::dflash::{AcceptPolicy, DflashDecoder};
-use dflash_engine::Decoder;
+use dflash_engine::{Decoder, SpecMode};
 use dflash_models::chat::{ChatTemplate, Message};
 use dflash_models::default_model::ensure_default_model;
 use dflash_models::dflash::DrafterConfig;
@@ -19,7 +19,7 @@ use dflash_runtime::cpu::CpuBackend;
 use dflash_runtime::cuda::CudaBackend;
 use dflash_runtime::Backend;
 
-use crate::args::{BatchAccept, DraftArgs, ModelArgs};
+use crate::args::{BatchAccept, DraftArgs, ModelArgs, Speculation};
 use crate::progress::Bars;
 
 /// Default draft block on the CPU backend. Verifying a block costs a target forward over every
@@ -250,7 +250,13 @@ fn decoder_on<B: Backend>(
         BatchAccept::Clamp => AcceptPolicy::Clamp,
         BatchAccept::PerRow => AcceptPolicy::from_env(),
     };
-    Ok(Box::new(DflashDecoder::new(target, d, block, policy)?))
+    let mut dec = DflashDecoder::new(target, d, block, policy)?;
+    dec.set_spec_mode(
+        draft
+            .speculation
+            .map_or(SpecMode::Always, Speculation::mode),
+    );
+    Ok(Box::new(dec))
 }
 
 /// Loads the model and, unless disabled, its drafter.

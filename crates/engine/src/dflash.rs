@@ -17,6 +17,7 @@ use dflash_runtime::Backend;
 use crate::ar::{RowSampling, PREFILL_CHUNK};
 use crate::decoder::{Decoder, EngineError, Result, RowId};
 use crate::sampling::{Dist, SamplingParams};
+use crate::spec_gate::{SpecGate, SpecMode};
 use crate::stats::RowStats;
 
 /// How a batch commits accepted tokens.
@@ -60,6 +61,7 @@ pub struct DflashDecoder<T: Target, D: Drafter<B = T::B>> {
     pub drafter: D,
     block: usize,
     policy: AcceptPolicy,
+    gate: SpecGate,
     rows: Vec<Option<SpecRow>>,
     target_logits: Vec<f32>,
     draft_logits: Vec<f32>,
@@ -101,6 +103,7 @@ impl<T: Target, D: Drafter<B = T::B>> DflashDecoder<T, D> {
             drafter,
             block,
             policy,
+            gate: SpecGate::new(SpecMode::Always),
             rows: Vec::new(),
             target_logits: Vec::new(),
             draft_logits: Vec::new(),
@@ -110,6 +113,17 @@ impl<T: Target, D: Drafter<B = T::B>> DflashDecoder<T, D> {
 
     pub fn policy(&self) -> AcceptPolicy {
         self.policy
+    }
+
+    /// Whether every round drafts ([`SpecMode::Always`], the default) or greedy batches draft
+    /// only while it is measured to pay ([`SpecMode::Auto`]).
+    pub fn set_spec_mode(&mut self, mode: SpecMode) {
+        tracing::info!(?mode, "DFlash speculation");
+        self.gate = SpecGate::new(mode);
+    }
+
+    pub fn spec_mode(&self) -> SpecMode {
+        self.gate.mode()
     }
 
     /// Proposes drafts for one row from its slot-1.. logits; returns tokens and their q.
@@ -276,7 +290,16 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
             .map(|&r| ctx.saturating_sub(self.target.row_len(r)))
             .min()
             .unwrap_or(0);
-        let block = self.block.min(room);
+        let all_greedy = live.iter().all(|&r| {
+            let row = self.rows[r].as_ref().expect("live");
+            row.sampling.params.is_greedy()
+        });
+        let t_round = Instant::now();
+        let block = if self.gate.speculate(all_greedy) {
+            self.block.min(room)
+        } else {
+            room.min(1)
+        };
         if block < 1 {
             return Err(EngineError::Invalid(
                 "a row reached the end of the model's context".into(),
@@ -395,6 +418,8 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
                 for a in st.accepted_at.iter_mut().take(v.accepted) {
                     *a += 1;
                 }
+            } else {
+                st.plain_steps += 1;
             }
             st.generated_tokens += emitted.len();
             out.push((r, emitted));
@@ -402,6 +427,9 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
         self.drafter
             .extend(&extend_rows, self.target.taps(), &tap_rows)?;
         let commit_s = t_commit.elapsed().as_secs_f64();
+        let committed: usize = verdicts.iter().map(|v| v.accepted + 1).sum();
+        self.gate
+            .record(block >= 2, committed, t_round.elapsed().as_secs_f64());
         for &r in &live {
             let st = &mut self.rows[r].as_mut().expect("live").stats;
             st.draft_s += draft_s;

@@ -9,9 +9,11 @@ pub mod decoder;
 pub mod dflash;
 pub mod sampling;
 pub mod session;
+pub mod spec_gate;
 pub mod stats;
 
 pub use decoder::{Decoder, EngineError, RowId};
 pub use sampling::{Sampler, SamplingParams};
 pub use session::{Completion, FinishReason, Request};
+pub use spec_gate::SpecMode;
 pub use stats::RowStats;

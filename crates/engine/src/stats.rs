@@ -11,6 +11,9 @@ pub struct RowStats {
     pub decode_s: f64,
     /// Speculative rounds (0 for plain decoding).
     pub rounds: usize,
+    /// Rounds of a DFlash decoder that did not draft (speculation judged not to pay, or the
+    /// end of the context).
+    pub plain_steps: usize,
     /// Draft tokens proposed.
     pub drafted: usize,
     /// Draft tokens accepted.
@@ -48,6 +51,7 @@ impl RowStats {
         self.prefill_s += other.prefill_s;
         self.decode_s = self.decode_s.max(other.decode_s);
         self.rounds += other.rounds;
+        self.plain_steps += other.plain_steps;
         self.drafted += other.drafted;
         self.accepted += other.accepted;
         if self.accepted_at.len() < other.accepted_at.len() {

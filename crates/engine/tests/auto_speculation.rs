@@ -1,0 +1,74 @@
+//! `SpecMode::Auto` (drafting only while it pays) never changes greedy output: whatever mix of
+//! speculative rounds and plain steps the timing leads to, every row of a batch writes exactly
+//! its B=1 greedy output. With a drafter that proposes the right tokens and one that proposes
+//! random ones; both kinds of round run (the gate tries each and keeps probing).
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{ar_reference, request, sharp_tiny_gguf, Oracle};
+use dflash_engine::dflash::{AcceptPolicy, DflashDecoder};
+use dflash_engine::session::run_scheduled;
+use dflash_engine::{Completion, Decoder, SamplingParams, SpecMode};
+use dflash_models::synthetic::{drafter_config_for, random_drafter, special_id};
+use dflash_models::tokenizer::TextTokenizer;
+use dflash_models::{load_model, DflashDrafter, Target};
+use dflash_runtime::cpu::CpuBackend;
+
+const TOKENS: usize = 48;
+const BLOCK: usize = 4;
+
+fn prompts() -> Vec<Vec<u32>> {
+    vec![vec![5, 9, 17], vec![40, 2, 77, 3, 8], vec![100, 101], vec![7; 6]]
+}
+
+fn check(dec: &mut dyn Decoder, tok: &TextTokenizer, refs: &[Completion]) {
+    let requests: Vec<_> = prompts()
+        .into_iter()
+        .map(|p| request(p, TOKENS, SamplingParams::greedy()))
+        .collect();
+    let got = run_scheduled(dec, tok, &requests, 4, &mut |_, _| {}).unwrap();
+    let (mut rounds, mut plain) = (0, 0);
+    for (i, (c, r)) in got.iter().zip(refs).enumerate() {
+        let want: Vec<u32> = r.tokens.iter().take(TOKENS).copied().collect();
+        assert_eq!(c.tokens, want, "row {i} equals its B=1 greedy output");
+        rounds += c.stats.rounds;
+        plain += c.stats.plain_steps;
+    }
+    assert!(rounds > 0 && plain > 0, "both kinds ran: {rounds} speculative, {plain} plain");
+}
+
+#[test]
+fn auto_speculation_keeps_greedy_output() {
+    let b = Arc::new(CpuBackend::new(1));
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny.gguf");
+    std::fs::write(&path, sharp_tiny_gguf()).unwrap();
+    let m = load_model(b.clone(), &path).unwrap();
+    let tok = m.tokenizer;
+    let (refs, target) = ar_reference(m.model, &tok, &prompts(), TOKENS + BLOCK);
+
+    // A drafter that knows the continuation (errors at rotating slots).
+    let mut oracle = Oracle::new(BLOCK, target.vocab(), vec![1, 2]);
+    oracle.stop_ids = tok.stop_ids.clone();
+    for (p, r) in prompts().iter().zip(&refs) {
+        oracle
+            .queue
+            .push_back(p.iter().chain(&r.tokens).copied().collect());
+        oracle
+            .ended
+            .push_back(r.finish_reason == dflash_engine::FinishReason::Stop);
+    }
+    let mut dec = DflashDecoder::new(target, oracle, BLOCK, AcceptPolicy::PerRow).unwrap();
+    dec.set_spec_mode(SpecMode::Auto);
+    check(&mut dec, &tok, &refs);
+
+    // A randomly initialised drafter.
+    let cfg = drafter_config_for(64, 4, 2, 128, 4, 1, BLOCK, special_id("<|mask|>"));
+    let drafter = DflashDrafter::load(b.clone(), cfg.clone(), &random_drafter(&cfg, 5)).unwrap();
+    let DflashDecoder { target, .. } = dec;
+    let mut dec = DflashDecoder::new(target, drafter, BLOCK, AcceptPolicy::PerRow).unwrap();
+    dec.set_spec_mode(SpecMode::Auto);
+    check(&mut dec, &tok, &refs);
+}
