@@ -20,7 +20,12 @@ const TOKENS: usize = 48;
 const BLOCK: usize = 4;
 
 fn prompts() -> Vec<Vec<u32>> {
-    vec![vec![5, 9, 17], vec![40, 2, 77, 3, 8], vec![100, 101], vec![7; 6]]
+    vec![
+        vec![5, 9, 17],
+        vec![40, 2, 77, 3, 8],
+        vec![100, 101],
+        vec![7; 6],
+    ]
 }
 
 fn check(dec: &mut dyn Decoder, tok: &TextTokenizer, refs: &[Completion]) {
@@ -36,7 +41,10 @@ fn check(dec: &mut dyn Decoder, tok: &TextTokenizer, refs: &[Completion]) {
         rounds += c.stats.rounds;
         plain += c.stats.plain_steps;
     }
-    assert!(rounds > 0 && plain > 0, "both kinds ran: {rounds} speculative, {plain} plain");
+    assert!(
+        rounds > 0 && plain > 0,
+        "both kinds ran: {rounds} speculative, {plain} plain"
+    );
 }
 
 #[test]
