@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{ar_reference, request, sharp_tiny_gguf, Oracle};
+use common::{ar_reference, request, sharp_tiny_path, Oracle};
 use dflash_engine::dflash::{AcceptPolicy, DflashDecoder};
 use dflash_engine::session::run_scheduled;
 use dflash_engine::SamplingParams;
@@ -76,10 +76,7 @@ impl Target for RectangularCache {
 #[test]
 fn a_layout_without_per_row_commits_falls_back_to_the_clamp() {
     let b = Arc::new(CpuBackend::new(1));
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("tiny.gguf");
-    std::fs::write(&path, sharp_tiny_gguf()).unwrap();
-    let m = load_model(b.clone(), &path).unwrap();
+    let m = load_model(b.clone(), sharp_tiny_path()).unwrap();
     let tok = m.tokenizer;
     let prompts: Vec<Vec<u32>> = vec![vec![5, 9, 17], vec![40, 2, 77, 3, 8], vec![100, 101]];
     let (refs, target) = ar_reference(m.model, &tok, &prompts, 24 + 6);
@@ -88,12 +85,7 @@ fn a_layout_without_per_row_commits_falls_back_to_the_clamp() {
     let mut oracle = Oracle::new(block, target.vocab(), vec![1, 2]);
     oracle.stop_ids = tok.stop_ids.clone();
     for (p, r) in prompts.iter().zip(&refs) {
-        oracle
-            .queue
-            .push_back(p.iter().chain(&r.tokens).copied().collect());
-        oracle
-            .ended
-            .push_back(r.finish_reason == dflash_engine::FinishReason::Stop);
+        oracle.expect(p, r);
     }
     let mut dec = DflashDecoder::new(
         RectangularCache(target),

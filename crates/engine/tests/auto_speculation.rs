@@ -7,7 +7,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{ar_reference, request, sharp_tiny_gguf, Oracle};
+use common::{ar_reference, request, sharp_tiny_path, Oracle};
 use dflash_engine::dflash::{AcceptPolicy, DflashDecoder};
 use dflash_engine::session::run_scheduled;
 use dflash_engine::{Completion, Decoder, SamplingParams, SpecMode};
@@ -50,10 +50,7 @@ fn check(dec: &mut dyn Decoder, tok: &TextTokenizer, refs: &[Completion]) {
 #[test]
 fn auto_speculation_keeps_greedy_output() {
     let b = Arc::new(CpuBackend::new(1));
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("tiny.gguf");
-    std::fs::write(&path, sharp_tiny_gguf()).unwrap();
-    let m = load_model(b.clone(), &path).unwrap();
+    let m = load_model(b.clone(), sharp_tiny_path()).unwrap();
     let tok = m.tokenizer;
     let (refs, target) = ar_reference(m.model, &tok, &prompts(), TOKENS + BLOCK);
 
@@ -61,12 +58,7 @@ fn auto_speculation_keeps_greedy_output() {
     let mut oracle = Oracle::new(BLOCK, target.vocab(), vec![1, 2]);
     oracle.stop_ids = tok.stop_ids.clone();
     for (p, r) in prompts().iter().zip(&refs) {
-        oracle
-            .queue
-            .push_back(p.iter().chain(&r.tokens).copied().collect());
-        oracle
-            .ended
-            .push_back(r.finish_reason == dflash_engine::FinishReason::Stop);
+        oracle.expect(p, r);
     }
     let mut dec = DflashDecoder::new(target, oracle, BLOCK, AcceptPolicy::PerRow).unwrap();
     dec.set_spec_mode(SpecMode::Auto);

@@ -154,11 +154,7 @@ fn oracle_case(
     oracle.stop_ids = tok.stop_ids.clone();
     for &i in idx {
         let (p, r) = sh.entry(i);
-        let seq = p.iter().chain(&r.tokens).copied().collect();
-        oracle.queue.push_back(seq);
-        oracle
-            .ended
-            .push_back(r.finish_reason == FinishReason::Stop);
+        oracle.expect(p, r);
     }
     for (&i, &n) in idx.iter().zip(max_tokens) {
         requests.push(request(sh.entry(i).0.to_vec(), n, SamplingParams::greedy()));

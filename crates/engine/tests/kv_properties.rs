@@ -18,10 +18,9 @@
 mod common;
 
 use std::cell::{Cell, RefCell};
-use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
-use common::{ar_reference, request, sharp_tiny_gguf, Oracle, Schedule};
+use common::{ar_reference, request, sharp_tiny_path, Oracle, Schedule};
 use dflash_engine::dflash::{AcceptPolicy, DflashDecoder};
 use dflash_engine::session::run_scheduled;
 use dflash_engine::{FinishReason, SamplingParams};
@@ -407,20 +406,8 @@ proptest! {
 
 // --- session level ------------------------------------------------------------------------
 
-/// A tiny synthetic target (one whose greedy output depends on the context) written once.
-fn tiny_target_path() -> &'static PathBuf {
-    static P: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
-    &P.get_or_init(|| {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("tiny.gguf");
-        std::fs::write(&path, sharp_tiny_gguf()).unwrap();
-        (dir, path)
-    })
-    .1
-}
-
 fn tiny_target(b: &Arc<CpuBackend>) -> (LlamaModel<CpuBackend>, TextTokenizer) {
-    let m = load_model(b.clone(), tiny_target_path()).unwrap();
+    let m = load_model(b.clone(), sharp_tiny_path()).unwrap();
     (m.model, m.tokenizer)
 }
 
@@ -482,11 +469,7 @@ fn session_per_row_and_clamp_equal_b1_with_exact_accepts() {
                 Oracle::with_schedule(case.block, target.vocab(), vec![1, 2], schedule);
             oracle.stop_ids = tok.stop_ids.clone();
             for (p, r) in case.prompts.iter().zip(&refs) {
-                let seq = p.iter().chain(&r.tokens).copied().collect();
-                oracle.queue.push_back(seq);
-                oracle
-                    .ended
-                    .push_back(r.finish_reason == FinishReason::Stop);
+                oracle.expect(p, r);
             }
             let policy = if case.clamp {
                 AcceptPolicy::Clamp

@@ -23,11 +23,10 @@
 mod common;
 
 use std::collections::HashMap;
-use std::path::PathBuf;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Instant;
 
-use common::{request, sharp_tiny_gguf};
+use common::{request, sharp_tiny_path};
 use dflash_engine::ar::ArDecoder;
 use dflash_engine::dflash::{AcceptPolicy, DflashDecoder};
 use dflash_engine::session::run_scheduled;
@@ -55,18 +54,6 @@ const ALPHA: f64 = 1e-3;
 
 type Cpu = CpuBackend;
 
-/// The target (see `common::sharp_tiny_gguf`), written once.
-fn tiny_path() -> &'static PathBuf {
-    static P: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
-    &P.get_or_init(|| {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("tiny.gguf");
-        std::fs::write(&path, sharp_tiny_gguf()).unwrap();
-        (dir, path)
-    })
-    .1
-}
-
 struct Setup {
     backend: Arc<Cpu>,
     tok: TextTokenizer,
@@ -75,7 +62,7 @@ struct Setup {
 
 fn setup() -> Setup {
     let backend = Arc::new(CpuBackend::new(1));
-    let m = load_model(backend.clone(), tiny_path()).unwrap();
+    let m = load_model(backend.clone(), sharp_tiny_path()).unwrap();
     let prompt = m.tokenizer.encode("Once upon a", false).unwrap();
     Setup {
         backend,
@@ -87,7 +74,9 @@ fn setup() -> Setup {
 impl Setup {
     /// A fresh copy of the tiny target.
     fn target(&self) -> LlamaModel<Cpu> {
-        load_model(self.backend.clone(), tiny_path()).unwrap().model
+        load_model(self.backend.clone(), sharp_tiny_path())
+            .unwrap()
+            .model
     }
 }
 

@@ -157,6 +157,15 @@ impl Oracle {
         }
     }
 
+    /// Queues the next row's known continuation: `prompt` followed by what B=1 greedy decoding
+    /// wrote for it (`reference`), noting whether it ended with an end-of-sequence token.
+    pub fn expect(&mut self, prompt: &[u32], reference: &Completion) {
+        self.queue
+            .push_back(prompt.iter().chain(&reference.tokens).copied().collect());
+        self.ended
+            .push_back(reference.finish_reason == dflash_engine::FinishReason::Stop);
+    }
+
     /// The error slot of oracle row `row`, the `index`-th of `n` rows this round.
     fn error_slot(&self, row: usize, index: usize, n: usize, block: usize) -> usize {
         let rotating = (self.round + row * 5) % block;
@@ -337,6 +346,19 @@ pub fn sequences(prompts: &[Vec<u32>], done: &[Completion]) -> Vec<Vec<u32>> {
         .zip(done)
         .map(|(p, c)| p.iter().chain(&c.tokens).copied().collect())
         .collect()
+}
+
+/// [`sharp_tiny_gguf`] written once to a temporary file (alive until the test binary exits).
+pub fn sharp_tiny_path() -> &'static std::path::PathBuf {
+    static P: std::sync::OnceLock<(tempfile::TempDir, std::path::PathBuf)> =
+        std::sync::OnceLock::new();
+    &P.get_or_init(|| {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tiny.gguf");
+        std::fs::write(&path, sharp_tiny_gguf()).unwrap();
+        (dir, path)
+    })
+    .1
 }
 
 /// A tiny synthetic target whose outputs depend on the context: `SyntheticSpec::tiny()` with
