@@ -192,10 +192,13 @@ impl<T: Target, D: Drafter<B = T::B>> DflashDecoder<T, D> {
 
 /// `normalize(max(p - q, 0))`, or `p` when that is empty.
 fn residual(p: &Dist, q: &Dist) -> Dist {
+    // Both can cover the whole vocabulary at T > 0: look q up by id, not by search.
+    let q_by_id = q.probs_by_id();
+    let q_prob = |id: u32| q_by_id.get(id as usize).copied().unwrap_or(0.0);
     let mut items: Vec<(u32, f32)> = p
         .items
         .iter()
-        .map(|&(id, pp)| (id, (pp - q.prob(id)).max(0.0)))
+        .map(|&(id, pp)| (id, (pp - q_prob(id)).max(0.0)))
         .filter(|x| x.1 > 0.0)
         .collect();
     let mass: f32 = items.iter().map(|x| x.1).sum();

@@ -57,6 +57,17 @@ impl Dist {
             .map_or(0.0, |(_, p)| *p)
     }
 
+    /// Every token's probability indexed by id (0 for filtered-out ids; as long as the largest
+    /// id kept plus one): for many lookups, where [`Dist::prob`] would search each time.
+    pub fn probs_by_id(&self) -> Vec<f32> {
+        let len = self.items.iter().map(|&(id, _)| id as usize + 1).max();
+        let mut dense = vec![0f32; len.unwrap_or(0)];
+        for &(id, p) in &self.items {
+            dense[id as usize] = p;
+        }
+        dense
+    }
+
     /// The token at cumulative mass `u` in `[0, 1)`.
     pub fn pick(&self, u: f32) -> u32 {
         let mut acc = 0f32;

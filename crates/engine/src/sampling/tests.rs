@@ -134,3 +134,17 @@ fn same_seed_same_draws() {
     assert_eq!(a, draw(7));
     assert!(a.iter().any(|&x| x != a[0]), "draws vary");
 }
+
+#[test]
+fn probabilities_by_id_match_lookups() {
+    let d = params(0.7).distribution(&[0.5, -1.0, 2.0, 0.0, 1.5], &[], &mut Vec::new());
+    let dense = d.probs_by_id();
+    assert_eq!(dense.len(), 5);
+    for id in 0..5u32 {
+        assert_eq!(dense[id as usize], d.prob(id), "id {id}");
+    }
+    let filtered = Dist {
+        items: vec![(3, 0.75), (1, 0.25)],
+    };
+    assert_eq!(filtered.probs_by_id(), vec![0.0, 0.25, 0.0, 0.75]);
+}
