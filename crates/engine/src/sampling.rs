@@ -41,8 +41,9 @@ impl Default for SamplingParams {
 #[error("{0}")]
 pub struct InvalidParams(pub String);
 
-/// A distribution over token ids: `(id, probability)` sorted by probability, descending,
-/// with ties broken by lower id. Probabilities sum to 1.
+/// A distribution over token ids: `(id, probability)` pairs whose probabilities sum to 1.
+/// When a top-k/top-p/min-p filter was applied they are sorted by probability, descending,
+/// with ties broken by lower id; otherwise they are in id order.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Dist {
     pub items: Vec<(u32, f32)>,
@@ -156,6 +157,10 @@ impl SamplingParams {
         }
         for it in &mut items {
             it.1 /= total;
+        }
+        if self.top_k == 0 && self.top_p >= 1.0 && self.min_p <= 0.0 {
+            // No filter needs the order: keep id order and skip sorting the vocabulary.
+            return Dist { items };
         }
         let by_prob = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
         // Only the head of the distribution survives top-k/top-p/min-p; sort just that much.

@@ -19,7 +19,8 @@ fn temperature_one_is_softmax() {
     let d = params(1.0).distribution(&logits, &[], &mut Vec::new());
     assert_eq!(
         d.items.iter().map(|x| x.0).collect::<Vec<_>>(),
-        vec![2, 1, 0]
+        vec![0, 1, 2],
+        "no filter: id order"
     );
     for (id, want) in [(2u32, 0.5f32), (1, 1.0 / 3.0), (0, 1.0 / 6.0)] {
         assert!((d.prob(id) - want).abs() < 1e-6);
