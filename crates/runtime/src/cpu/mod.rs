@@ -5,6 +5,7 @@
 //! other tokens in the batch, so a row's results do not depend on what it is batched with.
 
 mod backend;
+pub mod gdn;
 pub mod kv;
 pub mod matmul;
 pub mod ops;
@@ -12,6 +13,7 @@ pub mod pool;
 pub mod tensor;
 
 pub use backend::CpuBackend;
+pub use gdn::CpuGdn;
 pub use kv::CpuKv;
 pub use matmul::Isa;
 pub use tensor::CpuTensor;

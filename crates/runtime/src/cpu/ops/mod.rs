@@ -5,6 +5,7 @@
 
 pub mod attention;
 pub mod elementwise;
+pub mod gdn;
 pub mod norm;
 pub mod rope;
 
