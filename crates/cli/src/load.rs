@@ -11,8 +11,8 @@ use dflash_engine::{Decoder, SpecMode};
 use dflash_models::chat::{ChatTemplate, Message};
 use dflash_models::default_model::ensure_default_model;
 use dflash_models::dflash::DrafterConfig;
-use dflash_models::llama::LlamaModel;
 use dflash_models::tokenizer::TextTokenizer;
+use dflash_models::TargetModel;
 use dflash_models::{load_model, DflashDrafter, Drafter, Target};
 use dflash_runtime::cpu::CpuBackend;
 #[cfg(feature = "cuda")]
@@ -33,9 +33,9 @@ const DEFAULT_DRAFTER: &str = "models/drafters/smollm2-135m-instruct-dflash";
 
 /// A target model on the device it was loaded for.
 pub enum DeviceTarget {
-    Cpu(Arc<CpuBackend>, Box<LlamaModel<CpuBackend>>),
+    Cpu(Arc<CpuBackend>, Box<TargetModel<CpuBackend>>),
     #[cfg(feature = "cuda")]
-    Cuda(Arc<CudaBackend>, Box<LlamaModel<CudaBackend>>),
+    Cuda(Arc<CudaBackend>, Box<TargetModel<CudaBackend>>),
 }
 
 /// A loaded target with what is needed to talk to it.
@@ -227,7 +227,7 @@ pub fn decoder(bundle: Bundle, drafter: Option<&Path>, draft: &DraftArgs) -> Res
 
 fn decoder_on<B: Backend>(
     backend: Arc<B>,
-    target: LlamaModel<B>,
+    target: TargetModel<B>,
     name: &str,
     drafter: Option<&Path>,
     draft: &DraftArgs,

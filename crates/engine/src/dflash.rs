@@ -406,7 +406,7 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
             let v = &verdicts[i];
             let row = self.rows[r].as_mut().expect("live");
             let committed = v.accepted + 1;
-            self.target.truncate_row(r, starts[i] + committed);
+            self.target.truncate_row(r, starts[i] + committed)?;
             extend_rows.push((row.drow, committed));
             tap_rows.extend((0..committed).map(|j| (i * block + j) as u32));
             let mut emitted = proposals[i].0[..v.accepted].to_vec();

@@ -19,9 +19,9 @@ use common::*;
 use dflash_engine::dflash::{AcceptPolicy, DflashDecoder};
 use dflash_engine::session::{run_batch, run_scheduled};
 use dflash_engine::{Completion, FinishReason, Request, SamplingParams};
-use dflash_models::llama::LlamaModel;
 use dflash_models::synthetic::{drafter_config_for, random_drafter};
 use dflash_models::tokenizer::TextTokenizer;
+use dflash_models::TargetModel;
 use dflash_models::{DflashDrafter, Drafter, Target};
 
 /// Tokens per row.
@@ -89,7 +89,7 @@ fn shared() -> &'static Shared {
 }
 
 impl Shared {
-    fn model(&self) -> (LlamaModel<Cpu>, TextTokenizer) {
+    fn model(&self) -> (TargetModel<Cpu>, TextTokenizer) {
         let m = default_model(&self.backend);
         (m.model, m.tokenizer)
     }
@@ -131,10 +131,10 @@ struct Case<'a> {
 /// row's accepted total against the oracle. Returns the outputs, the oracle and the target.
 fn oracle_case(
     sh: &Shared,
-    target: LlamaModel<Cpu>,
+    target: TargetModel<Cpu>,
     tok: &TextTokenizer,
     case: Case<'_>,
-) -> (Vec<Completion>, Oracle, LlamaModel<Cpu>) {
+) -> (Vec<Completion>, Oracle, TargetModel<Cpu>) {
     let Case {
         idx,
         max_tokens,

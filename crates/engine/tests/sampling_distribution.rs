@@ -31,9 +31,9 @@ use dflash_engine::ar::ArDecoder;
 use dflash_engine::dflash::{AcceptPolicy, DflashDecoder};
 use dflash_engine::session::run_scheduled;
 use dflash_engine::{Completion, Decoder, SamplingParams};
-use dflash_models::llama::LlamaModel;
 use dflash_models::synthetic::{drafter_config_for, random_drafter, special_id};
 use dflash_models::tokenizer::TextTokenizer;
+use dflash_models::TargetModel;
 use dflash_models::{load_model, DflashDrafter, Drafter, LogitRows, RowStep, Target};
 use dflash_runtime::cpu::{CpuBackend, CpuTensor};
 use dflash_runtime::{Backend, HostWeight};
@@ -73,7 +73,7 @@ fn setup() -> Setup {
 
 impl Setup {
     /// A fresh copy of the tiny target.
-    fn target(&self) -> LlamaModel<Cpu> {
+    fn target(&self) -> TargetModel<Cpu> {
         load_model(self.backend.clone(), sharp_tiny_path())
             .unwrap()
             .model
@@ -98,7 +98,7 @@ fn random(s: &Setup) -> DflashDrafter<Cpu> {
 /// `sharpen`, plus uniform noise. It knows a row's context while every round commits a single token (the prompt is
 /// shared by all runs); otherwise it proposes from flat logits.
 struct Peek {
-    model: LlamaModel<Cpu>,
+    model: TargetModel<Cpu>,
     prompt: Vec<u32>,
     taps: Vec<usize>,
     /// Per row: committed length and, when known, the committed tokens.

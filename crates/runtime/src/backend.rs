@@ -65,9 +65,20 @@ pub struct GdnShape {
     pub k_dim: usize,
     pub v_dim: usize,
     pub conv_kernel: usize,
+    /// v heads in tiled order (see above).
+    pub tiled_heads: bool,
 }
 
 impl GdnShape {
+    /// The q/k head read by v head `h`.
+    pub fn k_head_of(&self, h: usize) -> usize {
+        if self.tiled_heads {
+            h % self.k_heads
+        } else {
+            h / (self.v_heads / self.k_heads)
+        }
+    }
+
     pub fn key_dim(&self) -> usize {
         self.k_heads * self.k_dim
     }
@@ -199,13 +210,14 @@ pub trait Backend: Send + Sync + 'static {
         spans: &[RowSpan],
         out: &mut Self::Tensor,
     );
-    /// GDN gates in place: `a <- -exp(a_log) * softplus(a + dt_bias)` (the log decay g) and
-    /// `b <- sigmoid(b)` (beta); `a`, `b`: `[T, v_heads]`, `a_log`, `dt_bias`: `[1, v_heads]`.
+    /// GDN gates in place: `a <- a_neg * softplus(a + dt_bias)` (the log decay g, with
+    /// `a_neg = -exp(A_log)`) and `b <- sigmoid(b)` (beta); `a`, `b`: `[T, v_heads]`,
+    /// `a_neg`, `dt_bias`: `[1, v_heads]`.
     fn gdn_gates(
         &self,
         a: &mut Self::Tensor,
         b: &mut Self::Tensor,
-        a_log: &Self::Tensor,
+        a_neg: &Self::Tensor,
         dt_bias: &Self::Tensor,
     );
     /// Gated RMS norm in place over groups of `weight.cols` columns:

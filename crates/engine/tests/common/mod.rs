@@ -11,7 +11,7 @@ use dflash_engine::session::run_batch;
 use dflash_engine::{Completion, Request, SamplingParams};
 use dflash_models::chat::Message;
 use dflash_models::default_model::{ensure_default_model, Silent};
-use dflash_models::llama::LlamaModel;
+use dflash_models::TargetModel;
 use dflash_models::{load_model, Drafter, LoadedModel};
 use dflash_runtime::cpu::{CpuBackend, CpuTensor};
 use dflash_runtime::Backend;
@@ -71,11 +71,11 @@ pub fn request(prompt: Vec<u32>, max_tokens: usize, params: SamplingParams) -> R
 
 /// Greedy autoregressive completions, one row at a time (the reference).
 pub fn ar_reference(
-    target: LlamaModel<Cpu>,
+    target: TargetModel<Cpu>,
     tok: &dflash_models::tokenizer::TextTokenizer,
     prompts: &[Vec<u32>],
     max_tokens: usize,
-) -> (Vec<Completion>, LlamaModel<Cpu>) {
+) -> (Vec<Completion>, TargetModel<Cpu>) {
     let mut dec = ArDecoder::new(target);
     let mut out = Vec::new();
     for p in prompts {

@@ -87,7 +87,7 @@ struct GdnScratch {
 /// `k_dim^-1/2`), into `q` and `k`; the arithmetic every path (step, chunk, replay) shares.
 fn head_qk(shape: &GdnShape, row: &[f32], h: usize, q: &mut [f32], k: &mut [f32]) {
     let dk = shape.k_dim;
-    let kh = h / (shape.v_heads / shape.k_heads);
+    let kh = shape.k_head_of(h);
     q.copy_from_slice(&row[kh * dk..(kh + 1) * dk]);
     let k0 = shape.key_dim() + kh * dk;
     k.copy_from_slice(&row[k0..k0 + dk]);
@@ -458,15 +458,15 @@ impl Backend for CpuBackend {
         &self,
         a: &mut CpuTensor,
         b: &mut CpuTensor,
-        a_log: &CpuTensor,
+        a_neg: &CpuTensor,
         dt_bias: &CpuTensor,
     ) {
-        let hv = a_log.cols;
+        let hv = a_neg.cols;
         assert_eq!((a.cols, b.cols, dt_bias.cols), (hv, hv, hv));
         assert_eq!(a.rows, b.rows);
         for row in a.data.chunks_exact_mut(hv) {
-            for ((x, &al), &db) in row.iter_mut().zip(&a_log.data).zip(&dt_bias.data) {
-                *x = -al.exp() * gdn::softplus(*x + db);
+            for ((x, &an), &db) in row.iter_mut().zip(&a_neg.data).zip(&dt_bias.data) {
+                *x = an * gdn::softplus(*x + db);
             }
         }
         for x in &mut b.data {
