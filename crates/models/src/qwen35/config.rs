@@ -102,6 +102,17 @@ impl Qwen35Config {
                 self.rot_dim, self.head_dim
             )));
         }
+        let inner = [
+            ("hidden_size", self.hidden),
+            ("intermediate_size", self.intermediate),
+            ("attention heads x head_dim", self.heads * self.head_dim),
+            ("linear value dim", g.value_dim()),
+        ];
+        if let Some((what, n)) = inner.iter().find(|(_, n)| !n.is_multiple_of(32)) {
+            return Err(bad(format!(
+                "{what} {n} is not a multiple of 32 (matrix rows are read in 32-value groups)"
+            )));
+        }
         if self.head_dim > 512 {
             return Err(bad(format!(
                 "head dimension {} is not supported",
