@@ -343,6 +343,11 @@ impl<B: Backend> Qwen35Model<B> {
         })
     }
 
+    /// The recurrent state of every row (for inspection in tests).
+    pub fn gdn_state(&self) -> &B::Gdn {
+        &self.gdn
+    }
+
     fn run_layers(&mut self, meta: &B::Meta) {
         let b = &*self.backend;
         let cfg = &self.cfg;
