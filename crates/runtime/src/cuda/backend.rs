@@ -6,9 +6,10 @@ use super::device::{
     dtype_index, ensure, int, long, mm_rows_per_warp, mm_smem_bytes, Arg, CudaOptions, Device,
     PrefillGemm, MM_TILES, MM_WARPS,
 };
+use super::gdn::CudaGdn;
 use super::kv::CudaKv;
 use super::tensor::{CudaMeta, CudaTensor, CudaWeight};
-use crate::backend::{AttnShape, Backend, RopeStyle, TokenMeta};
+use crate::backend::{AttnShape, Backend, GdnShape, RopeStyle, RowSpan, TokenMeta};
 use crate::dtype::DType;
 use crate::error::RuntimeError;
 use crate::weight::HostWeight;
@@ -74,6 +75,10 @@ impl CudaBackend {
     pub fn preload(&self, formats: &[DType]) -> Result<(), RuntimeError> {
         self.dev.bind();
         self.dev.preload(formats).map_err(RuntimeError::Device)
+    }
+
+    pub(crate) fn device(&self) -> &Device {
+        &self.dev
     }
 
     /// Waits for all queued work.
@@ -308,6 +313,7 @@ impl Backend for CudaBackend {
     type Weight = CudaWeight;
     type Kv = CudaKv;
     type Meta = CudaMeta;
+    type Gdn = CudaGdn;
 
     fn name(&self) -> &'static str {
         "cuda"
@@ -408,6 +414,64 @@ impl Backend for CudaBackend {
             buf: Some(buf),
             pool,
         }
+    }
+
+    // Gated DeltaNet state and ops: cuda/gdn.rs.
+    fn gdn_new(&self, layers: usize, shape: GdnShape, history: usize) -> CudaGdn {
+        self.cuda_gdn_new(layers, shape, history)
+    }
+    fn gdn_open_row(&self, st: &mut CudaGdn, row: usize) {
+        self.cuda_gdn_open_row(st, row)
+    }
+    fn gdn_release_row(&self, st: &mut CudaGdn, row: usize) {
+        self.cuda_gdn_release_row(st, row)
+    }
+    fn gdn_copy_row(&self, st: &mut CudaGdn, src: usize, dst: usize) {
+        self.cuda_gdn_copy_row(st, src, dst)
+    }
+    fn gdn_begin(&self, st: &mut CudaGdn, spans: &[RowSpan]) {
+        self.cuda_gdn_begin(st, spans)
+    }
+    fn gdn_rollback(&self, st: &mut CudaGdn, row: usize, keep: usize) -> Result<(), RuntimeError> {
+        self.cuda_gdn_rollback(st, row, keep)
+    }
+    fn causal_conv(
+        &self,
+        st: &mut CudaGdn,
+        layer: usize,
+        x: &CudaTensor,
+        weight: &CudaTensor,
+        spans: &[RowSpan],
+        out: &mut CudaTensor,
+    ) {
+        self.cuda_causal_conv(st, layer, x, weight, spans, out)
+    }
+    fn gated_delta(
+        &self,
+        st: &mut CudaGdn,
+        layer: usize,
+        qkv: &CudaTensor,
+        g: &CudaTensor,
+        beta: &CudaTensor,
+        spans: &[RowSpan],
+        out: &mut CudaTensor,
+    ) {
+        self.cuda_gated_delta(st, layer, qkv, g, beta, spans, out)
+    }
+    fn gdn_gates(
+        &self,
+        a: &mut CudaTensor,
+        b: &mut CudaTensor,
+        a_neg: &CudaTensor,
+        dt: &CudaTensor,
+    ) {
+        self.cuda_gdn_gates(a, b, a_neg, dt)
+    }
+    fn rms_norm_gated(&self, x: &mut CudaTensor, z: &CudaTensor, w: &CudaTensor, eps: f32) {
+        self.cuda_rms_norm_gated(x, z, w, eps)
+    }
+    fn sigmoid_mul(&self, x: &mut CudaTensor, gate: &CudaTensor) {
+        self.cuda_sigmoid_mul(x, gate)
     }
 
     fn kv_new(&self, layers: usize, kv_dim: usize) -> CudaKv {

@@ -33,14 +33,17 @@ pub const FORMAT_SUFFIX: [&str; 8] = ["f32", "f16", "bf16", "q4_0", "q4_1", "q8_
 pub enum Module {
     Ops,
     Attention,
+    /// The Gated DeltaNet kernels (gdn.cu), built when a model with GDN layers first runs.
+    Gdn,
     Matmul(usize),
 }
 
 impl Module {
-    /// Every unit: the two shared modules, then matmul for each format.
-    pub const ALL: [Module; 10] = [
+    /// Every unit: the shared modules, then matmul for each format.
+    pub const ALL: [Module; 11] = [
         Module::Ops,
         Module::Attention,
+        Module::Gdn,
         Module::Matmul(0),
         Module::Matmul(1),
         Module::Matmul(2),
@@ -55,6 +58,7 @@ impl Module {
         match self {
             Module::Ops => "ops".into(),
             Module::Attention => "attention".into(),
+            Module::Gdn => "gdn".into(),
             Module::Matmul(d) => format!("matmul_{}", FORMAT_SUFFIX[d]),
         }
     }
@@ -64,6 +68,7 @@ impl Module {
             Module::Matmul(_) => include_str!("../../kernels/matmul.cu"),
             Module::Ops => include_str!("../../kernels/ops.cu"),
             Module::Attention => include_str!("../../kernels/attention.cu"),
+            Module::Gdn => include_str!("../../kernels/gdn.cu"),
         }
     }
 

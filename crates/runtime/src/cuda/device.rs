@@ -553,7 +553,7 @@ fn keep_pool_memory(ctx: &CudaContext) {
 }
 
 /// Loads a compiled unit into the context.
-fn load_image(
+pub(crate) fn load_image(
     ctx: &Arc<CudaContext>,
     m: Module,
     image: Image,

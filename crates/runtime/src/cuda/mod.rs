@@ -46,6 +46,9 @@
 //!   sum), warps merged in order. Any context length, head_dim <= 256.
 //! - **RMS norm**: sixteen lanes per group, reproducing the CPU's 16-lane sum and halving tree.
 //! - element-wise ops, RoPE, gathers, argmax and KV copies: simple grid-stride kernels.
+//! - Gated DeltaNet (`kernels/gdn.cu`, see [`gdn`](self::gdn)): causal conv, one thread per
+//!   channel walking its row's tokens; the gated delta rule, one block per (row, v head),
+//!   a thread per state column (k_dim values in registers) walking the tokens in order.
 //!
 //! # Environment
 //!
@@ -58,10 +61,12 @@
 mod backend;
 pub mod compile;
 mod device;
+mod gdn;
 pub mod kv;
 mod tensor;
 
 pub use backend::CudaBackend;
 pub use device::{CudaOptions, PrefillGemm};
+pub use gdn::CudaGdn;
 pub use kv::CudaKv;
 pub use tensor::{CudaMeta, CudaTensor, CudaWeight};

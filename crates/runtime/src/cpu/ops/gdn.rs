@@ -422,7 +422,7 @@ mod tests {
         assert_eq!(next, n2);
         assert_eq!(&next[..], &x[6..]);
         // First output of channel 0: w · [prev0, prev1, x0].
-        let want = silu(0.5 * 0.1 + -1.0 * 0.3 + 2.0 * x[0]);
+        let want = silu(0.5 * 0.1 - 0.3 + 2.0 * x[0]);
         assert!((out[0] - want).abs() < 1e-6);
     }
 }
