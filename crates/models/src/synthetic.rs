@@ -1,6 +1,6 @@
-//! Synthetic models: random weights of any Llama-family shape with a small byte-level BPE
-//! tokenizer and a ChatML template, written as GGUF. Used by tests (no download needed) and
-//! by benchmarks of large shapes.
+//! Synthetic models: random weights of any Llama-family or Qwen 3.5 hybrid shape with a small
+//! byte-level BPE tokenizer (padded to the model's vocabulary) and a ChatML template, written
+//! as GGUF. Used by tests (no download needed) and by benchmarks of large shapes.
 
 use dflash_runtime::quant::quantize_row;
 use dflash_runtime::DType;
@@ -252,6 +252,248 @@ pub fn synthetic_gguf(spec: &SyntheticSpec) -> Vec<u8> {
         }
     }
     norm(&mut w, "output_norm.weight", h);
+    w.to_bytes()
+}
+
+/// Shape and storage of a synthetic Qwen 3.5 hybrid (written as llama.cpp's `qwen35` GGUF).
+#[derive(Clone, Debug)]
+pub struct Qwen35Spec {
+    pub hidden: usize,
+    pub layers: usize,
+    /// Layer i is full attention iff (i + 1) % interval == 0.
+    pub full_attention_interval: usize,
+    pub intermediate: usize,
+    /// Vocabulary (the synthetic tokenizer padded with unreachable tokens up to it).
+    pub vocab: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub rot_dim: usize,
+    pub gdn: dflash_runtime::GdnShape,
+    pub context_length: usize,
+    /// Storage of the matrices (norms, conv kernels and gates stay f32).
+    pub dtype: DType,
+    pub tied_embeddings: bool,
+    pub seed: u64,
+}
+
+impl Qwen35Spec {
+    /// Qwen3.5-0.8B's shapes (notes/qwen35_gdn.md §1.3): 24 layers of width 1024, 6 of them
+    /// gated attention (8 q / 2 kv heads of 256, rotary 64), 18 GDN (16 k / 16 v heads of 128),
+    /// vocabulary 248320, tied head.
+    pub fn qwen35_0_8b(dtype: DType) -> Self {
+        Self {
+            hidden: 1024,
+            layers: 24,
+            full_attention_interval: 4,
+            intermediate: 3584,
+            vocab: 248320,
+            heads: 8,
+            kv_heads: 2,
+            head_dim: 256,
+            rot_dim: 64,
+            gdn: dflash_runtime::GdnShape {
+                k_heads: 16,
+                v_heads: 16,
+                k_dim: 128,
+                v_dim: 128,
+                conv_kernel: 4,
+                tiled_heads: true,
+            },
+            context_length: 4096,
+            dtype,
+            tied_embeddings: true,
+            seed: 1,
+        }
+    }
+
+    /// Qwen3.5-4B's shapes: 32 layers of width 2560 (8 attention with 16 q / 4 kv heads, 24
+    /// GDN with 16 k / 32 v heads), intermediate 9216, tied head.
+    pub fn qwen35_4b(dtype: DType) -> Self {
+        Self {
+            hidden: 2560,
+            layers: 32,
+            intermediate: 9216,
+            heads: 16,
+            kv_heads: 4,
+            gdn: dflash_runtime::GdnShape {
+                k_heads: 16,
+                v_heads: 32,
+                ..Self::qwen35_0_8b(dtype).gdn
+            },
+            ..Self::qwen35_0_8b(dtype)
+        }
+    }
+
+    /// A tiny hybrid for tests: 4 layers (3 GDN + 1 attention) of width 64.
+    pub fn tiny() -> Self {
+        Self {
+            hidden: 64,
+            layers: 4,
+            full_attention_interval: 4,
+            intermediate: 128,
+            vocab: vocab().0.len(),
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            rot_dim: 4,
+            gdn: dflash_runtime::GdnShape {
+                k_heads: 2,
+                v_heads: 4,
+                k_dim: 16,
+                v_dim: 16,
+                conv_kernel: 4,
+                tiled_heads: true,
+            },
+            context_length: 512,
+            dtype: DType::F32,
+            tied_embeddings: false,
+            seed: 1,
+        }
+    }
+}
+
+/// The GGUF bytes of a random Qwen 3.5 hybrid with `spec`'s shapes, named and laid out as
+/// llama.cpp writes `qwen35` (zero-centred norms stored as `1 + w`, `ssm_a` = -exp(A_log),
+/// v heads in tiled order).
+pub fn synthetic_qwen35_gguf(spec: &Qwen35Spec) -> Vec<u8> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(spec.seed);
+    let (mut tokens, mut types, merges) = vocab();
+    assert!(
+        spec.vocab >= tokens.len(),
+        "vocabulary below the synthetic tokenizer's"
+    );
+    for i in tokens.len()..spec.vocab {
+        tokens.push(format!("<unused{i}>"));
+        types.push(1);
+    }
+    let key = |k: &str| format!("qwen35.{k}");
+    let g = spec.gdn;
+    let u = |v: usize| MetaValue::U32(v as u32);
+    let mut w = GgufWriter::new();
+    w.meta("general.architecture", MetaValue::Str("qwen35".into()))
+        .meta("general.name", MetaValue::Str("synthetic-qwen35".into()))
+        .meta(&key("block_count"), u(spec.layers))
+        .meta(&key("context_length"), u(spec.context_length))
+        .meta(&key("embedding_length"), u(spec.hidden))
+        .meta(&key("feed_forward_length"), u(spec.intermediate))
+        .meta(&key("attention.head_count"), u(spec.heads))
+        .meta(&key("attention.head_count_kv"), u(spec.kv_heads))
+        .meta(&key("attention.key_length"), u(spec.head_dim))
+        .meta(&key("attention.value_length"), u(spec.head_dim))
+        .meta(
+            &key("attention.layer_norm_rms_epsilon"),
+            MetaValue::F32(1e-6),
+        )
+        .meta(&key("rope.freq_base"), MetaValue::F32(1e7))
+        .meta(&key("rope.dimension_count"), u(spec.rot_dim))
+        .meta(&key("ssm.conv_kernel"), u(g.conv_kernel))
+        .meta(&key("ssm.state_size"), u(g.k_dim))
+        .meta(&key("ssm.group_count"), u(g.k_heads))
+        .meta(&key("ssm.time_step_rank"), u(g.v_heads))
+        .meta(&key("ssm.inner_size"), u(g.value_dim()))
+        .meta(
+            &key("full_attention_interval"),
+            u(spec.full_attention_interval),
+        )
+        .meta("tokenizer.ggml.model", MetaValue::Str("gpt2".into()))
+        .meta("tokenizer.ggml.pre", MetaValue::Str("default".into()))
+        .meta(
+            "tokenizer.ggml.tokens",
+            MetaValue::Array(tokens.into_iter().map(MetaValue::Str).collect()),
+        )
+        .meta(
+            "tokenizer.ggml.token_type",
+            MetaValue::Array(types.into_iter().map(MetaValue::I32).collect()),
+        )
+        .meta(
+            "tokenizer.ggml.merges",
+            MetaValue::Array(merges.into_iter().map(MetaValue::Str).collect()),
+        )
+        .meta(
+            "tokenizer.ggml.eos_token_id",
+            u(special_id("<|im_end|>") as usize),
+        )
+        .meta("tokenizer.ggml.add_bos_token", MetaValue::Bool(false))
+        .meta("tokenizer.chat_template", MetaValue::Str(CHATML.into()));
+    let h = spec.hidden;
+    let qd = spec.heads * spec.head_dim;
+    let kvd = spec.kv_heads * spec.head_dim;
+    let f32_id = DType::F32.ggml_id();
+    let dt = spec.dtype;
+    let mut matrix = |w: &mut GgufWriter, name: &str, rows: usize, cols: usize| {
+        let m = random_matrix(&mut rng, rows, cols, 1.0 / (cols as f32).sqrt());
+        w.tensor(
+            name,
+            &[cols as u64, rows as u64],
+            dt.ggml_id(),
+            encode(dt, &m, cols),
+        );
+    };
+    matrix(&mut w, "token_embd.weight", spec.vocab, h);
+    if !spec.tied_embeddings {
+        matrix(&mut w, "output.weight", spec.vocab, h);
+    }
+    for i in 0..spec.layers {
+        let n = |s: &str| format!("blk.{i}.{s}");
+        if (i + 1) % spec.full_attention_interval == 0 {
+            matrix(&mut w, &n("attn_q.weight"), 2 * qd, h);
+            matrix(&mut w, &n("attn_k.weight"), kvd, h);
+            matrix(&mut w, &n("attn_v.weight"), kvd, h);
+            matrix(&mut w, &n("attn_output.weight"), h, qd);
+        } else {
+            matrix(&mut w, &n("attn_qkv.weight"), g.conv_dim(), h);
+            matrix(&mut w, &n("attn_gate.weight"), g.value_dim(), h);
+            matrix(&mut w, &n("ssm_beta.weight"), g.v_heads, h);
+            matrix(&mut w, &n("ssm_alpha.weight"), g.v_heads, h);
+            matrix(&mut w, &n("ssm_out.weight"), h, g.value_dim());
+        }
+        matrix(&mut w, &n("ffn_gate.weight"), spec.intermediate, h);
+        matrix(&mut w, &n("ffn_up.weight"), spec.intermediate, h);
+        matrix(&mut w, &n("ffn_down.weight"), h, spec.intermediate);
+    }
+    let mut rng = rand::rngs::StdRng::seed_from_u64(spec.seed ^ 0x5eed);
+    let vector = |w: &mut GgufWriter, name: &str, dims: &[u64], v: Vec<f32>| {
+        let cols = dims[0] as usize;
+        w.tensor(name, dims, f32_id, encode(DType::F32, &v, cols));
+    };
+    let mut near_one = |n: usize| -> Vec<f32> {
+        (0..n)
+            .map(|_| 1.0 + rng.random_range(-0.1f32..0.1))
+            .collect()
+    };
+    let mut norms = Vec::new();
+    for i in 0..spec.layers {
+        norms.push((format!("blk.{i}.attn_norm.weight"), h));
+        norms.push((format!("blk.{i}.post_attention_norm.weight"), h));
+        if (i + 1) % spec.full_attention_interval == 0 {
+            norms.push((format!("blk.{i}.attn_q_norm.weight"), spec.head_dim));
+            norms.push((format!("blk.{i}.attn_k_norm.weight"), spec.head_dim));
+        } else {
+            norms.push((format!("blk.{i}.ssm_norm.weight"), g.v_dim));
+        }
+    }
+    norms.push(("output_norm.weight".into(), h));
+    for (name, len) in norms {
+        let v = near_one(len);
+        vector(&mut w, &name, &[len as u64], v);
+    }
+    let mut rng = rand::rngs::StdRng::seed_from_u64(spec.seed ^ 0x9d7);
+    for i in 0..spec.layers {
+        if (i + 1) % spec.full_attention_interval == 0 {
+            continue;
+        }
+        let hv = g.v_heads;
+        let conv: Vec<f32> = (0..g.conv_dim() * g.conv_kernel)
+            .map(|_| rng.random_range(-0.5f32..0.5))
+            .collect();
+        let dims = [g.conv_kernel as u64, g.conv_dim() as u64];
+        vector(&mut w, &format!("blk.{i}.ssm_conv1d.weight"), &dims, conv);
+        let a: Vec<f32> = (0..hv).map(|_| -rng.random_range(0.05f32..1.5)).collect();
+        vector(&mut w, &format!("blk.{i}.ssm_a"), &[hv as u64], a);
+        let dtb: Vec<f32> = (0..hv).map(|_| rng.random_range(-0.5f32..0.5)).collect();
+        vector(&mut w, &format!("blk.{i}.ssm_dt.bias"), &[hv as u64], dtb);
+    }
     w.to_bytes()
 }
 

@@ -196,3 +196,35 @@ fn rollback_is_limited_to_the_last_step() {
     m.truncate_row(row, 4).unwrap();
     assert_eq!(m.row_len(row), 4);
 }
+
+/// A synthetic hybrid with Q8_0 matrices (GGUF `qwen35`): the logits of a verify block equal
+/// the same tokens decoded one at a time, bit for bit (the lossless contract's premise).
+#[test]
+fn verify_block_logits_equal_decode_logits_bit_for_bit() {
+    use dflash_models::synthetic::{synthetic_qwen35_gguf, Qwen35Spec};
+    let spec = Qwen35Spec {
+        dtype: dflash_runtime::DType::Q8_0,
+        ..Qwen35Spec::tiny()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("q35.gguf");
+    std::fs::write(&path, synthetic_qwen35_gguf(&spec)).unwrap();
+    let b = Arc::new(CpuBackend::new(2));
+    let mut m = match load_model(b, &path).unwrap().model {
+        TargetModel::Qwen35(m) => m,
+        TargetModel::Llama(_) => panic!("synthetic qwen35 loads as Qwen 3.5"),
+    };
+    let prompt: Vec<u32> = (0..70).map(|i| (i * 37 % 250) as u32).collect();
+    let block = [5u32, 99, 17, 3, 250, 42];
+    let (a, d) = (m.new_row(128).unwrap(), m.new_row(128).unwrap());
+    forward(&mut m, &[(a, &prompt), (d, &prompt)], LogitRows::Last);
+    let verify = forward(&mut m, &[(a, &block)], LogitRows::All);
+    let vocab = m.vocab();
+    for (j, &t) in block.iter().enumerate() {
+        let one = forward(&mut m, &[(d, &[t])], LogitRows::Last);
+        assert!(
+            one[..] == verify[j * vocab..(j + 1) * vocab],
+            "block position {j}"
+        );
+    }
+}
