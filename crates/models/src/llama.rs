@@ -10,6 +10,10 @@ use crate::rows::RowTable;
 use crate::source::TensorSource;
 use crate::target::{LogitRows, RowStep, Target};
 
+/// Steps of at most this many tokens (decode, verify blocks, batched decode) may be replayed
+/// from captured graphs; longer ones (prompt chunks, whose lengths vary) run eagerly.
+const GRAPH_MAX_TOKENS: usize = 256;
+
 /// How the tensors of a source are named.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Naming {
@@ -459,7 +463,11 @@ impl<B: Backend> Target for LlamaModel<B> {
         };
         b.run(|| {
             self.shape_workspace(key.tokens, key.rows);
-            b.graph(key, &mut || self.device_step());
+            if key.tokens <= GRAPH_MAX_TOKENS {
+                b.graph(key, &mut || self.device_step());
+            } else {
+                self.device_step();
+            }
         });
         for s in steps {
             let len = self.rows.len(s.row) + s.tokens.len();

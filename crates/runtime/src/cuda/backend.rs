@@ -133,6 +133,44 @@ impl CudaBackend {
             && self.dev.profiler.lock().expect("profiler lock").is_none()
     }
 
+    /// Milliseconds of GPU time of the work `f` enqueues (CUDA events around it; waits for it).
+    pub fn time_gpu(&self, f: &mut dyn FnMut()) -> f64 {
+        use cudarc::driver::sys as cu;
+        self.dev.bind();
+        let ev = || {
+            ck(
+                self.dev
+                    .ctx
+                    .new_event(Some(cu::CUevent_flags::CU_EVENT_DEFAULT)),
+                "event creation",
+            )
+        };
+        let (start, end) = (ev(), ev());
+        ck(start.record(&self.dev.stream), "event record");
+        f();
+        ck(end.record(&self.dev.stream), "event record");
+        ck(start.elapsed_ms(&end), "event timing") as f64
+    }
+
+    /// Device-to-device copy bandwidth in GB/s (bytes read plus bytes written per second),
+    /// median of 5 copies of `bytes` bytes after a warm-up: the memory ceiling kernels are
+    /// compared with.
+    pub fn copy_bandwidth(&self, bytes: usize) -> f64 {
+        self.dev.bind();
+        let n = bytes / 4;
+        let (src, mut dst) = (self.dev.zeros::<f32>(n), self.dev.zeros::<f32>(n));
+        let mut copy = || {
+            ck(
+                self.dev.stream.memcpy_dtod(&src, &mut dst),
+                "device-to-device copy",
+            )
+        };
+        copy();
+        let mut t: Vec<f64> = (0..5).map(|_| self.time_gpu(&mut copy)).collect();
+        t.sort_by(f64::total_cmp);
+        2.0 * (4 * n) as f64 / (t[2] * 1e-3) / 1e9
+    }
+
     /// Starts timing every kernel launch by class (CUDA events; graphs are off meanwhile),
     /// or stops it.
     pub fn set_profiling(&self, on: bool) {

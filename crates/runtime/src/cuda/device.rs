@@ -546,7 +546,8 @@ impl Device {
             grid.1 <= 65535 && grid.2 <= 65535,
             "grid too large for {name}: {grid:?}"
         );
-        let mut prof = self.profiler.lock().expect("profiler lock");
+        // A poisoned lock (a panic in an earlier launch) still guards a usable profiler.
+        let mut prof = self.profiler.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(p) = prof.as_mut() {
             p.before(&self.ctx, &self.stream, name);
         }

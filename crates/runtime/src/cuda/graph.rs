@@ -76,9 +76,12 @@ impl Graphs {
             Some(Entry::Eager) => f(),
             None => {
                 f();
-                // Whatever `f` allocated belongs to this epoch.
-                self.epoch = dev.epoch.load(Ordering::Relaxed);
-                self.entries.retain(|_, e| !matches!(e, Entry::Ready(_)));
+                // Whatever `f` allocated moved buffers: graphs captured before are stale.
+                let now = dev.epoch.load(Ordering::Relaxed);
+                if now != self.epoch {
+                    self.entries.retain(|_, e| !matches!(e, Entry::Ready(_)));
+                    self.epoch = now;
+                }
                 self.entries.insert(key, Entry::Seen);
             }
             Some(Entry::Seen) => {
@@ -110,7 +113,9 @@ impl Graphs {
     }
 }
 
-/// Captures the work `f` enqueues on the device's stream.
+/// Captures the work `f` enqueues on the device's stream. A panic inside `f` (an op that
+/// cannot be captured fails its launch) ends the capture and comes back as an error; the
+/// caller then runs the step eagerly, where a real fault shows itself again.
 fn capture(dev: &Device, f: &mut dyn FnMut()) -> Result<CudaGraph, String> {
     dev.stream
         .begin_capture(cu::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
@@ -120,8 +125,8 @@ fn capture(dev: &Device, f: &mut dyn FnMut()) -> Result<CudaGraph, String> {
         .stream
         .end_capture(cu::CUgraphInstantiate_flags(0))
         .map_err(|e| format!("end capture: {e}"));
-    if let Err(p) = ran {
-        std::panic::resume_unwind(p);
+    if ran.is_err() {
+        return Err("an op failed while being captured".into());
     }
     graph?.ok_or_else(|| "the capture recorded no work".to_string())
 }
