@@ -79,7 +79,10 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn main() {
-    let args: Vec<usize> = std::env::args().skip(1).filter_map(|a| a.parse().ok()).collect();
+    let args: Vec<usize> = std::env::args()
+        .skip(1)
+        .filter_map(|a| a.parse().ok())
+        .collect();
     let block = args.first().copied().unwrap_or(16);
     let reps = args.get(1).copied().unwrap_or(7);
     let inp = inputs(block);

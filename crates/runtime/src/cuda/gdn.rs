@@ -150,7 +150,7 @@ impl CudaBackend {
     /// Uploads `words` to the descriptor buffer; returns its address.
     fn gdn_desc(&self, st: &mut CudaGdn, words: &[i64]) -> u64 {
         let dev = self.device();
-        let p = ensure(&dev.stream, &mut st.desc, words.len());
+        let p = ensure(&dev.stream, &dev.epoch, &mut st.desc, words.len());
         dev.htod(words, p);
         p
     }
