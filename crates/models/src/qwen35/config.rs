@@ -536,7 +536,7 @@ mod tests {
     fn tiny() -> Value {
         serde_json::json!({
             "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
-            "vocab_size": 100, "hidden_size": 32, "intermediate_size": 48,
+            "vocab_size": 100, "hidden_size": 64, "intermediate_size": 64,
             "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
             "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
             "linear_key_head_dim": 8, "linear_value_head_dim": 8,
