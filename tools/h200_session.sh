@@ -92,6 +92,12 @@ EOF
     done
     say "microbench (smollm2 shapes)"
     timeout 240 "$W/cuda_microbench" --shapes smollm2 --reps 30 | tee "$out/microbench_smollm2.md"
+    for t in cuda_ops cuda_fused; do
+        say "compute-sanitizer memcheck: $t (the long sweeps skipped)"
+        timeout 120 compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
+            "$W/$t" --test-threads=1 --skip attention_long_context --skip matmul_every_dtype \
+            --skip every_m_from_1 --skip cublas 2>&1 | grep -E "ERROR SUMMARY|test result|Invalid" | head
+    done
 }
 
 stage_b() {
@@ -143,9 +149,6 @@ stage_c() {
     tail -n 3 "$out/bench_q4b.err"
     timeout 200 "$W/cuda_microbench" --shapes qwen3-4b --formats q4_0 --reps 20 \
         | tee "$out/microbench_q4b.md"
-    say "compute-sanitizer memcheck: cuda_fused"
-    timeout 150 compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
-        "$W/cuda_fused" --test-threads=1 --skip every_m 2>&1 | grep -E "ERROR SUMMARY|test result|Invalid" | head
 }
 
 case "${1:-}" in

@@ -807,13 +807,12 @@ impl Backend for CudaBackend {
         if groups == 0 {
             return;
         }
-        // Sixteen lanes per group.
-        let threads = groups * 16;
+        // A block per group (NORM_THREADS in ops.cu).
         self.dev.launch(
             &self.dev.k.rms_norm,
             "rms_norm",
-            (threads.div_ceil(256) as u32, 1, 1),
-            (256, 1, 1),
+            (groups as u32, 1, 1),
+            (128, 1, 1),
             0,
             &[
                 Arg::Ptr(src),
