@@ -278,7 +278,7 @@ __device__ __forceinline__ u64 measure(const Smem* s, const Measure& m, int i, i
 // In p's probability order (bits descending, ties by id), restricted to p's kept set: the
 // first item at which the running measure reaches `target` (>= target). Sets s->sel_found,
 // and when found s->sel_bits, s->sel_id.
-__device__ void select_sorted(Smem* s, const Measure& m, u64 target) {
+__device__ __noinline__ void select_sorted(Smem* s, const Measure& m, u64 target) {
     const int V = s->p.V;
     u32 prefix = 0;
     u64 above = 0;
@@ -316,6 +316,7 @@ __device__ void select_sorted(Smem* s, const Measure& m, u64 target) {
     }
     if (!found) return;
     // The ties at `prefix`, in id order.
+    if (threadIdx.x == 0) s->sel_id = NO_ID;
     int lo, hi;
     my_range(V, lo, hi);
     u64 mine = 0;
@@ -339,13 +340,13 @@ __device__ void select_sorted(Smem* s, const Measure& m, u64 target) {
         }
     }
     __syncthreads();
-    if (threadIdx.x == 0 && above + total < target) s->sel_found = 0;
+    if (threadIdx.x == 0 && (above + total < target || s->sel_id == NO_ID)) s->sel_found = 0;
     __syncthreads();
 }
 
 // In id order over every id (p unfiltered): the first id at which the running measure
 // reaches `target`; NO_ID when the total stays below it.
-__device__ u32 select_ids(Smem* s, const Measure& m, u64 target) {
+__device__ __noinline__ u32 select_ids(Smem* s, const Measure& m, u64 target) {
     int lo, hi;
     my_range(s->p.V, lo, hi);
     u64 mine = 0;
@@ -373,7 +374,7 @@ __device__ u32 select_ids(Smem* s, const Measure& m, u64 target) {
 }
 
 // The token at cumulative mass u under measure m (M_SAMPLE or M_RESIDUAL) in p's order.
-__device__ u32 pick(Smem* s, const Measure& m, float u) {
+__device__ __noinline__ u32 pick(Smem* s, const Measure& m, float u) {
     const u64 target = to_fx(u) + 1ull;  // running mass > u
     u32 id;
     if (s->p.filtered) {
@@ -415,7 +416,7 @@ __device__ __forceinline__ float penalize(float l, float r) {
 // Builds the distribution of `logits` (V values) into d, with `w` as its work row: penalty
 // over the row's history and the `extra` ids (drafts before this slot), then greedy argmax or
 // softmax and the filters.
-__device__ void build(Smem* s, Dist* dd, const ChParams& cp, const float* logits, float* w, int V,
+__device__ __noinline__ void build(Smem* s, Dist* dd, const ChParams& cp, const float* logits, float* w, int V,
                       const u32* hist, const u32* extra, int n_extra) {
     Red* red = &s->red;
     const float* src = logits;
@@ -444,6 +445,8 @@ __device__ void build(Smem* s, Dist* dd, const ChParams& cp, const float* logits
         dd->V = V;
         dd->greedy = ch_greedy(cp);
         dd->filtered = 0;
+        dd->cut_bits = 0;
+        dd->cut_id = NO_ID;
         dd->mass = 1.0;
     }
     if (ch_greedy(cp)) {

@@ -87,7 +87,7 @@ impl Inputs {
                 ids.dedup();
                 hist.extend_from_slice(&ids);
             }
-            self.words.extend([
+            let words: [u32; PARAM_WORDS] = [
                 p.temperature.to_bits(),
                 p.top_k,
                 p.top_p.to_bits(),
@@ -96,7 +96,8 @@ impl Inputs {
                 off as u32,
                 (hist.len() - off) as u32,
                 0,
-            ]);
+            ];
+            self.words.extend(words);
         }
         (at, self.push(hist))
     }
