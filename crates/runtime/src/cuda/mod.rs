@@ -47,10 +47,10 @@
 //!   sum), warps merged in order. Any context length, head_dim <= 256.
 //! - **RMS norm**: sixteen lanes per group, reproducing the CPU's 16-lane sum and halving tree.
 //! - element-wise ops, RoPE, gathers and KV copies: simple grid-stride kernels.
-//! - **token choice** (`kernels/sample.cu`, [`sample`]): argmax in two stages (blocks of 4,096
-//!   columns, then a merge per row); sampling, drafts and DFlash verification one block per
-//!   logits row, reproducing the engine's host definition (see the file's header for the
-//!   numbers).
+//! - **token choice** (`kernels/sample.cu`, `cuda/sample.rs`): argmax in two stages (blocks
+//!   of 4,096 columns, then a merge per row); sampling, drafts and DFlash verification one
+//!   block per logits row, reproducing the engine's host definition (see the file's header
+//!   for the numbers).
 //!
 //! # Environment
 //!
