@@ -104,7 +104,7 @@ fn history(v: usize, r: &mut impl Rng) -> Vec<u32> {
     let mut h: Vec<u32> = (0..n).map(|_| r.random_range(0..v as u32)).collect();
     // Repeats, which the penalty must count once.
     if n > 10 {
-        h.extend_from_slice(&h[..10].to_vec());
+        h.extend_from_within(..10);
     }
     h
 }
@@ -254,17 +254,21 @@ fn sampling_matches_the_host() {
                 .map(|i| p.distribution(&data[i], &hists[i], &mut scratch))
                 .collect();
             let us: Vec<Vec<f32>> = (0..ROWS).map(|_| uniforms(US, &mut r)).collect();
-            for k in 0..US {
+            // One call per column of uniforms.
+            let columns: Vec<Vec<f32>> = (0..US)
+                .map(|k| us.iter().map(|row| row[k]).collect())
+                .collect();
+            for uk in &columns {
                 let rows: Vec<SampleRow<'_>> = (0..ROWS)
                     .map(|i| SampleRow {
                         params: p.device().unwrap(),
                         history: &hists[i],
-                        u: us[i][k],
+                        u: uk[i],
                     })
                     .collect();
                 let got = b.sample_rows(&t, &rows).expect("the CUDA backend samples");
                 for i in 0..ROWS {
-                    let u = us[i][k];
+                    let u = uk[i];
                     let what = format!("vocab {v}, {p:?}, row {i} ({})", KINDS[(i + pi) % 4]);
                     if p.is_greedy() {
                         assert_eq!(got[i], dists[i].items[0].0, "{what}");
