@@ -332,7 +332,12 @@ pub(crate) fn verify_rows(
     let u_last = inp.floats(rows.iter().map(|r| r.last_u));
     let base = inp.upload(dev, &mut s);
     let tokens = rows.len() * block;
-    let out = ensure(&dev.stream, &dev.epoch, &mut s.out, 2 * tokens + 2 * rows.len());
+    let out = ensure(
+        &dev.stream,
+        &dev.epoch,
+        &mut s.out,
+        2 * tokens + 2 * rows.len(),
+    );
     let (accept, cand, verdicts) = (out, out + 4 * tokens as u64, out + 8 * tokens as u64);
     let amax = if plain_argmax(rows.iter().map(|r| r.params)) {
         argmax_device(dev, &mut s, target)
