@@ -9,7 +9,8 @@
 #   run  carry [".gpu/common", ".gpu/C"]  command "bash .gpu/common/h200_session.sh C"
 #
 # A: unpacks the binaries, starts a llama.cpp CUDA build (Feb-2025 source, sm_90) in the
-#    background, runs the CUDA op tests (cuda_ops, cuda_fused) and the kernel microbench.
+#    background, runs the CUDA op tests (cuda_ops, cuda_fused), the device token-choice test
+#    (cuda_token_choice) and the kernel microbench.
 # B: assembles and checks the default model; CPU-vs-GPU greedy parity on 24 MT-Bench
 #    prompts; `dflash bench` plain decoding (kernel split by class) at prompts 128 and 512.
 # C: the shipped drafter: DFlash parity on the GPU (B = 1 and B = 4); dflash bench AR vs
@@ -86,13 +87,13 @@ EOF
             > build.log 2>&1 && cmake --build build -j 14 --target llama-bench llama-batched-bench \
             >> build.log 2>&1; echo \$? > build.done" > /dev/null 2>&1 < /dev/null &
     fi
-    for t in cuda_ops cuda_fused; do
+    for t in cuda_ops cuda_fused cuda_token_choice; do
         say "$t"
         timeout 300 "$W/$t" --test-threads=1 2>&1 | tee "$out/$t.log" | grep -E "^test |test result|panicked|skipped|error" | head -60
     done
     say "microbench (smollm2 shapes)"
     timeout 240 "$W/cuda_microbench" --shapes smollm2 --reps 30 | tee "$out/microbench_smollm2.md"
-    for t in cuda_ops cuda_fused; do
+    for t in cuda_ops cuda_fused cuda_token_choice; do
         say "compute-sanitizer memcheck: $t (the long sweeps skipped)"
         timeout 120 compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
             "$W/$t" --test-threads=1 --skip attention_long_context --skip matmul_every_dtype \
