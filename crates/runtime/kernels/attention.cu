@@ -105,19 +105,28 @@ __device__ __forceinline__ void attention_split_body(const AttParams& p) {
         if (valid) {
             const float* kr = kb + (size_t)j * p.kv_dim;
             if (vec4) {
+                // Four loads in flight, then their products in dimension order.
                 const float4* k4 = (const float4*)kr;
-                for (int d4 = 0; d4 < hd / 4; d4++) {
-                    const float4 kk = k4[d4];
+                const int n4 = hd / 4;
+                for (int d0 = 0; d0 < n4; d0 += 4) {
+                    float4 kk[4];
 #pragma unroll
-                    for (int g = 0; g < GM; g++) {
-                        if (g < G) {
-                            const float* qg = qs + g * hd + 4 * d4;
-                            float a = dot[g];
-                            a = __fmaf_rn(qg[0], kk.x, a);
-                            a = __fmaf_rn(qg[1], kk.y, a);
-                            a = __fmaf_rn(qg[2], kk.z, a);
-                            a = __fmaf_rn(qg[3], kk.w, a);
-                            dot[g] = a;
+                    for (int u = 0; u < 4; u++) kk[u] = d0 + u < n4 ? k4[d0 + u] : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+                    for (int u = 0; u < 4; u++) {
+                        if (d0 + u < n4) {
+#pragma unroll
+                            for (int g = 0; g < GM; g++) {
+                                if (g < G) {
+                                    const float* qg = qs + g * hd + 4 * (d0 + u);
+                                    float a = dot[g];
+                                    a = __fmaf_rn(qg[0], kk[u].x, a);
+                                    a = __fmaf_rn(qg[1], kk[u].y, a);
+                                    a = __fmaf_rn(qg[2], kk[u].z, a);
+                                    a = __fmaf_rn(qg[3], kk[u].w, a);
+                                    dot[g] = a;
+                                }
+                            }
                         }
                     }
                 }
@@ -148,20 +157,29 @@ __device__ __forceinline__ void attention_split_body(const AttParams& p) {
             }
         }
         const int nk = min(32, end - t0);
-        for (int kk = 0; kk < nk; kk++) {
-            const float* vr = vb + (size_t)(t0 + kk) * p.kv_dim;
-            float vv[PER];
+        // Values of eight keys are loaded before they are added (in key order).
+        for (int k0 = 0; k0 < nk; k0 += 8) {
+            float vv[8][PER];
 #pragma unroll
-            for (int i = 0; i < PER; i++) {
-                const int d = lane + 32 * i;
-                vv[i] = d < hd ? vr[d] : 0.0f;
+            for (int u = 0; u < 8; u++) {
+                const float* vr = vb + (size_t)(t0 + k0 + u) * p.kv_dim;
+#pragma unroll
+                for (int i = 0; i < PER; i++) {
+                    const int d = lane + 32 * i;
+                    vv[u][i] = (k0 + u < nk && d < hd) ? vr[d] : 0.0f;
+                }
             }
 #pragma unroll
-            for (int g = 0; g < GM; g++) {
-                if (g < G) {
-                    const float pk = __shfl_sync(DF_FULL_MASK, pr[g], kk);
+            for (int u = 0; u < 8; u++) {
+                if (k0 + u < nk) {
 #pragma unroll
-                    for (int i = 0; i < PER; i++) acc[g][i] = __fmaf_rn(pk, vv[i], acc[g][i]);
+                    for (int g = 0; g < GM; g++) {
+                        if (g < G) {
+                            const float pk = __shfl_sync(DF_FULL_MASK, pr[g], k0 + u);
+#pragma unroll
+                            for (int i = 0; i < PER; i++) acc[g][i] = __fmaf_rn(pk, vv[u][i], acc[g][i]);
+                        }
+                    }
                 }
             }
         }
@@ -231,19 +249,28 @@ extern "C" __global__ void attention_merge(const AttParams p) {
     const int end = (int)meta[3];
     int nsplit, tps;
     att_splits(end > start ? end - start : 0, &nsplit, &tps);
+    // All splits' states and values are loaded before they are combined (in split order).
+    float ms[ATT_MAX_SPLITS], ls[ATT_MAX_SPLITS], vs[ATT_MAX_SPLITS];
+#pragma unroll
+    for (int s = 0; s < ATT_MAX_SPLITS; s++) {
+        const float* ps = att_part(p, t, h, s < nsplit ? s : 0);
+        ms[s] = s < nsplit ? ps[0] : -DF_INF;
+        ls[s] = s < nsplit ? ps[1] : 0.0f;
+        vs[s] = s < nsplit ? ps[2 + d] : 0.0f;
+    }
     float gm = -DF_INF;
-    for (int s = 0; s < nsplit; s++) {
-        const float* ps = att_part(p, t, h, s);
-        if (ps[1] > 0.0f) gm = fmaxf(gm, ps[0]);
+#pragma unroll
+    for (int s = 0; s < ATT_MAX_SPLITS; s++) {
+        if (ls[s] > 0.0f) gm = fmaxf(gm, ms[s]);
     }
     float o = 0.0f;
     float gl = 0.0f;
-    for (int s = 0; s < nsplit; s++) {
-        const float* ps = att_part(p, t, h, s);
-        if (ps[1] > 0.0f) {
-            const float f = expf(__fsub_rn(ps[0], gm));
-            gl = __fadd_rn(gl, __fmul_rn(ps[1], f));
-            o = __fmaf_rn(ps[2 + d], f, o);
+#pragma unroll
+    for (int s = 0; s < ATT_MAX_SPLITS; s++) {
+        if (ls[s] > 0.0f) {
+            const float f = expf(__fsub_rn(ms[s], gm));
+            gl = __fadd_rn(gl, __fmul_rn(ls[s], f));
+            o = __fmaf_rn(vs[s], f, o);
         }
     }
     const float inv = gl > 0.0f ? __fdiv_rn(1.0f, gl) : 0.0f;

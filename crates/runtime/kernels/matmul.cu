@@ -19,10 +19,10 @@
 // block or the grid. So decode (M = 1), verify blocks (M = 2..16) and prefill (M > 16, run as
 // tiles of 16 rows of x) give bit-identical results for the same row of x.
 //
-// Loads. Each weight row's bytes for step i + 1 are loaded before the products of step i
-// (software pipelining), with the widest load the format's alignment allows (16 bytes for
-// f16/bf16 and f32, 8 for the Q4_K nibbles, 4 for Q4_1). x is read through the read-only
-// path (it is small and shared by every warp of the grid).
+// Loads. The weight bytes of P consecutive steps (P = 4 for MT <= 2, 2 for MT = 4, else 1)
+// are loaded before their products, with the widest load the format's alignment allows (16
+// bytes for f16/bf16 and f32, 8 for the Q4_K nibbles, 4 for Q4_1). x is read through the
+// read-only path (it is small and shared by every warp of the grid).
 //
 // Epilogues: store; add into `out` (out = out + s: the residual add, bit-identical to a
 // separate `add`); SwiGLU (two weights per output: out = silu(x·gᵀ) * (x·uᵀ), bit-identical to
@@ -292,7 +292,6 @@ __device__ __forceinline__ void mm_warp(const MmSeg& sg, int n0, const float* __
     const int j = lane >> 2;
     const int s = lane & 3;
     const int groups = K / GROUP;
-    const int steps = (groups + 7) >> 3;
     const int ml = min(MT, M - m0);
 
     const u8* rows[R][W];
@@ -311,50 +310,46 @@ __device__ __forceinline__ void mm_warp(const MmSeg& sg, int n0, const float* __
 #pragma unroll
             for (int m = 0; m < MT; m++) acc[r][v][m] = 0.0f;
 
-    MmPart<DT> cur[R][W];
-    MmPart<DT> nxt[R][W];
+    // P steps' weight bytes are loaded before any of their products (P more loads in flight
+    // per lane); the products then run in step order, so the sum is the same for every P.
+    constexpr int P = MT <= 2 ? 4 : (MT <= 4 ? 2 : 1);
     const int xa = MmPart<DT>::xa(s);
     const int xb = MmPart<DT>::xb(s);
-
-    int g = j;
-    if (g < groups) {
+    for (int g0 = j; g0 < groups; g0 += 8 * P) {
+        MmPart<DT> part[P][R][W];
 #pragma unroll
-        for (int r = 0; r < R; r++)
+        for (int q = 0; q < P; q++) {
+            const int g = g0 + 8 * q;
+            if (g < groups) {
 #pragma unroll
-            for (int v = 0; v < W; v++) cur[r][v].load(rows[r][v], g, s);
-    }
-    for (int i = 0; i < steps; i++) {
-        const int gn = g + 8;
-        if (gn < groups) {
+                for (int r = 0; r < R; r++)
 #pragma unroll
-            for (int r = 0; r < R; r++)
-#pragma unroll
-                for (int v = 0; v < W; v++) nxt[r][v].load(rows[r][v], gn, s);
-        }
-        if (g < groups) {
-            float w[R][W][8];
-#pragma unroll
-            for (int r = 0; r < R; r++)
-#pragma unroll
-                for (int v = 0; v < W; v++) cur[r][v].decode(w[r][v]);
-#pragma unroll
-            for (int m = 0; m < MT; m++) {
-                if (m < ml) {
-                    const float* xr = x + (size_t)(m0 + m) * K + (size_t)g * GROUP;
-                    const float4 a = __ldg((const float4*)(xr + xa));
-                    const float4 b = __ldg((const float4*)(xr + xb));
-#pragma unroll
-                    for (int r = 0; r < R; r++)
-#pragma unroll
-                        for (int v = 0; v < W; v++) acc[r][v][m] = fma8(w[r][v], a, b, acc[r][v][m]);
-                }
+                    for (int v = 0; v < W; v++) part[q][r][v].load(rows[r][v], g, s);
             }
         }
 #pragma unroll
-        for (int r = 0; r < R; r++)
+        for (int q = 0; q < P; q++) {
+            const int g = g0 + 8 * q;
+            if (g < groups) {
+                float w[R][W][8];
 #pragma unroll
-            for (int v = 0; v < W; v++) cur[r][v] = nxt[r][v];
-        g = gn;
+                for (int r = 0; r < R; r++)
+#pragma unroll
+                    for (int v = 0; v < W; v++) part[q][r][v].decode(w[r][v]);
+#pragma unroll
+                for (int m = 0; m < MT; m++) {
+                    if (m < ml) {
+                        const float* xr = x + (size_t)(m0 + m) * K + (size_t)g * GROUP;
+                        const float4 a = __ldg((const float4*)(xr + xa));
+                        const float4 b = __ldg((const float4*)(xr + xb));
+#pragma unroll
+                        for (int r = 0; r < R; r++)
+#pragma unroll
+                            for (int v = 0; v < W; v++) acc[r][v][m] = fma8(w[r][v], a, b, acc[r][v][m]);
+                    }
+                }
+            }
+        }
     }
 
     float* out = (float*)sg.out;

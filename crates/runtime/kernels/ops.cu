@@ -1,4 +1,5 @@
-// dflash-rs CUDA kernels: element-wise ops, RMS norm, RoPE, row gathers, argmax, KV cache.
+// dflash-rs CUDA kernels: element-wise ops, RMS norm, RoPE, row gathers, KV cache (argmax is
+// in sample.cu).
 //
 // Each token is computed on its own, with a fixed order, so a token's result never depends on
 // the batch around it. Where the CPU reference (crates/runtime/src/cpu/ops) has a defined
@@ -85,42 +86,57 @@ extern "C" __global__ void dequant_float_any(const u8* table, i64 row_bytes, int
 // w' = 1 + w when zero-centred. The sum of squares ss follows cpu::ops::dot exactly: sixteen
 // partial sums, partial l adding x[i]*x[i] (rounded product, then rounded sum) for
 // i = l, l + 16, ... in increasing order, then combined by halving (l + l+8, then + l+4, ...).
-// Sixteen lanes (half a warp) own a group; the shuffle-down tree is that halving. So the
-// result is bit-identical to the CPU backend's. In place when x == out (each lane reads and
-// writes only its own elements).
-extern "C" __global__ void rms_norm_f32(const float* x, float* out, const float* w, i64 groups, int dim,
-                                        float eps, int zero_centred) {
-    const int half_lane = threadIdx.x & 15;
-    const i64 grp = (blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 4;
-    const bool live = grp < groups;
-    const float* xs = x + (live ? grp : 0) * (i64)dim;
-    float acc = 0.0f;
-    if (live) {
-        // Eight values are loaded before they are summed (in the same order as one at a time).
-        for (int i0 = half_lane; i0 < dim; i0 += 16 * 8) {
-            float v[8];
+// A block owns a group: lanes 0..15 of its first warp make the sixteen partials (loading
+// eight values ahead of summing them) and the shuffle-down tree is that halving, so the result
+// is bit-identical to the CPU backend's; then every thread scales its share of the group.
+// In place when x == out (the group is read completely before any of it is written).
+#define NORM_THREADS 128
+extern "C" __global__ void __launch_bounds__(NORM_THREADS)
+    rms_norm_f32(const float* x, float* out, const float* w, i64 groups, int dim, float eps, int zero_centred) {
+    __shared__ float s_inv;
+    const i64 grp = blockIdx.x;
+    if (grp >= groups) return;
+    const float* xs = x + grp * (i64)dim;
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        float acc = 0.0f;
+        if (lane < 16) {
+            for (int i0 = lane; i0 < dim; i0 += 16 * 8) {
+                float v[8];
 #pragma unroll
-            for (int u = 0; u < 8; u++) {
-                const int i = i0 + 16 * u;
-                v[u] = i < dim ? xs[i] : 0.0f;
-            }
+                for (int u = 0; u < 8; u++) {
+                    const int i = i0 + 16 * u;
+                    v[u] = i < dim ? xs[i] : 0.0f;
+                }
 #pragma unroll
-            for (int u = 0; u < 8; u++) {
-                if (i0 + 16 * u < dim) acc = __fadd_rn(acc, __fmul_rn(v[u], v[u]));
+                for (int u = 0; u < 8; u++) {
+                    if (i0 + 16 * u < dim) acc = __fadd_rn(acc, __fmul_rn(v[u], v[u]));
+                }
             }
         }
-    }
 #pragma unroll
-    for (int off = 8; off > 0; off >>= 1) {
-        acc = __fadd_rn(acc, __shfl_down_sync(DF_FULL_MASK, acc, off, 16));
+        for (int off = 8; off > 0; off >>= 1) {
+            acc = __fadd_rn(acc, __shfl_down_sync(DF_FULL_MASK, acc, off, 16));
+        }
+        if (lane == 0) s_inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(acc, (float)dim), eps)));
     }
-    const float ss = __shfl_sync(DF_FULL_MASK, acc, 0, 16);
-    if (!live) return;
-    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)dim), eps)));
+    __syncthreads();
+    const float inv = s_inv;
     float* os = out + grp * (i64)dim;
-    for (int i = half_lane; i < dim; i += 16) {
-        const float wv = zero_centred ? __fadd_rn(1.0f, w[i]) : w[i];
-        os[i] = __fmul_rn(wv, __fmul_rn(xs[i], inv));
+    for (int i0 = threadIdx.x; i0 < dim; i0 += NORM_THREADS * 4) {
+        float xv[4], wv[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const int i = i0 + NORM_THREADS * u;
+            xv[u] = i < dim ? xs[i] : 0.0f;
+            wv[u] = i < dim ? w[i] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const int i = i0 + NORM_THREADS * u;
+            const float wu = zero_centred ? __fadd_rn(1.0f, wv[u]) : wv[u];
+            if (i < dim) os[i] = __fmul_rn(wu, __fmul_rn(xv[u], inv));
+        }
     }
 }
 
@@ -213,54 +229,6 @@ extern "C" __global__ void rope_kv_f32(const RopeKvParams p) {
     for (int c = threadIdx.x; c < p.kv_dim; c += blockDim.x) {
         kd[c] = kt[c];
         vd[c] = vt[c];
-    }
-}
-
-// ---- argmax ------------------------------------------------------------------------------
-//
-// Index of the largest value of every row, the first one on ties; NaN is never chosen (every
-// comparison with it is false) and a row with no number above -inf gives 0, as
-// cpu::ops::elementwise::argmax does. Block per row.
-#define ARGMAX_THREADS 256
-extern "C" __global__ void argmax_rows_f32(const float* x, int rows, int cols, u32* out) {
-    __shared__ float sv[ARGMAX_THREADS / 32];
-    __shared__ u32 si[ARGMAX_THREADS / 32];
-    const int r = blockIdx.x;
-    if (r >= rows) return;
-    const float* xr = x + (size_t)r * cols;
-    float best = -DF_INF;
-    u32 bi = 0xffffffffu;
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        const float v = xr[i];
-        if (v > best) {
-            best = v;
-            bi = (u32)i;
-        }
-    }
-    // (value, index) pairs: larger value wins, then smaller index.
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        const float ov = __shfl_xor_sync(DF_FULL_MASK, best, off);
-        const u32 oi = __shfl_xor_sync(DF_FULL_MASK, bi, off);
-        if (ov > best || (ov == best && oi < bi)) {
-            best = ov;
-            bi = oi;
-        }
-    }
-    const int warp = threadIdx.x >> 5;
-    if ((threadIdx.x & 31) == 0) {
-        sv[warp] = best;
-        si[warp] = bi;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int k = 1; k < (int)(blockDim.x >> 5); k++) {
-            if (sv[k] > best || (sv[k] == best && si[k] < bi)) {
-                best = sv[k];
-                bi = si[k];
-            }
-        }
-        out[r] = bi == 0xffffffffu ? 0u : bi;
     }
 }
 

@@ -13,6 +13,7 @@ use super::kv::CudaKv;
 use super::profile::{KernelClassTime, Profiler};
 use super::tensor::{CudaMeta, CudaStep, CudaTensor, CudaWeight};
 use crate::backend::{AttnShape, Backend, GdnShape, GraphKey, RopeStyle, RowSpan, TokenMeta};
+use crate::choice::{DraftRow, SampleRow, Verdict, VerifyRow};
 use crate::dtype::DType;
 use crate::error::RuntimeError;
 use crate::weight::HostWeight;
@@ -871,13 +872,12 @@ impl Backend for CudaBackend {
         if groups == 0 {
             return;
         }
-        // Sixteen lanes per group.
-        let threads = groups * 16;
+        // A block per group (NORM_THREADS in ops.cu).
         self.dev.launch(
             &self.dev.k.rms_norm,
             "rms_norm",
-            (threads.div_ceil(256) as u32, 1, 1),
-            (256, 1, 1),
+            (groups as u32, 1, 1),
+            (128, 1, 1),
             0,
             &[
                 Arg::Ptr(src),
@@ -1360,30 +1360,31 @@ impl Backend for CudaBackend {
     }
 
     fn argmax_rows(&self, x: &CudaTensor) -> Vec<u32> {
-        if x.rows == 0 {
-            return Vec::new();
-        }
-        if x.cols == 0 {
-            return vec![0; x.rows];
-        }
-        self.dev.bind();
-        let mut s = self.dev.scratch.lock().expect("scratch lock");
-        let p = ensure(&self.dev.stream, &self.dev.epoch, &mut s.argmax, x.rows);
-        self.dev.launch(
-            &self.dev.k.argmax_rows,
-            "argmax_rows",
-            (x.rows as u32, 1, 1),
-            (256, 1, 1),
-            0,
-            &[
-                Arg::Ptr(self.tptr(x)),
-                int(x.rows),
-                int(x.cols),
-                Arg::Ptr(p),
-            ],
-        );
-        let mut out = vec![0u32; x.rows];
-        self.dev.dtoh(p, &mut out);
-        out
+        super::sample::argmax_rows(&self.dev, x)
+    }
+
+    fn sample_rows(&self, logits: &CudaTensor, rows: &[SampleRow<'_>]) -> Option<Vec<u32>> {
+        Some(super::sample::sample_rows(&self.dev, logits, rows))
+    }
+
+    fn draft_rows(
+        &self,
+        logits: &CudaTensor,
+        slots: usize,
+        rows: &[DraftRow<'_>],
+    ) -> Option<Vec<u32>> {
+        Some(super::sample::draft_rows(&self.dev, logits, slots, rows))
+    }
+
+    fn verify_rows(
+        &self,
+        target: &CudaTensor,
+        draft: &CudaTensor,
+        block: usize,
+        rows: &[VerifyRow<'_>],
+    ) -> Option<Vec<Verdict>> {
+        Some(super::sample::verify_rows(
+            &self.dev, target, draft, block, rows,
+        ))
     }
 }

@@ -26,20 +26,21 @@ use crate::dtype::{DType, FORMATS};
 const COMMON: &str = include_str!("../../kernels/common.cu");
 const INCLUDE_COMMON: &str = "#include \"common.cu\"";
 
-/// A compiled unit: `ops.cu`, `attention.cu`, or `matmul.cu` for one format.
+/// A compiled unit: `ops.cu`, `attention.cu`, `sample.cu`, or `matmul.cu` for one format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Module {
     Ops,
     Attention,
     /// The Gated DeltaNet kernels (gdn.cu), built when a model with GDN layers first runs.
     Gdn,
+    Sample,
     Matmul(DType),
 }
 
 impl Module {
     /// Every unit: the shared modules, then matmul for each format.
     pub fn all() -> Vec<Module> {
-        let mut v = vec![Module::Ops, Module::Attention, Module::Gdn];
+        let mut v = vec![Module::Ops, Module::Attention, Module::Sample, Module::Gdn];
         v.extend(DType::ALL.into_iter().map(Module::Matmul));
         v
     }
@@ -49,6 +50,7 @@ impl Module {
             Module::Ops => "ops".into(),
             Module::Attention => "attention".into(),
             Module::Gdn => "gdn".into(),
+            Module::Sample => "sample".into(),
             Module::Matmul(d) => format!("matmul_{}", d.info().kernel_name),
         }
     }
@@ -59,6 +61,7 @@ impl Module {
             Module::Ops => include_str!("../../kernels/ops.cu"),
             Module::Attention => include_str!("../../kernels/attention.cu"),
             Module::Gdn => include_str!("../../kernels/gdn.cu"),
+            Module::Sample => include_str!("../../kernels/sample.cu"),
         }
     }
 
