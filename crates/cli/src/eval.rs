@@ -213,6 +213,10 @@ impl Decoder for Tally<'_> {
         self.inner.step(out)
     }
 
+    fn take_logprobs(&mut self, row: RowId) -> Vec<dflash_engine::logprobs::TokenLogprob> {
+        self.inner.take_logprobs(row)
+    }
+
     fn finish_row(&mut self, row: RowId) -> RowStats {
         let stats = self.inner.finish_row(row);
         (self.on_finish)(&stats);

@@ -6,6 +6,7 @@ use dflash_models::{LogitRows, RowStep, Target};
 use dflash_runtime::Backend;
 
 use crate::decoder::{Decoder, EngineError, Result, RowId};
+use crate::logprobs::{token_logprob, TokenLogprob};
 use crate::sampling::{Sampler, SamplingParams};
 use crate::stats::RowStats;
 
@@ -18,6 +19,9 @@ pub(crate) struct RowSampling {
     pub sampler: Sampler,
     /// Prompt and generated ids (for the repetition penalty).
     pub history: Vec<u32>,
+    /// Log-probabilities of tokens emitted since the caller last took them (only when the
+    /// parameters ask for them).
+    pub logprobs: Vec<TokenLogprob>,
 }
 
 impl RowSampling {
@@ -26,6 +30,7 @@ impl RowSampling {
             params: params.clone(),
             sampler: Sampler::new(params.seed),
             history: prompt.to_vec(),
+            logprobs: Vec::new(),
         }
     }
 
@@ -34,7 +39,16 @@ impl RowSampling {
         let dist = self.params.distribution(logits, &self.history, scratch);
         let t = self.sampler.sample(&dist);
         self.history.push(t);
+        self.note_logprob(logits, t);
         t
+    }
+
+    /// Records the log-probability of emitted token `id` at a position with `logits`, when
+    /// the row asked for log-probabilities.
+    pub fn note_logprob(&mut self, logits: &[f32], id: u32) {
+        if let Some(top) = self.params.logprobs {
+            self.logprobs.push(token_logprob(logits, id, top));
+        }
     }
 }
 
@@ -161,6 +175,14 @@ impl<T: Target> Decoder for ArDecoder<T> {
             out.push((row, vec![t]));
         }
         Ok(())
+    }
+
+    fn take_logprobs(&mut self, row: RowId) -> Vec<TokenLogprob> {
+        self.rows
+            .get_mut(row)
+            .and_then(Option::as_mut)
+            .map(|r| std::mem::take(&mut r.sampling.logprobs))
+            .unwrap_or_default()
     }
 
     fn finish_row(&mut self, row: RowId) -> RowStats {

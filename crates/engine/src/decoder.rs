@@ -2,6 +2,7 @@
 
 use dflash_models::ModelError;
 
+use crate::logprobs::TokenLogprob;
 use crate::sampling::SamplingParams;
 use crate::stats::RowStats;
 
@@ -37,6 +38,13 @@ pub trait Decoder {
 
     /// Advances every live row; appends `(row, new tokens)` to `out` (at least one token each).
     fn step(&mut self, out: &mut Vec<(RowId, Vec<u32>)>) -> Result<()>;
+
+    /// Log-probabilities of the tokens `row` emitted since the last call, in order (empty
+    /// unless the row's [`SamplingParams::logprobs`] asked for them; a decoder that cannot
+    /// report them gives none).
+    fn take_logprobs(&mut self, _row: RowId) -> Vec<TokenLogprob> {
+        Vec::new()
+    }
 
     /// Ends a row and frees its slot.
     fn finish_row(&mut self, row: RowId) -> RowStats;

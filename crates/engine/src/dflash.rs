@@ -16,6 +16,7 @@ use dflash_runtime::Backend;
 
 use crate::ar::{RowSampling, PREFILL_CHUNK};
 use crate::decoder::{Decoder, EngineError, Result, RowId};
+use crate::logprobs::TokenLogprob;
 use crate::sampling::{Dist, SamplingParams};
 use crate::spec_gate::{SpecGate, SpecMode};
 use crate::stats::RowStats;
@@ -411,6 +412,13 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
             tap_rows.extend((0..committed).map(|j| (i * block + j) as u32));
             let mut emitted = proposals[i].0[..v.accepted].to_vec();
             emitted.push(v.bonus);
+            if row.sampling.params.logprobs.is_some() {
+                let logits = &self.target_logits[i * block * vocab..(i + 1) * block * vocab];
+                for (j, &t) in emitted.iter().enumerate() {
+                    row.sampling
+                        .note_logprob(&logits[j * vocab..(j + 1) * vocab], t);
+                }
+            }
             row.sampling.history.extend_from_slice(&emitted);
             row.cur = v.bonus;
             let st = &mut row.stats;
@@ -441,6 +449,14 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
             st.decode_s += draft_s + verify_s + commit_s;
         }
         Ok(())
+    }
+
+    fn take_logprobs(&mut self, row: RowId) -> Vec<TokenLogprob> {
+        self.rows
+            .get_mut(row)
+            .and_then(Option::as_mut)
+            .map(|r| std::mem::take(&mut r.sampling.logprobs))
+            .unwrap_or_default()
     }
 
     fn finish_row(&mut self, row: RowId) -> RowStats {
