@@ -478,6 +478,7 @@ impl Report<'_> {
                 FinishReason::Stop => "stop",
                 FinishReason::StopString => "stop_string",
                 FinishReason::Length => "length",
+                FinishReason::Cancelled => "cancelled",
             };
             *m.entry(k).or_insert(0) += 1;
         }
