@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use dflash_engine::ar::ArDecoder;
 use dflash_engine::dflash::{AcceptPolicy, DflashDecoder};
 use dflash_engine::{Decoder, SpecMode};
-use dflash_models::chat::{ChatTemplate, Message};
+use dflash_models::chat::{conversation_ids, ChatTemplate, Message};
 use dflash_models::default_model::ensure_default_model;
 use dflash_models::dflash::DrafterConfig;
 use dflash_models::llama::LlamaModel;
@@ -266,32 +266,6 @@ pub fn load(args: &ModelArgs, draft: &DraftArgs) -> Result<Loaded> {
     decoder(bundle, dir.as_deref(), draft)
 }
 
-/// Token ids for a conversation: through the chat template unless `raw` (or when the model
-/// has no template, with a warning), else the last message's text alone.
-pub fn chat_ids(
-    tokenizer: &TextTokenizer,
-    template: Option<&ChatTemplate>,
-    messages: &[Message],
-    raw: bool,
-) -> Result<Vec<u32>> {
-    match (template, raw) {
-        (Some(t), false) => {
-            let text = t.render(messages, true)?;
-            // The template writes any BOS itself.
-            Ok(tokenizer.encode(&text, false)?)
-        }
-        (None, false) => {
-            tracing::warn!("the model has no chat template; using the prompt as raw text");
-            let text = messages.last().map(|m| m.content.as_str()).unwrap_or("");
-            Ok(tokenizer.encode(text, true)?)
-        }
-        (_, true) => {
-            let text = messages.last().map(|m| m.content.as_str()).unwrap_or("");
-            Ok(tokenizer.encode(text, true)?)
-        }
-    }
-}
-
 impl Loaded {
     /// Token ids for a user prompt with an optional system message.
     pub fn prompt_ids(&self, prompt: &str, system: Option<&str>, raw: bool) -> Result<Vec<u32>> {
@@ -300,6 +274,11 @@ impl Loaded {
             messages.push(Message::new("system", s));
         }
         messages.push(Message::new("user", prompt));
-        chat_ids(&self.tokenizer, self.template.as_ref(), &messages, raw)
+        Ok(conversation_ids(
+            &self.tokenizer,
+            self.template.as_ref(),
+            &messages,
+            raw,
+        )?)
     }
 }
