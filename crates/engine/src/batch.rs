@@ -17,13 +17,13 @@ use crate::session::{Completion, FinishReason, Request};
 /// What happened to a request in one call.
 #[derive(Debug)]
 pub enum Event<K> {
-    /// A live request committed `tokens` more tokens; `text` is output that became final
-    /// (possibly empty while text is held back); `logprobs` are those tokens' log-probabilities
-    /// when the request asked for them.
+    /// A live request committed the tokens `ids`; `text` is output that became final
+    /// (possibly empty while text is held back); `logprobs` are those tokens'
+    /// log-probabilities when the request asked for them.
     Progress {
         key: K,
         text: String,
-        tokens: usize,
+        ids: Vec<u32>,
         logprobs: Vec<TokenLogprob>,
     },
     /// A request ended; its last text came in a `Progress` event before.
@@ -136,15 +136,15 @@ impl<K: Copy + PartialEq> Batch<K> {
                 break;
             }
         }
-        let tokens = l.out.tokens.len() - before;
+        let ids = l.out.tokens[before..].to_vec();
         let mut logprobs = decoder.take_logprobs(l.row);
         // Tokens after the end (and the end-of-sequence token) are not part of the output.
-        logprobs.truncate(tokens);
+        logprobs.truncate(ids.len());
         l.logprobs.extend_from_slice(&logprobs);
         events.push(Event::Progress {
             key: l.key,
             text,
-            tokens,
+            ids,
             logprobs,
         });
         if l.out.finish.is_some() {

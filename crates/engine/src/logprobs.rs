@@ -34,7 +34,9 @@ pub fn token_logprob(logits: &[f32], id: u32, top: usize) -> TokenLogprob {
     }
     TokenLogprob {
         id,
-        logprob: logits.get(id as usize).map_or(f32::NEG_INFINITY, |&l| lp(l)),
+        logprob: logits
+            .get(id as usize)
+            .map_or(f32::NEG_INFINITY, |&l| lp(l)),
         top: best.into_iter().map(|(i, l)| (i, lp(l))).collect(),
     }
 }
