@@ -338,7 +338,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             }
         }
     }
-    println!("{report}");
+    crate::output::line(&report.to_string())?;
     for line in table {
         eprintln!("{line}");
     }

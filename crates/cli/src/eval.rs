@@ -438,8 +438,8 @@ pub fn run(args: EvalArgs) -> Result<()> {
         results: &results,
     };
     match args.output_format {
-        EvalFormat::Json => println!("{}", report.json()),
-        EvalFormat::Text => print!("{}", report.text()),
+        EvalFormat::Json => crate::output::line(&report.json().to_string())?,
+        EvalFormat::Text => crate::output::write(&report.text())?,
     }
     Ok(())
 }
