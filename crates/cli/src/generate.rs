@@ -8,6 +8,8 @@ use dflash_engine::session::run_scheduled;
 use dflash_engine::{Batch, Completion, Event, Request, RowStats};
 use serde_json::json;
 
+use dflash_server::validate::{batch_line, BatchLine};
+
 use crate::args::{DraftArgs, ModelArgs, OutputFormat, SamplingArgs, Speculation};
 use crate::load::{load, Loaded};
 use crate::output;
@@ -125,14 +127,6 @@ fn read_prompt(arg: &Option<String>) -> Result<String> {
     }
 }
 
-/// One line of a --batch file.
-#[derive(serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct BatchLine {
-    prompt: String,
-    max_tokens: Option<usize>,
-}
-
 fn read_batch(path: &std::path::Path) -> Result<Vec<BatchLine>> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("cannot read the batch file {}", path.display()))?;
@@ -141,23 +135,7 @@ fn read_batch(path: &std::path::Path) -> Result<Vec<BatchLine>> {
         if line.trim().is_empty() {
             continue;
         }
-        let l: BatchLine = serde_json::from_str(line).with_context(|| {
-            format!(
-                "{} line {}: expected {{\"prompt\": ..., \"max_tokens\": N}}",
-                path.display(),
-                n + 1
-            )
-        })?;
-        if l.prompt.trim().is_empty() {
-            bail!("{} line {}: the prompt is empty", path.display(), n + 1);
-        }
-        if l.max_tokens == Some(0) {
-            bail!(
-                "{} line {}: max_tokens must be at least 1",
-                path.display(),
-                n + 1
-            );
-        }
+        let l = batch_line(line).map_err(|e| anyhow::anyhow!("{} line {}: {e}", path.display(), n + 1))?;
         lines.push(l);
     }
     if lines.is_empty() {

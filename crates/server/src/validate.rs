@@ -354,3 +354,24 @@ pub fn completion(info: &ModelInfo, req: CompletionRequest) -> Result<Prepared, 
         return_token_ids: req.return_token_ids.unwrap_or(false),
     })
 }
+
+/// One line of a `dflash generate --batch` file: `{"prompt": ..., "max_tokens": N}`.
+#[derive(Clone, Debug, PartialEq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BatchLine {
+    pub prompt: String,
+    pub max_tokens: Option<usize>,
+}
+
+/// Parses and checks one batch line (the prompt non-empty, `max_tokens` at least 1).
+pub fn batch_line(line: &str) -> Result<BatchLine, String> {
+    let l: BatchLine = serde_json::from_str(line)
+        .map_err(|e| format!("expected {{\"prompt\": ..., \"max_tokens\": N}} ({e})"))?;
+    if l.prompt.trim().is_empty() {
+        return Err("the prompt is empty".into());
+    }
+    if l.max_tokens == Some(0) {
+        return Err("max_tokens must be at least 1".into());
+    }
+    Ok(l)
+}

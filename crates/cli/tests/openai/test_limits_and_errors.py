@@ -175,3 +175,21 @@ def test_sigterm_drains_running_rows_and_exits_0():
     # The stream ended cleanly (finished, or cancelled with an error event, then [DONE]).
     assert results and results[0] == 200, results
     s.stop()
+
+
+def test_short_load_test_has_no_errors(server):
+    """The CI run of tools/loadtest.py: 8 streaming clients for a few seconds."""
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "..", "..", "tools", "loadtest.py")
+    out = subprocess.run(
+        [sys.executable, script, "--url", server.url, "--clients", "8", "--duration", "4",
+         "--max-tokens", "16", "--pid", str(server.proc.pid)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    report = json.loads(out.stdout)
+    assert report["errors"] == 0 and report["requests"] >= 8, report
+    assert report["ttft_ms"]["p50"] is not None
