@@ -135,7 +135,8 @@ fn read_batch(path: &std::path::Path) -> Result<Vec<BatchLine>> {
         if line.trim().is_empty() {
             continue;
         }
-        let l = batch_line(line).map_err(|e| anyhow::anyhow!("{} line {}: {e}", path.display(), n + 1))?;
+        let l = batch_line(line)
+            .map_err(|e| anyhow::anyhow!("{} line {}: {e}", path.display(), n + 1))?;
         lines.push(l);
     }
     if lines.is_empty() {

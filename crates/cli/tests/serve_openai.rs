@@ -22,7 +22,7 @@ fn target_spec() -> SyntheticSpec {
     s.head_dim = 32;
     s.intermediate = 768;
     s.layers = 6;
-    s.context_length = 1024;
+    s.context_length = 4096;
     s
 }
 

@@ -112,14 +112,24 @@ fn main() {
         r#"{"messages":[{"role":"user","content":[{"type":"text","text":"Hi"}]}],"max_completion_tokens":4,"n":1}"#,
     ];
     for (i, b) in chat.iter().enumerate() {
-        put(&root, "http_body", &format!("chat{i}"), &[&[0u8][..], b.as_bytes()].concat());
+        put(
+            &root,
+            "http_body",
+            &format!("chat{i}"),
+            &[&[0u8][..], b.as_bytes()].concat(),
+        );
     }
     let completions = [
         r#"{"model":"m","prompt":"Once upon","max_tokens":5,"stop":"\n","logprobs":2,"echo":false}"#,
         r#"{"prompt":[[1,2,3]],"max_tokens":2,"stream":false,"best_of":1,"seed":-4}"#,
     ];
     for (i, b) in completions.iter().enumerate() {
-        put(&root, "http_body", &format!("cmpl{i}"), &[&[1u8][..], b.as_bytes()].concat());
+        put(
+            &root,
+            "http_body",
+            &format!("cmpl{i}"),
+            &[&[1u8][..], b.as_bytes()].concat(),
+        );
     }
     println!("seeds written under {}", root.display());
 }

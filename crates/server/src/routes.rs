@@ -7,7 +7,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::Body;
 use axum::extract::State;
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -102,28 +102,35 @@ async fn metrics(State(st): State<AppState>) -> Response {
         .into_response()
 }
 
-/// Reads the body up to the limit: 413 beyond it (from `Content-Length` or while reading).
-async fn read_body(headers: &HeaderMap, body: Body, limit: usize) -> Result<Vec<u8>, ApiError> {
-    let too_large = || {
-        ApiError::new(
+/// Reads the body up to the limit: 413 beyond it. The rest of a too-large body is read and
+/// dropped (up to a bound) before the answer, so the client, still sending, gets the 413
+/// instead of a reset connection.
+async fn read_body(body: Body, limit: usize) -> Result<Vec<u8>, ApiError> {
+    use http_body_util::BodyExt;
+    let mut body = body;
+    let mut out = Vec::new();
+    let mut seen = 0usize;
+    let drain_cap = limit.saturating_mul(8).max(16 << 20);
+    while let Some(frame) = body.frame().await {
+        let frame = frame
+            .map_err(|e| ApiError::bad_request(format!("cannot read the request body: {e}")))?;
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        seen = seen.saturating_add(data.len());
+        if seen <= limit {
+            out.extend_from_slice(&data);
+        } else if seen > drain_cap {
+            break;
+        }
+    }
+    if seen > limit {
+        return Err(ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
             format!("the request body exceeds {limit} bytes"),
-        )
-    };
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > limit as u64) {
-        return Err(too_large());
+        ));
     }
-    match axum::body::to_bytes(body, limit).await {
-        Ok(b) => Ok(b.to_vec()),
-        Err(e) if e.to_string().contains("length limit") => Err(too_large()),
-        Err(e) => Err(ApiError::bad_request(format!(
-            "cannot read the request body: {e}"
-        ))),
-    }
+    Ok(out)
 }
 
 /// Queues a validated request; returns its event receiver.
@@ -171,9 +178,9 @@ fn counted(st: &AppState, endpoint: &str, r: Result<Response, ApiError>) -> Resp
     resp
 }
 
-async fn chat(State(st): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+async fn chat(State(st): State<AppState>, body: Body) -> Response {
     let result = async {
-        let bytes = read_body(&headers, body, st.limits.max_body_bytes).await?;
+        let bytes = read_body(body, st.limits.max_body_bytes).await?;
         let req: ChatRequest = validate::parse(&bytes)?;
         let p = validate::chat(&st.info, req)?;
         let rx = submit(&st, &p)?;
@@ -195,9 +202,9 @@ async fn chat(State(st): State<AppState>, headers: HeaderMap, body: Body) -> Res
     counted(&st, "chat_completions", result)
 }
 
-async fn completions(State(st): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+async fn completions(State(st): State<AppState>, body: Body) -> Response {
     let result = async {
-        let bytes = read_body(&headers, body, st.limits.max_body_bytes).await?;
+        let bytes = read_body(body, st.limits.max_body_bytes).await?;
         let req: CompletionRequest = validate::parse(&bytes)?;
         let p = validate::completion(&st.info, req)?;
         let rx = submit(&st, &p)?;

@@ -392,9 +392,12 @@ impl Scheduler {
         }
     }
 
-    /// Sends the round's events to their requests and records latencies.
+    /// Sends the round's events to their requests and records latencies. The gauges are
+    /// published before anything is sent, so a client that has seen its tokens also sees
+    /// the batch that made them in `/metrics`.
     fn dispatch(&mut self, events: &mut Vec<Event<u64>>) {
         let now = Instant::now();
+        let mut outbox = Vec::with_capacity(events.len());
         for e in events.drain(..) {
             match e {
                 Event::Progress {
@@ -423,11 +426,14 @@ impl Scheduler {
                         r.last_token = Some(now);
                         self.metrics.generated_tokens.inc_by(tokens as u64);
                     }
-                    let _ = r.job.events.send(JobEvent::Progress {
-                        text,
-                        ids,
-                        logprobs,
-                    });
+                    outbox.push((
+                        r.job.events.clone(),
+                        JobEvent::Progress {
+                            text,
+                            ids,
+                            logprobs,
+                        },
+                    ));
                 }
                 Event::Done { key, completion } => {
                     let Some(at) = self.running.iter().position(|r| r.id == key) else {
@@ -435,9 +441,13 @@ impl Scheduler {
                     };
                     let r = self.running.swap_remove(at);
                     self.metrics.record_row(&completion.stats);
-                    let _ = r.job.events.send(JobEvent::Done(completion));
+                    outbox.push((r.job.events, JobEvent::Done(completion)));
                 }
             }
+        }
+        self.publish_gauges();
+        for (to, event) in outbox {
+            let _ = to.send(event);
         }
     }
 

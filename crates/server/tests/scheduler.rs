@@ -176,7 +176,10 @@ fn requests_complete_and_the_queue_bound_answers_429() {
     // The first client left: its row is freed and the queued request runs.
     assert_eq!(outcome(&mut r2), Ok("aaa".into()));
     wait_until(|| s.live.load(Ordering::SeqCst) == 0);
-    assert!(s.metrics.render().contains("dflash_requests_cancelled_total{reason=\"disconnect\"} 1"));
+    assert!(s
+        .metrics
+        .render()
+        .contains("dflash_requests_cancelled_total{reason=\"disconnect\"} 1"));
     stop(s);
 }
 

@@ -61,7 +61,7 @@ def bad_cases(model):
         ("prompt too long for the context", "/v1/completions",
          json.dumps({"prompt": "x" * 5000, "max_tokens": 2}).encode(), 400),
         ("prompt + max_tokens beyond the context", "/v1/completions",
-         json.dumps({"prompt": "hello", "max_tokens": 1020}).encode(), 400),
+         json.dumps({"prompt": "hello", "max_tokens": 4096}).encode(), 400),
         ("empty prompt", "/v1/completions", json.dumps({"prompt": ""}).encode(), 400),
         ("two prompts", "/v1/completions", json.dumps({"prompt": ["a", "b"]}).encode(), 400),
         ("token id outside the vocabulary", "/v1/completions",
@@ -107,7 +107,7 @@ def wait_for(cond, timeout=20):
 
 
 def test_a_disconnected_client_frees_its_row(server):
-    body = {"messages": [{"role": "user", "content": "go on"}], "max_tokens": 900,
+    body = {"messages": [{"role": "user", "content": "go on"}], "max_tokens": 4000,
             "temperature": 0, "stream": True}
     with httpx.Client(base_url=server.url, timeout=30) as c:
         with c.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -123,7 +123,7 @@ def test_a_disconnected_client_frees_its_row(server):
 
 
 def long_stream(url, started, results):
-    body = {"messages": [{"role": "user", "content": "go on"}], "max_tokens": 900,
+    body = {"messages": [{"role": "user", "content": "go on"}], "max_tokens": 4000,
             "temperature": 0, "stream": True}
     try:
         with httpx.Client(base_url=url, timeout=60) as c:
