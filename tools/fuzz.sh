@@ -15,10 +15,13 @@ seconds=${2:-600}
 export RUSTFLAGS="--cfg fuzzing -Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4 \
 -Cllvm-args=-sanitizer-coverage-inline-8bit-counters -Cllvm-args=-sanitizer-coverage-pc-table \
 -Cllvm-args=-sanitizer-coverage-trace-compares -Cforce-frame-pointers=yes"
-cargo build --release --locked --manifest-path fuzz/Cargo.toml --bin "$target" --target-dir target/fuzz
+# An explicit --target keeps the flags off build scripts and proc macros (as cargo-fuzz does).
+host=$(rustc -vV | sed -n 's/^host: //p')
+cargo build --release --locked --manifest-path fuzz/Cargo.toml --bin "$target" \
+  --target "$host" --target-dir target/fuzz
 mkdir -p "fuzz/corpus/$target" "fuzz/artifacts/$target"
 max_len=4096
 case "$target" in gguf|safetensors) max_len=65536 ;; tokenizer) max_len=16384 ;; esac
-exec "target/fuzz/release/$target" "fuzz/corpus/$target" \
+exec "target/fuzz/$host/release/$target" "fuzz/corpus/$target" \
   -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 -max_len="$max_len" \
   -artifact_prefix="fuzz/artifacts/$target/" -print_final_stats=1

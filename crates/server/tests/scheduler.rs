@@ -87,26 +87,28 @@ struct Setup {
 
 fn start(delay_ms: u64, panic_at: Option<usize>, max_batch: usize, max_queue: usize) -> Setup {
     let live = Arc::new(AtomicUsize::new(0));
-    let dec = Scripted {
-        rows: Vec::new(),
-        delay: Duration::from_millis(delay_ms),
-        panic_at,
-        rounds: 0,
-        live: live.clone(),
-    };
     let metrics = Arc::new(Metrics::new(max_batch));
-    let (handle, run) = scheduler(
-        Box::new(dec),
-        tokenizer(),
-        metrics.clone(),
-        SchedulerLimits {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (l, m) = (live.clone(), metrics.clone());
+    // The decoder lives on the scheduler thread (it need not be Send), as in the server.
+    let thread = std::thread::spawn(move || {
+        let dec = Scripted {
+            rows: Vec::new(),
+            delay: Duration::from_millis(delay_ms),
+            panic_at,
+            rounds: 0,
+            live: l,
+        };
+        let limits = SchedulerLimits {
             max_batch,
             max_queue,
-        },
-    );
-    let thread = std::thread::spawn(run);
+        };
+        let (handle, run) = scheduler(Box::new(dec), tokenizer(), m, limits);
+        tx.send(handle).unwrap();
+        run();
+    });
     Setup {
-        handle,
+        handle: rx.recv().unwrap(),
         thread,
         live,
         metrics,
@@ -163,7 +165,7 @@ fn stop(s: Setup) {
 #[test]
 fn requests_complete_and_the_queue_bound_answers_429() {
     let s = start(5, None, 1, 1);
-    let (j1, mut r1) = job(1000, LONG);
+    let (j1, r1) = job(1000, LONG);
     s.handle.submit(j1).unwrap();
     wait_until(|| s.live.load(Ordering::SeqCst) == 1);
     let (j2, mut r2) = job(3, LONG);
