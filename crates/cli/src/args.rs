@@ -130,6 +130,7 @@ impl SamplingArgs {
             presence_penalty: self.presence_penalty,
             seed: self.seed,
             logprobs: None,
+            keep_logits: false,
         };
         p.validate()
             .map_err(|e| anyhow::anyhow!("invalid sampling options: {e}"))?;

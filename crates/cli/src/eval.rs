@@ -213,14 +213,14 @@ impl Decoder for Tally<'_> {
         self.inner.step(out)
     }
 
-    fn take_logprobs(&mut self, row: RowId) -> Vec<dflash_engine::logprobs::TokenLogprob> {
-        self.inner.take_logprobs(row)
-    }
-
     fn finish_row(&mut self, row: RowId) -> RowStats {
         let stats = self.inner.finish_row(row);
         (self.on_finish)(&stats);
         stats
+    }
+
+    fn token_logits(&self, row: RowId) -> &[f32] {
+        self.inner.token_logits(row)
     }
 
     fn live_rows(&self) -> usize {

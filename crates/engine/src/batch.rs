@@ -10,7 +10,7 @@
 use dflash_models::tokenizer::TextTokenizer;
 
 use crate::decoder::{Decoder, Result, RowId};
-use crate::logprobs::TokenLogprob;
+use crate::logprobs::{token_logprob, TokenLogprob};
 use crate::output::Output;
 use crate::session::{Completion, FinishReason, Request};
 
@@ -34,6 +34,8 @@ struct Live<K> {
     key: K,
     row: RowId,
     out: Output,
+    /// Alternatives per token when the request asked for log-probabilities.
+    top_logprobs: Option<usize>,
     logprobs: Vec<TokenLogprob>,
 }
 
@@ -82,11 +84,15 @@ impl<K: Copy + PartialEq> Batch<K> {
         // Never run past the context: the token limit is cut to what fits.
         let max_tokens = req.max_tokens.min(ctx - req.prompt.len());
         let capacity = req.prompt.len() + max_tokens + decoder.lookahead() + 1;
-        let (row, first) = decoder.start_row(&req.prompt, capacity.min(ctx), &req.params)?;
+        let mut params = req.params.clone();
+        // Log-probabilities are computed here from the logits behind each emitted token.
+        params.keep_logits |= params.logprobs.is_some();
+        let (row, first) = decoder.start_row(&req.prompt, capacity.min(ctx), &params)?;
         self.live.push(Live {
             key,
             row,
             out: Output::new(max_tokens, &req.stop_strings),
+            top_logprobs: req.params.logprobs,
             logprobs: Vec::new(),
         });
         let at = self.live.len() - 1;
@@ -137,9 +143,11 @@ impl<K: Copy + PartialEq> Batch<K> {
             }
         }
         let ids = l.out.tokens[before..].to_vec();
-        let mut logprobs = decoder.take_logprobs(l.row);
         // Tokens after the end (and the end-of-sequence token) are not part of the output.
-        logprobs.truncate(ids.len());
+        let logprobs = match l.top_logprobs {
+            Some(top) => token_logprobs(decoder.token_logits(l.row), toks, ids.len(), top),
+            None => Vec::new(),
+        };
         l.logprobs.extend_from_slice(&logprobs);
         events.push(Event::Progress {
             key: l.key,
@@ -184,6 +192,20 @@ impl<K: Copy + PartialEq> Batch<K> {
             })
             .collect()
     }
+}
+
+/// Log-probabilities of the first `n` of `toks` from the logits the decoder kept behind them
+/// (one vocabulary-wide row per emitted token).
+fn token_logprobs(logits: &[f32], toks: &[u32], n: usize, top: usize) -> Vec<TokenLogprob> {
+    if toks.is_empty() || logits.is_empty() || !logits.len().is_multiple_of(toks.len()) {
+        return Vec::new();
+    }
+    let vocab = logits.len() / toks.len();
+    toks.iter()
+        .take(n)
+        .enumerate()
+        .map(|(i, &t)| token_logprob(&logits[i * vocab..(i + 1) * vocab], t, top))
+        .collect()
 }
 
 fn finish<K>(decoder: &mut dyn Decoder, l: Live<K>) -> Completion {

@@ -2,7 +2,6 @@
 
 use dflash_models::ModelError;
 
-use crate::logprobs::TokenLogprob;
 use crate::sampling::SamplingParams;
 use crate::stats::RowStats;
 
@@ -39,13 +38,6 @@ pub trait Decoder {
     /// Advances every live row; appends `(row, new tokens)` to `out` (at least one token each).
     fn step(&mut self, out: &mut Vec<(RowId, Vec<u32>)>) -> Result<()>;
 
-    /// Log-probabilities of the tokens `row` emitted since the last call, in order (empty
-    /// unless the row's [`SamplingParams::logprobs`] asked for them; a decoder that cannot
-    /// report them gives none).
-    fn take_logprobs(&mut self, _row: RowId) -> Vec<TokenLogprob> {
-        Vec::new()
-    }
-
     /// Ends a row and frees its slot.
     fn finish_row(&mut self, row: RowId) -> RowStats;
 
@@ -54,6 +46,11 @@ pub trait Decoder {
 
     /// Positions the model can hold per row.
     fn context_length(&self) -> usize;
+
+    /// For a row started with `SamplingParams::keep_logits`: the target's logits behind the
+    /// tokens the last `start_row` or `step` emitted for it, one vocabulary-wide row per token,
+    /// in order; empty for other rows.
+    fn token_logits(&self, row: RowId) -> &[f32];
 
     /// Extra positions a row needs beyond its tokens (speculative blocks overshoot).
     fn lookahead(&self) -> usize {

@@ -6,6 +6,7 @@
 
 pub mod ar;
 pub mod batch;
+mod choose;
 pub mod decoder;
 pub mod dflash;
 pub mod logprobs;

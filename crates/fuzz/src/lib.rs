@@ -21,8 +21,11 @@ use dflash_runtime::cpu::CpuBackend;
 use dflash_server::api::{ChatRequest, CompletionRequest};
 use dflash_server::validate::{self, ModelInfo};
 
+/// A harness: takes any bytes, must return.
+pub type Harness = fn(&[u8]);
+
 /// Every harness, by the name its corpus directory and libFuzzer target have.
-pub const TARGETS: [(&str, fn(&[u8])); 8] = [
+pub const TARGETS: [(&str, Harness); 8] = [
     ("gguf", gguf),
     ("safetensors", safetensors),
     ("hf_config", hf_config),

@@ -116,6 +116,8 @@ fn sampling(s: &Sampling, logprobs: Option<usize>) -> Result<SamplingParams, Api
         // Any i64 is a valid seed; negative ones wrap.
         seed: s.seed.map_or_else(rand::random, |x| x as u64),
         logprobs,
+        // (set by the batch when log-probabilities are asked for)
+        keep_logits: false,
     };
     p.validate().map_err(|e| ApiError::bad_request(e.0))?;
     Ok(p)

@@ -64,6 +64,10 @@ impl Decoder for Scripted {
         self.rows.iter().filter(|r| **r).count()
     }
 
+    fn token_logits(&self, _: RowId) -> &[f32] {
+        &[]
+    }
+
     fn context_length(&self) -> usize {
         10_000
     }
