@@ -5,7 +5,9 @@ mod bench;
 mod eval;
 mod generate;
 mod load;
+mod output;
 mod progress;
+mod serve;
 
 use std::process::ExitCode;
 
@@ -30,6 +32,9 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Measure drafter acceptance (tau, acceptance by block slot) over a prompt set.
     Eval(eval::EvalArgs),
+    /// Serve the OpenAI API (chat and completions, streaming, metrics) with continuous
+    /// batching and DFlash speculative decoding.
+    Serve(serve::ServeArgs),
 }
 
 fn init_logging(verbose: u8) {
@@ -54,9 +59,12 @@ fn main() -> ExitCode {
         Command::Generate(a) => generate::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Eval(a) => eval::run(a),
+        Command::Serve(a) => serve::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        // The reader of our output left (`dflash generate … | head`): nothing to report.
+        Err(e) if e.is::<output::ClosedPipe>() => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE

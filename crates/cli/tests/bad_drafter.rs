@@ -91,7 +91,10 @@ fn edit_config(draft: &Path, f: impl FnOnce(&mut serde_json::Value)) {
 
 #[test]
 fn incompatible_configs_are_refused() {
-    let cases: [(&str, ConfigEdit); 4] = [
+    let cases: [(&str, ConfigEdit); 5] = [
+        ("block_size 1000 is outside", |v| {
+            v["block_size"] = 1000.into();
+        }),
         ("hidden size", |v| {
             v["hidden_size"] = 128.into();
         }),
@@ -192,4 +195,16 @@ fn bad_block_sizes_and_batch_files() {
         model.to_str().unwrap(),
     ]);
     fails_with(out, "cannot read the batch file");
+    // One JSON object per run: several batch results would not be one document.
+    std::fs::write(&batch, "{\"prompt\": \"hi\"}\n{\"prompt\": \"yo\"}\n").unwrap();
+    let out = dflash(&[
+        "generate",
+        "--batch",
+        batch.to_str().unwrap(),
+        "--model",
+        model.to_str().unwrap(),
+        "--output-format",
+        "json",
+    ]);
+    fails_with(out, "use --output-format jsonl");
 }

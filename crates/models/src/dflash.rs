@@ -17,6 +17,11 @@ use crate::rows::RowTable;
 use crate::source::safetensors_dir::SafetensorsDir;
 use crate::source::TensorSource;
 
+/// Largest draft block a drafter config may declare. Published DFlash drafters use 16; every
+/// slot costs a verify position per row per round, so blocks of hundreds are a corrupt or
+/// hostile config, not a drafter.
+pub const MAX_BLOCK_SIZE: usize = 64;
+
 /// Drafter hyper-parameters from its `config.json`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct DrafterConfig {
@@ -156,8 +161,11 @@ impl DrafterConfig {
                 .unwrap_or(1e-6) as f32,
             rope_theta,
         };
-        if cfg.block_size < 2 {
-            return Err(cfg_err(format!("block size {} is below 2", cfg.block_size)));
+        if !(2..=MAX_BLOCK_SIZE).contains(&cfg.block_size) {
+            return Err(cfg_err(format!(
+                "config.json: block_size {} is outside 2..={MAX_BLOCK_SIZE}",
+                cfg.block_size
+            )));
         }
         if cfg.heads == 0
             || cfg.kv_heads == 0
