@@ -7,7 +7,8 @@
 //! follows the target's distribution); then each row commits its own count — the target's
 //! KV cache is cut back to the committed length and the drafter's context grows by the
 //! committed tokens' features. Rows never wait for each other's accept counts unless the
-//! clamp policy is chosen.
+//! clamp policy is chosen. A DFlash2 drafter's proposals come from walking its candidate
+//! lattice (`selector_walk`), with the selector's sparse distribution as q.
 
 use std::time::Instant;
 
@@ -17,6 +18,7 @@ use dflash_runtime::Backend;
 use crate::ar::{RowSampling, PREFILL_CHUNK};
 use crate::decoder::{Decoder, EngineError, Result, RowId};
 use crate::sampling::{Dist, SamplingParams};
+use crate::selector_walk::walk;
 use crate::spec_gate::{SpecGate, SpecMode};
 use crate::stats::RowStats;
 
@@ -190,8 +192,9 @@ impl<T: Target, D: Drafter<B = T::B>> DflashDecoder<T, D> {
     }
 }
 
-/// `normalize(max(p - q, 0))`, or `p` when that is empty.
-fn residual(p: &Dist, q: &Dist) -> Dist {
+/// `normalize(max(p - q, 0))`, or `p` when that is empty. `q` may be sparse (a DFlash2
+/// selector's top-k candidates): every id it does not list has q = 0.
+pub(crate) fn residual(p: &Dist, q: &Dist) -> Dist {
     // Both can cover the whole vocabulary at T > 0: look q up by id, not by search.
     let q_by_id = q.probs_by_id();
     let q_prob = |id: u32| q_by_id.get(id as usize).copied().unwrap_or(0.0);
@@ -326,20 +329,28 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
                 self.target.embedding(),
                 self.target.lm_head(),
             )?;
-            self.target
-                .backend()
-                .copy_to_host(self.drafter.logits(), &mut self.draft_logits);
-            let per_row = (block - 1) * vocab;
-            for (i, &r) in live.iter().enumerate() {
-                let row = self.rows[r].as_mut().expect("live");
-                let logits = &self.draft_logits[i * per_row..(i + 1) * per_row];
-                proposals.push(Self::propose(
-                    &mut row.sampling,
-                    logits,
-                    vocab,
-                    block - 1,
-                    &mut self.scratch,
-                ));
+            if let Some(lattice) = self.drafter.lattice() {
+                // DFlash2: walk each row's candidate lattice.
+                for (i, &r) in live.iter().enumerate() {
+                    let row = self.rows[r].as_mut().expect("live");
+                    proposals.push(walk(lattice, i, &mut row.sampling));
+                }
+            } else {
+                self.target
+                    .backend()
+                    .copy_to_host(self.drafter.logits(), &mut self.draft_logits);
+                let per_row = (block - 1) * vocab;
+                for (i, &r) in live.iter().enumerate() {
+                    let row = self.rows[r].as_mut().expect("live");
+                    let logits = &self.draft_logits[i * per_row..(i + 1) * per_row];
+                    proposals.push(Self::propose(
+                        &mut row.sampling,
+                        logits,
+                        vocab,
+                        block - 1,
+                        &mut self.scratch,
+                    ));
+                }
             }
         } else {
             proposals.resize_with(live.len(), || (Vec::new(), Vec::new()));
@@ -464,5 +475,34 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
 
     fn lookahead(&self) -> usize {
         self.block
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn residual_treats_a_sparse_q_as_zero_elsewhere() {
+        let p = Dist {
+            items: vec![(0, 0.1), (1, 0.2), (2, 0.3), (3, 0.4)],
+        };
+        // A selector's q over two candidates, listed in candidate (not id) order.
+        let q = Dist {
+            items: vec![(3, 0.7), (1, 0.3)],
+        };
+        let r = residual(&p, &q);
+        // max(p - q, 0) = [0.1, 0, 0.3, 0] -> normalised over 0.4.
+        let want = [(0, 0.25), (2, 0.75)];
+        assert_eq!(r.items.len(), 2);
+        for (got, w) in r.items.iter().zip(want) {
+            assert_eq!(got.0, w.0);
+            assert!((got.1 - w.1).abs() < 1e-6);
+        }
+        // q covering p entirely (p <= q everywhere it is positive): falls back to p.
+        let all = Dist {
+            items: vec![(0, 0.1), (1, 0.2), (2, 0.3), (3, 0.4)],
+        };
+        assert_eq!(residual(&p, &all), p);
     }
 }

@@ -8,6 +8,7 @@ pub mod ar;
 pub mod decoder;
 pub mod dflash;
 pub mod sampling;
+pub mod selector_walk;
 pub mod session;
 pub mod spec_gate;
 pub mod stats;
