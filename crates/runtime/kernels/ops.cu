@@ -127,9 +127,18 @@ extern "C" __global__ void rms_norm_f32(const float* x, float* out, const float*
     const float* xs = x + (live ? grp : 0) * (i64)dim;
     float acc = 0.0f;
     if (live) {
-        for (int i = half_lane; i < dim; i += 16) {
-            const float v = xs[i];
-            acc = __fadd_rn(acc, __fmul_rn(v, v));
+        // Eight values are loaded before they are summed (in the same order as one at a time).
+        for (int i0 = half_lane; i0 < dim; i0 += 16 * 8) {
+            float v[8];
+#pragma unroll
+            for (int u = 0; u < 8; u++) {
+                const int i = i0 + 16 * u;
+                v[u] = i < dim ? xs[i] : 0.0f;
+            }
+#pragma unroll
+            for (int u = 0; u < 8; u++) {
+                if (i0 + 16 * u < dim) acc = __fadd_rn(acc, __fmul_rn(v[u], v[u]));
+            }
         }
     }
 #pragma unroll
@@ -152,6 +161,28 @@ extern "C" __global__ void rms_norm_f32(const float* x, float* out, const float*
 // angle = pos * inv_freq[i] in f32 (as the CPU and HF compute it); cos and sin are evaluated
 // in double and rounded to f32 (closer to the CPU's libm cosf/sinf than the f32 intrinsics).
 // style 0: neox (i pairs with i + half); style 1: interleaved (2i pairs with 2i + 1).
+
+// Rotates pair i of the head at `head`, writing the results to `dst` (may equal head).
+__device__ __forceinline__ void rope_pair(const float* head, float* dst, int i, int half, int style, float pos,
+                                          const float* inv_freq) {
+    const float angle = __fmul_rn(pos, inv_freq[i]);
+    double sd, cd;
+    sincos((double)angle, &sd, &cd);
+    const float c = (float)cd;
+    const float s = (float)sd;
+    if (style == 0) {
+        const float a = head[i];
+        const float b = head[i + half];
+        dst[i] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+        dst[i + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+    } else {
+        const float a = head[2 * i];
+        const float b = head[2 * i + 1];
+        dst[2 * i] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+        dst[2 * i + 1] = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
+    }
+}
+
 extern "C" __global__ void rope_f32(float* x, const u32* meta, const float* inv_freq, int T, int cols,
                                     int head_dim, int half, int style) {
     const int t = blockIdx.y;
@@ -161,24 +192,58 @@ extern "C" __global__ void rope_f32(float* x, const u32* meta, const float* inv_
     float* xt = x + (size_t)t * cols;
     for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < heads * half; idx += gridDim.x * blockDim.x) {
         const int h = idx / half;
-        const int i = idx - h * half;
-        const float angle = __fmul_rn(pos, inv_freq[i]);
-        double sd, cd;
-        sincos((double)angle, &sd, &cd);
-        const float c = (float)cd;
-        const float s = (float)sd;
         float* head = xt + (size_t)h * head_dim;
-        if (style == 0) {
-            const float a = head[i];
-            const float b = head[i + half];
-            head[i] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-            head[i + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
-        } else {
-            const float a = head[2 * i];
-            const float b = head[2 * i + 1];
-            head[2 * i] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-            head[2 * i + 1] = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
-        }
+        rope_pair(head, head, idx - h * half, half, style, pos, inv_freq);
+    }
+}
+
+// RoPE of q and k, and the KV write of k and v, for token blockIdx.x: the fusion of two
+// `rope_f32` and one `kv_write_f32` launches, with the same arithmetic. k is rotated in place
+// (as the separate ops leave it), then k and v are copied into the cache.
+struct RopeKvParams {
+    u64 q;         // [T, q_cols]
+    u64 k;         // [T, kv_dim]
+    u64 v;         // [T, kv_dim]
+    u64 meta;      // [T][4] u32
+    u64 inv_freq;  // [half]
+    u64 rows;      // RowDesc per KV row
+    int t;
+    int q_cols;
+    int kv_dim;
+    int head_dim;
+    int half;
+    int style;
+    int layer;
+    int pad;
+};
+
+extern "C" __global__ void rope_kv_f32(const RopeKvParams p) {
+    const int t = blockIdx.x;
+    if (t >= p.t) return;
+    const u32* meta = (const u32*)p.meta + 4 * t;
+    const float pos = (float)meta[META_POS];
+    const float* inv_freq = (const float*)p.inv_freq;
+    float* qt = (float*)p.q + (size_t)t * p.q_cols;
+    float* kt = (float*)p.k + (size_t)t * p.kv_dim;
+    const int qpairs = (p.q_cols / p.head_dim) * p.half;
+    const int kpairs = (p.kv_dim / p.head_dim) * p.half;
+    for (int idx = threadIdx.x; idx < qpairs + kpairs; idx += blockDim.x) {
+        const bool isq = idx < qpairs;
+        const int j = isq ? idx : idx - qpairs;
+        const int h = j / p.half;
+        float* head = (isq ? qt : kt) + (size_t)h * p.head_dim;
+        rope_pair(head, head, j - h * p.half, p.half, p.style, pos, inv_freq);
+    }
+    __syncthreads();
+    const RowDesc rd = ((const RowDesc*)p.rows)[meta[META_ROW]];
+    const size_t at = meta[META_POS];
+    float* base = (float*)rd.base;
+    float* kd = base + ((size_t)(2 * p.layer) * rd.cap + at) * p.kv_dim;
+    float* vd = base + ((size_t)(2 * p.layer + 1) * rd.cap + at) * p.kv_dim;
+    const float* vt = (const float*)p.v + (size_t)t * p.kv_dim;
+    for (int c = threadIdx.x; c < p.kv_dim; c += blockDim.x) {
+        kd[c] = kt[c];
+        vd[c] = vt[c];
     }
 }
 

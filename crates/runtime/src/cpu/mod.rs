@@ -11,7 +11,7 @@ pub mod ops;
 pub mod pool;
 pub mod tensor;
 
-pub use backend::CpuBackend;
+pub use backend::{CpuBackend, CpuStep};
 pub use kv::CpuKv;
 pub use matmul::Isa;
 pub use tensor::CpuTensor;
