@@ -80,8 +80,7 @@ fn a_dflash2_drafter_is_recognised_and_runs() {
     let d = tempfile::tempdir().unwrap();
     let (model, draft) = setup2(d.path());
     let cfg: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(draft.join("config.json")).unwrap())
-            .unwrap();
+        serde_json::from_str(&std::fs::read_to_string(draft.join("config.json")).unwrap()).unwrap();
     assert_eq!(cfg["architectures"][0], "DFlash2DraftModel");
     for extra in [&[][..], &["--temperature", "0.8", "--seed", "4"][..]] {
         let mut args = vec!["--output-format", "json"];
@@ -128,7 +127,10 @@ fn inconsistent_dflash2_configs_are_refused() {
     edit_config(&draft, |v| {
         v["dflash_config"]["selector_rank"] = 32.into();
     });
-    fails_with(generate(&model, &draft, &[]), "candidate_selector.predecessor_codebook");
+    fails_with(
+        generate(&model, &draft, &[]),
+        "candidate_selector.predecessor_codebook",
+    );
 }
 
 #[test]

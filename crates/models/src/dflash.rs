@@ -428,7 +428,7 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
             b.copy_to_host(&self.ws.logits, &mut self.host_logits);
             let (logits, hproj, anchors) = (&self.host_logits, &self.ws.hproj, &self.anchors);
             let lattice = &mut self.lattice;
-            b.run(|| sel.build(b, logits, vocab, hproj, anchors, block - 1, lattice))?;
+            b.run(|| sel.build(b, logits, vocab, hproj, anchors, lattice))?;
         }
         Ok(())
     }

@@ -171,8 +171,8 @@ impl<B: Backend> Selector<B> {
         })
     }
 
-    /// Builds the lattice of `anchors.len()` rows of `slots` proposals each from the slots'
-    /// raw logits (host, `[rows · slots, vocab]`) and projected hidden states (`hproj`,
+    /// Builds the lattice of `anchors.len()` rows of proposals from the slots' raw logits
+    /// (host, `[rows · slots, vocab]`) and projected hidden states (`hproj`,
     /// `[rows · slots, rank]` on the device).
     pub fn build(
         &mut self,
@@ -181,9 +181,9 @@ impl<B: Backend> Selector<B> {
         vocab: usize,
         hproj: &B::Tensor,
         anchors: &[u32],
-        slots: usize,
         out: &mut CandidateLattice,
     ) -> Result<()> {
+        let slots = logits.len() / (vocab * anchors.len()).max(1);
         let (k, r) = (self.params.selector_top_k, self.rank);
         if vocab > self.params.vocab_size || k > vocab {
             return Err(ModelError::IncompatibleDrafter(format!(
@@ -215,8 +215,8 @@ impl<B: Backend> Selector<B> {
         }
         // Predecessors: each row's anchor, then its candidates of every slot but the last.
         self.pred_ids.clear();
-        for row in 0..rows {
-            self.pred_ids.push(anchors[row]);
+        for (row, &anchor) in anchors.iter().enumerate() {
+            self.pred_ids.push(anchor);
             let c = &self.cand[row * slots * k..(row + 1) * slots * k];
             self.pred_ids.extend_from_slice(&c[..(slots - 1) * k]);
         }

@@ -396,15 +396,14 @@ impl DrafterConfig {
             .unwrap_or(10000.0) as f32;
         let output_multiplier = finite("output_multiplier", f.output_multiplier, 1.0)?;
         let softcap = match f.final_logit_softcapping {
-            None => None,
             Some(c) if c.is_finite() && c > 0.0 => Some(c as f32),
-            Some(c) if c == 0.0 => None,
-            Some(c) => {
+            Some(c) if c != 0.0 => {
                 return Err(cfg_err(format!(
                     "config.json: `final_logit_softcapping` must be positive (or 0/null for \
                      none), not {c}"
                 )))
             }
+            _ => None,
         };
         let input_embedding_scale = finite("input_embedding_scale", f.input_embedding_scale, 1.0)?;
         let dflash2 = match kind {
@@ -472,7 +471,7 @@ impl DrafterConfig {
             || !self.heads.is_multiple_of(self.kv_heads)
             || self.layers == 0
             || self.head_dim == 0
-            || self.head_dim % 2 != 0
+            || !self.head_dim.is_multiple_of(2)
         {
             return Err(cfg_err("drafter head counts are inconsistent"));
         }

@@ -348,7 +348,7 @@ impl Backend for CpuBackend {
     ) {
         assert_eq!(x.rows, meta.len());
         assert_eq!(base.cols, x.cols);
-        assert!(group > 0 && x.cols % group == 0);
+        assert!(group > 0 && x.cols.is_multiple_of(group));
         assert_eq!(dynamic.rows, x.rows);
         assert!(col + base.rows * (x.cols / group) <= dynamic.cols);
         out.reshape(x.rows, x.cols);

@@ -1028,7 +1028,7 @@ impl Backend for CudaBackend {
             "grouped_conv: one metadata entry per token"
         );
         assert_eq!(base.cols, x.cols);
-        assert!(group > 0 && x.cols % group == 0);
+        assert!(group > 0 && x.cols.is_multiple_of(group));
         assert_eq!(dynamic.rows, x.rows);
         assert!(col + base.rows * (x.cols / group) <= dynamic.cols);
         self.reshape(out, x.rows, x.cols);
