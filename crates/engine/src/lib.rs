@@ -9,6 +9,7 @@ mod choose;
 pub mod decoder;
 pub mod dflash;
 pub mod sampling;
+pub mod selector_walk;
 pub mod session;
 pub mod spec_gate;
 pub mod stats;
