@@ -91,6 +91,18 @@ EOF
         say "$t"
         timeout 300 "$W/$t" --test-threads=1 2>&1 | tee "$out/$t.log" | grep -E "^test |test result|panicked|skipped|error" | head -60
     done
+    if command -v ncu > /dev/null; then
+        say "ncu: the M=16 576x576 product, the 4B gate/up product at M=1, attention at context 128"
+        for spec in "smollm2 q4_1 matmul regex:mm_q4_1_16_" "qwen3-4b q4_0 matmul regex:mm_q4_0_1_" \
+            "smollm2 q4_1 attention regex:attention_split"; do
+            set -- $spec
+            timeout 120 ncu --clock-control none --kernel-name "$4" --launch-skip 40 --launch-count 1 \
+                --section SpeedOfLight --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis \
+                "$W/cuda_microbench" --shapes "$1" --formats "$2" --only "$3" --reps 4 2>&1 \
+                | grep -E "^  [a-z_]+.*\(|Duration|Throughput|Registers|Achieved Occupancy|Block Size|Grid Size|Waves|L1/TEX Hit|L2 Hit|Mem Busy|Max Bandwidth" \
+                | head -30 | tee -a "$out/ncu.txt"
+        done
+    fi
     say "microbench (smollm2 shapes)"
     timeout 240 "$W/cuda_microbench" --shapes smollm2 --reps 30 | tee "$out/microbench_smollm2.md"
     for t in cuda_ops cuda_fused cuda_token_choice; do
