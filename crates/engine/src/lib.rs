@@ -12,6 +12,7 @@ pub mod dflash;
 pub mod logprobs;
 mod output;
 pub mod sampling;
+pub mod selector_walk;
 pub mod session;
 pub mod spec_gate;
 pub mod stats;

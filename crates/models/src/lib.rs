@@ -1,7 +1,8 @@
 //! dflash-models: what a network is.
 //!
 //! Loading (GGUF files, Hugging Face directories), tokenizers and chat templates, the
-//! Llama-family and Qwen 3.5 hybrid target architectures and the DFlash drafter, written against the runtime's
+//! Llama-family and Qwen 3.5 hybrid target architectures and the DFlash / DFlash2 drafters,
+//! written against the runtime's
 //! `Backend` so they run on any device.
 
 pub mod any_target;
@@ -9,12 +10,15 @@ pub mod chat;
 pub mod config;
 pub mod default_model;
 pub mod dflash;
+mod dflash2;
 pub mod drafter;
+pub mod drafter_config;
 pub mod error;
 pub mod llama;
 pub mod load;
 pub mod qwen35;
 pub mod rows;
+pub mod selector;
 pub mod source;
 pub mod step;
 pub mod synthetic;
@@ -27,4 +31,5 @@ pub use any_target::TargetModel;
 pub use dflash::DflashDrafter;
 pub use drafter::Drafter;
 pub use load::{load_model, LoadedModel};
+pub use selector::CandidateLattice;
 pub use target::{LogitRows, RowStep, Target};

@@ -561,6 +561,8 @@ pub fn write_synthetic(spec: &SyntheticSpec, path: &std::path::Path) -> std::io:
 #[derive(Default)]
 pub struct MemorySource {
     pub tensors: std::collections::HashMap<String, dflash_runtime::HostWeight>,
+    /// Stored shapes of tensors of rank 3 or more (kept as `[product of leading, last]`).
+    pub dims: std::collections::HashMap<String, Vec<usize>>,
 }
 
 impl crate::source::TensorSource for MemorySource {
@@ -589,6 +591,10 @@ impl crate::source::TensorSource for MemorySource {
 
     fn has(&self, name: &str) -> bool {
         self.tensors.contains_key(name)
+    }
+
+    fn dims(&self, name: &str) -> Option<Vec<usize>> {
+        self.dims.get(name).cloned()
     }
 }
 
@@ -732,6 +738,67 @@ pub fn random_drafter(cfg: &crate::dflash::DrafterConfig, seed: u64) -> MemorySo
             false,
         );
     }
+    let mut shaped = Vec::new();
+    if let Some(p) = &cfg.dflash2 {
+        let (taps, groups) = (p.conv_kernel_size, h / p.conv_group_size);
+        for i in 0..cfg.layers {
+            for conv in ["attention_conv", "mlp_conv"] {
+                let n = format!("layers.{i}.{conv}.base_kernel");
+                // Near-identity static taps: 1 on the current token, small on the others.
+                let vals: Vec<f32> = (0..2 * taps * h)
+                    .map(|j| {
+                        let tap = (j / h) % taps;
+                        let noise = rng.random_range(-0.2f32..0.2);
+                        if tap == 0 {
+                            1.0 + noise
+                        } else {
+                            noise
+                        }
+                    })
+                    .collect();
+                let w = HostWeight::new(
+                    n.clone(),
+                    DType::F32,
+                    2 * taps,
+                    h,
+                    WeightBytes::from_vec(encode(DType::F32, &vals, h)),
+                )
+                .expect("consistent synthetic shape");
+                shaped.push((n, w, vec![2, taps, h]));
+                put(
+                    format!("layers.{i}.{conv}.kernel_projection.weight"),
+                    2 * taps * groups,
+                    h,
+                    DType::BF16,
+                    &mut rng,
+                    false,
+                );
+            }
+        }
+        let r = p.selector_rank;
+        for book in ["predecessor_codebook", "successor_codebook"] {
+            put(
+                format!("candidate_selector.{book}"),
+                p.vocab_size,
+                r,
+                DType::BF16,
+                &mut rng,
+                false,
+            );
+        }
+        put(
+            "candidate_selector.hidden_projection.weight".into(),
+            r,
+            h,
+            DType::BF16,
+            &mut rng,
+            false,
+        );
+    }
+    for (n, w, dims) in shaped {
+        src.dims.insert(n.clone(), dims);
+        src.tensors.insert(n, w);
+    }
     src
 }
 
@@ -761,6 +828,40 @@ pub fn drafter_config_for(
         head_dim: hidden / heads,
         rms_eps: 1e-6,
         rope_theta: 10000.0,
+        input_embedding_scale: 1.0,
+        attention: vec![crate::dflash::LayerAttention::FULL; draft_layers],
+        dflash2: None,
+    }
+}
+
+/// A DFlash2 drafter configuration for a target of `vocab` tokens: `base` plus two-tap
+/// convolutions over groups of 16 channels (or the hidden size when smaller), a rank-16
+/// selector over 8 candidates and non-causal sliding layers of window `window`.
+pub fn dflash2_config_for(
+    base: crate::dflash::DrafterConfig,
+    vocab: usize,
+    window: usize,
+) -> crate::dflash::DrafterConfig {
+    use crate::dflash::{Dflash2Params, LayerAttention};
+    let layers = base.layers;
+    crate::dflash::DrafterConfig {
+        attention: vec![
+            LayerAttention {
+                window: Some(window),
+                causal: false,
+            };
+            layers
+        ],
+        dflash2: Some(Dflash2Params {
+            conv_kernel_size: 2,
+            conv_group_size: 16.min(base.hidden),
+            selector_rank: 16,
+            selector_top_k: 8.min(vocab),
+            vocab_size: vocab,
+            output_multiplier: 1.0,
+            final_logit_softcapping: None,
+        }),
+        ..base
     }
 }
 
@@ -784,10 +885,10 @@ pub fn write_drafter_dir(
                 DType::F16 => Dtype::F16,
                 _ => Dtype::F32,
             };
-            let shape = if w.rows == 1 {
-                vec![w.cols]
-            } else {
-                vec![w.rows, w.cols]
+            let shape = match src.dims.get(name.as_str()) {
+                Some(d) => d.clone(),
+                None if w.rows == 1 => vec![w.cols],
+                None => vec![w.rows, w.cols],
             };
             let view = TensorView::new(dtype, shape, w.bytes.as_slice()).expect("consistent shape");
             (name.clone(), view)
@@ -797,7 +898,7 @@ pub fn write_drafter_dir(
     let bytes =
         safetensors::serialize(views, None).map_err(|e| std::io::Error::other(e.to_string()))?;
     std::fs::write(dir.join("model.safetensors"), bytes)?;
-    let config = serde_json::json!({
+    let mut config = serde_json::json!({
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
         "block_size": cfg.block_size,
@@ -815,6 +916,29 @@ pub fn write_drafter_dir(
         "rms_norm_eps": cfg.rms_eps,
         "rope_theta": cfg.rope_theta,
     });
+    if let Some(p) = &cfg.dflash2 {
+        config["architectures"] = serde_json::json!(["DFlash2DraftModel"]);
+        config["vocab_size"] = p.vocab_size.into();
+        let dc = &mut config["dflash_config"];
+        dc["conv_kernel_size"] = p.conv_kernel_size.into();
+        dc["conv_group_size"] = p.conv_group_size.into();
+        dc["selector_rank"] = p.selector_rank.into();
+        dc["selector_top_k"] = p.selector_top_k.into();
+        let window = cfg.attention.iter().find_map(|a| a.window);
+        config["layer_types"] = cfg
+            .attention
+            .iter()
+            .map(|a| {
+                if a.window.is_some() {
+                    "sliding_attention"
+                } else {
+                    "full_attention"
+                }
+            })
+            .collect();
+        config["sliding_window"] = window.into();
+        config["is_causal"] = cfg.attention.iter().any(|a| a.causal).into();
+    }
     std::fs::write(
         dir.join("config.json"),
         serde_json::to_string_pretty(&config)?,

@@ -303,6 +303,27 @@ pub trait Backend: Send + Sync + 'static {
     fn silu_mul(&self, gate: &mut Self::Tensor, up: &Self::Tensor);
     /// `x += y`.
     fn add(&self, x: &mut Self::Tensor, y: &Self::Tensor);
+    /// `x *= s`.
+    fn scale(&self, x: &mut Self::Tensor, s: f32);
+    /// Grouped dynamic causal convolution along each row's run of consecutive positions
+    /// (DFlash2). With `taps = base.rows`, `groups = x.cols / group` and `g = c / group`:
+    ///
+    /// `out[t][c] = Σ_{o < taps} base[o][c]·x[t−o][c] + dynamic[t][col + o·groups + g]·x[t−o][c]`
+    ///
+    /// accumulated from 0 for o = 0, 1, ... in that order, base term then dynamic term, every
+    /// product and sum rounded to f32. Tap o of token t reads token t − o only when that token
+    /// is the same row's position `pos − o` (`meta`); otherwise it adds nothing.
+    #[allow(clippy::too_many_arguments)]
+    fn grouped_conv(
+        &self,
+        x: &Self::Tensor,
+        base: &Self::Tensor,
+        dynamic: &Self::Tensor,
+        col: usize,
+        group: usize,
+        meta: &Self::Meta,
+        out: &mut Self::Tensor,
+    );
     /// `out[i] = x[rows[i]]`.
     fn gather_rows(&self, x: &Self::Tensor, rows: &[u32], out: &mut Self::Tensor);
     /// Copies `src` (`[T, c]`) into columns `col..col+c` of `dst` (`[T, C]`).

@@ -515,6 +515,55 @@ fn elementwise_ops_match_cpu() {
 }
 
 #[test]
+fn scale_and_grouped_conv_are_bit_identical_to_cpu() {
+    let Some(g) = gpu() else { return };
+    let c = cpu();
+    let (cols, group, taps) = (96, 16, 3);
+    let groups = cols / group;
+    // Two rows' blocks of 5 and 4 tokens (row 1 first), then a lone token of row 2.
+    let meta: Vec<TokenMeta> = (0..5)
+        .map(|i| TokenMeta::causal(1, 40 + i))
+        .chain((0..4).map(|i| TokenMeta::causal(0, 7 + i)))
+        .chain(std::iter::once(TokenMeta::causal(2, 3)))
+        .collect();
+    let t = meta.len();
+    let x = random_vec(t * cols, -3.0, 3.0, 21);
+    let base = random_vec(taps * cols, -1.0, 1.0, 22);
+    let dyn_cols = 2 * taps * groups;
+    let dynamic = random_vec(t * dyn_cols, -0.5, 0.5, 23);
+    let (mg, mc) = (g.upload_meta(&meta), c.upload_meta(&meta));
+    for col in [0, taps * groups] {
+        let mut og = g.tensor(0, 0);
+        let mut oc = c.tensor(0, 0);
+        g.grouped_conv(
+            &g.upload(&x, t, cols),
+            &g.upload(&base, taps, cols),
+            &g.upload(&dynamic, t, dyn_cols),
+            col,
+            group,
+            &mg,
+            &mut og,
+        );
+        c.grouped_conv(
+            &c.upload(&x, t, cols),
+            &c.upload(&base, taps, cols),
+            &c.upload(&dynamic, t, dyn_cols),
+            col,
+            group,
+            &mc,
+            &mut oc,
+        );
+        assert_eq!(g.shape(&og), (t, cols));
+        assert_eq!(bits(&g.to_host(&og)), bits(&c.to_host(&oc)), "grouped_conv");
+    }
+    let mut xg = g.upload(&x, t, cols);
+    let mut xc = c.upload(&x, t, cols);
+    g.scale(&mut xg, 1.7);
+    c.scale(&mut xc, 1.7);
+    assert_eq!(bits(&g.to_host(&xg)), bits(&c.to_host(&xc)), "scale");
+}
+
+#[test]
 fn argmax_takes_first_maximum_and_skips_nan() {
     let Some(g) = gpu() else { return };
     let c = cpu();

@@ -5,7 +5,7 @@ use std::cell::RefCell;
 use super::gdn::CpuGdn;
 use super::kv::CpuKv;
 use super::matmul::{self, Isa};
-use super::ops::{attention, elementwise, gdn, norm, rope};
+use super::ops::{attention, conv, elementwise, gdn, norm, rope};
 use super::pool::{CpuPool, SyncPtr};
 use super::tensor::CpuTensor;
 use crate::backend::{AttnShape, Backend, GdnShape, RopeStyle, RowSpan, TokenMeta};
@@ -657,6 +657,44 @@ impl Backend for CpuBackend {
         let (src, cols) = (&y.data, x.cols);
         self.rows_mut(&mut x.data, cols, |r, row| {
             elementwise::add(row, &src[r * cols..(r + 1) * cols])
+        });
+    }
+
+    fn scale(&self, x: &mut CpuTensor, s: f32) {
+        let cols = x.cols;
+        self.rows_mut(&mut x.data, cols, |_, row| {
+            for v in row {
+                *v *= s;
+            }
+        });
+    }
+
+    fn grouped_conv(
+        &self,
+        x: &CpuTensor,
+        base: &CpuTensor,
+        dynamic: &CpuTensor,
+        col: usize,
+        group: usize,
+        meta: &Vec<TokenMeta>,
+        out: &mut CpuTensor,
+    ) {
+        assert_eq!(x.rows, meta.len());
+        assert_eq!(base.cols, x.cols);
+        assert!(group > 0 && x.cols.is_multiple_of(group));
+        assert_eq!(dynamic.rows, x.rows);
+        assert!(col + base.rows * (x.cols / group) <= dynamic.cols);
+        out.reshape(x.rows, x.cols);
+        let shape = conv::ConvShape {
+            cols: x.cols,
+            taps: base.rows,
+            group,
+            dyn_cols: dynamic.cols,
+            col,
+        };
+        let (xs, b, d) = (&x.data, &base.data, &dynamic.data);
+        self.rows_mut(&mut out.data, shape.cols, |t, row| {
+            conv::conv_token(t, xs, b, d, meta, shape, row)
         });
     }
 

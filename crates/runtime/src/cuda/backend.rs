@@ -1066,6 +1066,62 @@ impl Backend for CudaBackend {
         );
     }
 
+    fn scale(&self, x: &mut CudaTensor, s: f32) {
+        self.dev.bind();
+        self.elementwise(
+            &self.dev.k.scale,
+            "scale",
+            x.len(),
+            &[Arg::Ptr(self.tptr(x)), Arg::F32(s), long(x.len())],
+        );
+    }
+
+    fn grouped_conv(
+        &self,
+        x: &CudaTensor,
+        base: &CudaTensor,
+        dynamic: &CudaTensor,
+        col: usize,
+        group: usize,
+        meta: &CudaMeta,
+        out: &mut CudaTensor,
+    ) {
+        assert_eq!(
+            x.rows,
+            meta.tokens().len(),
+            "grouped_conv: one metadata entry per token"
+        );
+        assert_eq!(base.cols, x.cols);
+        assert!(group > 0 && x.cols.is_multiple_of(group));
+        assert_eq!(dynamic.rows, x.rows);
+        assert!(col + base.rows * (x.cols / group) <= dynamic.cols);
+        self.reshape(out, x.rows, x.cols);
+        if x.rows == 0 || x.cols == 0 {
+            return;
+        }
+        self.dev.bind();
+        self.dev.launch(
+            &self.dev.k.grouped_conv,
+            "grouped_conv",
+            (x.cols.div_ceil(256).min(64) as u32, x.rows as u32, 1),
+            (256, 1, 1),
+            0,
+            &[
+                Arg::Ptr(self.tptr(x)),
+                Arg::Ptr(self.tptr(base)),
+                Arg::Ptr(self.tptr(dynamic)),
+                Arg::Ptr(self.meta_ptr(meta)),
+                int(x.rows),
+                int(x.cols),
+                int(base.rows),
+                int(group),
+                int(dynamic.cols),
+                int(col),
+                Arg::Ptr(self.tptr(out)),
+            ],
+        );
+    }
+
     fn gather_rows(&self, x: &CudaTensor, rows: &[u32], out: &mut CudaTensor) {
         for &r in rows {
             assert!((r as usize) < x.rows, "gather_rows: row {r} of {}", x.rows);
