@@ -20,7 +20,6 @@ use common::*;
 use dflash_engine::dflash::{AcceptPolicy, DflashDecoder};
 use dflash_engine::session::{run_batch, run_scheduled};
 use dflash_engine::{Completion, FinishReason, Request, SamplingParams};
-use dflash_models::llama::LlamaModel;
 use dflash_models::synthetic::{dflash2_config_for, drafter_config_for, random_drafter};
 use dflash_models::tokenizer::TextTokenizer;
 use dflash_models::TargetModel;

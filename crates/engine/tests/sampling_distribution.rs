@@ -36,7 +36,6 @@ use dflash_engine::ar::ArDecoder;
 use dflash_engine::dflash::{AcceptPolicy, DflashDecoder};
 use dflash_engine::session::run_scheduled;
 use dflash_engine::{Completion, Decoder, SamplingParams};
-use dflash_models::llama::LlamaModel;
 use dflash_models::selector::top_k_indices;
 use dflash_models::synthetic::{
     dflash2_config_for, drafter_config_for, random_drafter, special_id,

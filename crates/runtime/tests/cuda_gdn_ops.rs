@@ -7,33 +7,12 @@
 //! when there is none; `gdn_kernels_compile_with_nvrtc` needs only NVRTC.
 #![cfg(feature = "cuda")]
 
-use std::sync::OnceLock;
+mod common;
 
-use dflash_runtime::cpu::CpuBackend;
-use dflash_runtime::cuda::{compile, CudaBackend};
+use common::{cpu, gpu, random_vec};
+
+use dflash_runtime::cuda::compile;
 use dflash_runtime::{Backend, GdnShape, RowSpan};
-use rand::{Rng, SeedableRng};
-
-fn gpu() -> Option<&'static CudaBackend> {
-    static GPU: OnceLock<Result<CudaBackend, String>> = OnceLock::new();
-    match GPU.get_or_init(|| CudaBackend::new().map_err(|e| e.to_string())) {
-        Ok(b) => Some(b),
-        Err(e) => {
-            println!("skipped: no CUDA device ({e})");
-            None
-        }
-    }
-}
-
-fn cpu() -> &'static CpuBackend {
-    static CPU: OnceLock<CpuBackend> = OnceLock::new();
-    CPU.get_or_init(|| CpuBackend::new(2))
-}
-
-fn random_vec(n: usize, lo: f32, hi: f32, seed: u64) -> Vec<f32> {
-    let mut r = rand::rngs::StdRng::seed_from_u64(seed);
-    (0..n).map(|_| r.random_range(lo..hi)).collect()
-}
 
 fn shapes() -> [GdnShape; 3] {
     let s = |k_heads, v_heads, k_dim, v_dim, tiled_heads| GdnShape {

@@ -11,7 +11,6 @@ use dflash_engine::session::run_batch;
 use dflash_engine::{Completion, Request, SamplingParams};
 use dflash_models::chat::Message;
 use dflash_models::default_model::{ensure_default_model, Silent};
-use dflash_models::llama::LlamaModel;
 use dflash_models::TargetModel;
 use dflash_models::{load_model, CandidateLattice, Drafter, LoadedModel};
 use dflash_runtime::cpu::{CpuBackend, CpuTensor};
