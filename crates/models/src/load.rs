@@ -47,8 +47,20 @@ fn token_text(tok: &TextTokenizer, id: Option<u32>) -> String {
     id.and_then(|i| tok.id_to_token(i)).unwrap_or_default()
 }
 
+/// A GGUF file's architecture with its configuration.
+enum GgufConfig {
+    Llama(LlamaConfig),
+    Qwen35(Qwen35Config),
+}
+
 fn load_gguf<B: Backend>(backend: Arc<B>, path: &Path) -> Result<LoadedModel<B>> {
     let file = GgufFile::open(path)?;
+    // The architecture and its shapes are checked before the tokenizer and the weights, so
+    // that an unsupported model says so first.
+    let cfg = match file.get("general.architecture").and_then(|v| v.as_str()) {
+        Some("qwen35") => GgufConfig::Qwen35(Qwen35Config::from_gguf(&file)?),
+        _ => GgufConfig::Llama(LlamaConfig::from_gguf(&file)?),
+    };
     let tokenizer = TextTokenizer::from_gguf(&file)?;
     let template = match file.get("tokenizer.chat_template").and_then(|v| v.as_str()) {
         Some(src) => Some(ChatTemplate::new(
@@ -63,17 +75,16 @@ fn load_gguf<B: Backend>(backend: Arc<B>, path: &Path) -> Result<LoadedModel<B>>
         .and_then(|v| v.as_str())
         .map(str::to_string)
         .unwrap_or_else(|| file_stem(path));
-    let model = if file.get("general.architecture").and_then(|v| v.as_str()) == Some("qwen35") {
-        let cfg = Qwen35Config::from_gguf(&file)?;
-        TargetModel::Qwen35(Qwen35Model::load(
+    let model = match cfg {
+        GgufConfig::Qwen35(cfg) => TargetModel::Qwen35(Qwen35Model::load(
             backend,
             cfg,
             &file,
             qwen35::Naming::Gguf,
-        )?)
-    } else {
-        let cfg = LlamaConfig::from_gguf(&file)?;
-        TargetModel::Llama(LlamaModel::load(backend, cfg, &file, Naming::Gguf)?)
+        )?),
+        GgufConfig::Llama(cfg) => {
+            TargetModel::Llama(LlamaModel::load(backend, cfg, &file, Naming::Gguf)?)
+        }
     };
     Ok(LoadedModel {
         model,
