@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use dflash_runtime::backend::{AttnShape, RopeStyle, TokenMeta};
+use dflash_runtime::backend::{AttnShape, RopeStyle, TokenMeta, WeightRole};
 use dflash_runtime::Backend;
 use serde_json::Value;
 
@@ -279,7 +279,9 @@ impl<B: Backend> DflashDrafter<B> {
         let (h, hd) = (cfg.hidden, cfg.head_dim);
         let (qd, kvd) = (cfg.heads * hd, cfg.kv_heads * hd);
         let taps = cfg.target_layer_ids.len();
-        let w = |n: &str, r: usize, c: usize| load_matrix(b, src, &resolve(src, n), r, c);
+        let w = |n: &str, r: usize, c: usize| {
+            load_matrix(b, src, &resolve(src, n), [r, c], WeightRole::Draft)
+        };
         let vec = |n: &str, len: usize| load_vector(b, src, &resolve(src, n), len);
         let mut layers = Vec::with_capacity(cfg.layers);
         for i in 0..cfg.layers {

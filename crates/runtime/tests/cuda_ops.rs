@@ -10,9 +10,9 @@
 use std::sync::OnceLock;
 
 use dflash_runtime::backend::{AttnShape, RopeStyle};
-use dflash_runtime::cpu::CpuBackend;
+use dflash_runtime::cpu::{CpuBackend, CpuWeight, Isa, MatmulMode};
 use dflash_runtime::cuda::{compile, CudaBackend, CudaOptions, PrefillGemm};
-use dflash_runtime::{Backend, DType, HostWeight, TokenMeta, WeightBytes};
+use dflash_runtime::{Backend, DType, HostWeight, TokenMeta, WeightBytes, WeightRole};
 use rand::{Rng, SeedableRng};
 
 fn gpu() -> Option<&'static CudaBackend> {
@@ -34,7 +34,8 @@ fn gpu() -> Option<&'static CudaBackend> {
 
 fn cpu() -> &'static CpuBackend {
     static CPU: OnceLock<CpuBackend> = OnceLock::new();
-    CPU.get_or_init(|| CpuBackend::new(2))
+    // The f32 reference path: the GPU multiplies with f32 activations too.
+    CPU.get_or_init(|| CpuBackend::with_options(2, Isa::detect(), MatmulMode::Reference))
 }
 
 fn rng(seed: u64) -> rand::rngs::StdRng {
@@ -210,7 +211,10 @@ fn embed_every_dtype_bit_exact() {
         let cols = if dtype.block_len() == 256 { 512 } else { 96 };
         let w = random_weight(dtype, 50, cols, 100 + i as u64);
         let ids: Vec<u32> = vec![0, 49, 7, 7, 23, 1];
-        let (wg, wc) = (g.upload_weight(&w).unwrap(), c.upload_weight(&w).unwrap());
+        let (wg, wc) = (
+            g.upload_weight(&w, WeightRole::Embedding).unwrap(),
+            c.upload_weight(&w, WeightRole::Embedding).unwrap(),
+        );
         let mut og = g.tensor(0, cols);
         let mut oc = c.tensor(0, cols);
         g.embed(&wg, &ids, &mut og);
@@ -228,8 +232,12 @@ fn embed_every_dtype_bit_exact() {
         let ids = [3u32, 8, 0];
         let mut og = g.tensor(0, 0);
         let mut oc = cpu().tensor(0, 0);
-        g.embed(&g.upload_weight(&w).unwrap(), &ids, &mut og);
-        c.embed(&w, &ids, &mut oc);
+        g.embed(
+            &g.upload_weight(&w, WeightRole::Embedding).unwrap(),
+            &ids,
+            &mut og,
+        );
+        c.embed(&CpuWeight::f32(w.clone()), &ids, &mut oc);
         assert_eq!(
             bits(&g.to_host(&og)),
             bits(&c.to_host(&oc)),
@@ -264,7 +272,7 @@ fn matmul_every_dtype_matches_cpu_and_is_batch_invariant() {
         let k = if dtype.block_len() == 256 { 1280 } else { 1088 };
         let n = 67;
         let w = random_weight(dtype, n, k, 200 + di as u64);
-        let wg = g.upload_weight(&w).unwrap();
+        let wg = g.upload_weight(&w, WeightRole::Projection).unwrap();
         let x_all = random_vec(100 * k, -2.0, 2.0, 300 + di as u64);
         let mag = product_magnitudes(&w, &x_all, 100);
         let mut full = Vec::new();
@@ -277,7 +285,7 @@ fn matmul_every_dtype_matches_cpu_and_is_batch_invariant() {
             let got = g.to_host(&og);
             let xc = c.upload(x, m, k);
             let mut oc = c.tensor(0, 0);
-            c.matmul(&xc, &w, &mut oc);
+            c.matmul(&xc, &CpuWeight::f32(w.clone()), &mut oc);
             assert_close(
                 &format!("matmul {dtype} M={m}"),
                 &got,
@@ -320,7 +328,10 @@ fn matmul_many_equals_separate_products() {
         .enumerate()
         .map(|(i, (d, n))| random_weight(d, n, k, 400 + i as u64))
         .collect();
-    let wg: Vec<_> = ws.iter().map(|w| g.upload_weight(w).unwrap()).collect();
+    let wg: Vec<_> = ws
+        .iter()
+        .map(|w| g.upload_weight(w, WeightRole::Projection).unwrap())
+        .collect();
     let x = g.upload(&random_vec(3 * k, -1.0, 1.0, 5), 3, k);
     let mut outs: Vec<_> = (0..3).map(|_| g.tensor(0, 0)).collect();
     {
@@ -361,9 +372,13 @@ fn cublas_prefill_path_matches_cpu() {
         let w = random_weight(dtype, n, k, 500 + di as u64);
         let x = random_vec(m * k, -2.0, 2.0, 600 + di as u64);
         let mut og = g.tensor(0, 0);
-        g.matmul(&g.upload(&x, m, k), &g.upload_weight(&w).unwrap(), &mut og);
+        g.matmul(
+            &g.upload(&x, m, k),
+            &g.upload_weight(&w, WeightRole::Projection).unwrap(),
+            &mut og,
+        );
         let mut oc = c.tensor(0, 0);
-        c.matmul(&c.upload(&x, m, k), &w, &mut oc);
+        c.matmul(&c.upload(&x, m, k), &CpuWeight::f32(w.clone()), &mut oc);
         assert_close(
             &format!("cuBLAS matmul {dtype} M={m}"),
             &g.to_host(&og),
@@ -859,22 +874,40 @@ fn decode_and_verify_layers_agree_bit_for_bit() {
         scale: 1.0 / (head_dim as f32).sqrt(),
     };
     let wq = g
-        .upload_weight(&random_weight(DType::Q4_1, n_heads * head_dim, hidden, 1))
+        .upload_weight(
+            &random_weight(DType::Q4_1, n_heads * head_dim, hidden, 1),
+            WeightRole::Projection,
+        )
         .unwrap();
     let wk = g
-        .upload_weight(&random_weight(DType::Q8_0, kv_dim, hidden, 2))
+        .upload_weight(
+            &random_weight(DType::Q8_0, kv_dim, hidden, 2),
+            WeightRole::Projection,
+        )
         .unwrap();
     let wv = g
-        .upload_weight(&random_weight(DType::Q4_0, kv_dim, hidden, 3))
+        .upload_weight(
+            &random_weight(DType::Q4_0, kv_dim, hidden, 3),
+            WeightRole::Projection,
+        )
         .unwrap();
     let wo = g
-        .upload_weight(&random_weight(DType::F16, hidden, n_heads * head_dim, 4))
+        .upload_weight(
+            &random_weight(DType::F16, hidden, n_heads * head_dim, 4),
+            WeightRole::Projection,
+        )
         .unwrap();
     let wg = g
-        .upload_weight(&random_weight(DType::Q4K, inter, hidden, 5))
+        .upload_weight(
+            &random_weight(DType::Q4K, inter, hidden, 5),
+            WeightRole::Projection,
+        )
         .unwrap();
     let wd = g
-        .upload_weight(&random_weight(DType::Q6K, hidden, inter, 6))
+        .upload_weight(
+            &random_weight(DType::Q6K, hidden, inter, 6),
+            WeightRole::Projection,
+        )
         .unwrap();
     let norm = g.upload(&random_vec(hidden, 0.5, 1.5, 7), 1, hidden);
     let inv: Vec<f32> = (0..head_dim / 2)

@@ -8,7 +8,9 @@ use super::device::{
 };
 use super::kv::CudaKv;
 use super::tensor::{CudaMeta, CudaTensor, CudaWeight};
-use crate::backend::{AttnShape, Backend, RopeStyle, TokenMeta};
+use crate::backend::{
+    Activations, AttnShape, Backend, RopeStyle, TokenMeta, WeightPath, WeightRole,
+};
 use crate::dtype::DType;
 use crate::error::RuntimeError;
 use crate::weight::HostWeight;
@@ -320,7 +322,8 @@ impl Backend for CudaBackend {
         f()
     }
 
-    fn upload_weight(&self, w: &HostWeight) -> Result<CudaWeight, RuntimeError> {
+    /// Every role takes the same path on the GPU (f32 activations).
+    fn upload_weight(&self, w: &HostWeight, _role: WeightRole) -> Result<CudaWeight, RuntimeError> {
         self.dev.bind();
         self.dev.format(w.dtype).map_err(RuntimeError::Device)?;
         let bytes = w.bytes.as_slice();
@@ -334,6 +337,14 @@ impl Backend for CudaBackend {
             row_bytes: w.row_bytes(),
             buf,
         })
+    }
+
+    fn weight_path(&self, w: &CudaWeight) -> WeightPath {
+        WeightPath {
+            format: w.dtype,
+            activations: Activations::F32,
+            kernel: "cuda".into(),
+        }
     }
 
     fn tensor(&self, rows: usize, cols: usize) -> CudaTensor {
