@@ -18,6 +18,7 @@ use serde_json::{json, Value};
 
 use crate::args::{BatchAccept, DraftArgs, ModelArgs};
 use crate::load::{chat_ids, decoder, drafter_dir, load_target, Loaded};
+use crate::paths::paths_json;
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -232,7 +233,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
         "prefill_runs": pp,
         "decode_runs": tg,
         "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "matmul_mode": std::env::var("DFLASH_MATMUL").unwrap_or_else(|_| "auto".into()),
+        "matmul": paths_json(&plain.matmul),
     });
+    let mut matmul = plain.matmul.clone();
     let mut table = vec![format!(
         "| {} | {} | pp{} {:.1} tok/s | tg{} {:.1} tok/s |",
         plain.name,
@@ -267,6 +271,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
         clamp_args.batch_accept = BatchAccept::Clamp;
         let mut spec = decoder(load_target(&args.model)?, Some(&dir), &per_row_args)?;
         report["drafter"] = json!(dir);
+        report["matmul"] = paths_json(&spec.matmul);
+        matmul = spec.matmul.clone();
         report["prompts"] = json!(texts.len());
         match args.batch {
             None => {
@@ -337,6 +343,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 ));
             }
         }
+    }
+    for p in &matmul {
+        table.push(format!(
+            "| {} {} | K x N {}x{} | {} |",
+            p.model, p.name, p.cols, p.rows, p.path
+        ));
     }
     println!("{report}");
     for line in table {

@@ -6,10 +6,12 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use dflash_engine::session::{run_batch, run_scheduled};
 use dflash_engine::{Completion, Request, RowStats};
+use dflash_models::ProjectionPath;
 use serde_json::json;
 
 use crate::args::{DraftArgs, ModelArgs, OutputFormat, SamplingArgs, Speculation};
 use crate::load::load;
+use crate::paths::{paths_json, paths_summary};
 
 #[derive(Args, Debug)]
 pub struct GenerateArgs {
@@ -165,12 +167,14 @@ fn read_batch(path: &std::path::Path) -> Result<Vec<BatchLine>> {
     Ok(lines)
 }
 
-fn result_json(c: &Completion) -> serde_json::Value {
+fn result_json(c: &Completion, matmul: &[ProjectionPath]) -> serde_json::Value {
+    let mut stats = stats_json(&c.stats);
+    stats["matmul"] = paths_json(matmul);
     json!({
         "text": c.text,
         "tokens": c.tokens,
         "finish_reason": c.finish_reason,
-        "stats": stats_json(&c.stats),
+        "stats": stats,
     })
 }
 
@@ -219,8 +223,9 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     if text_mode {
         println!();
         eprintln!("{}", stats_line(&c.stats));
+        eprintln!("matmul: {}", paths_summary(&loaded.matmul));
     } else {
-        println!("{}", result_json(&c));
+        println!("{}", result_json(&c, &loaded.matmul));
     }
     Ok(())
 }
@@ -255,7 +260,7 @@ fn run_batch_file(
     match args.output_format {
         OutputFormat::Jsonl | OutputFormat::Json => {
             for c in &results {
-                println!("{}", result_json(c));
+                println!("{}", result_json(c, &loaded.matmul));
             }
         }
         OutputFormat::Text => {
@@ -275,5 +280,6 @@ fn run_batch_file(
         tokens as f64 / wall,
         stats_line(&total)
     );
+    eprintln!("matmul: {}", paths_summary(&loaded.matmul));
     Ok(())
 }

@@ -5,6 +5,7 @@ mod bench;
 mod eval;
 mod generate;
 mod load;
+mod paths;
 mod progress;
 
 use std::process::ExitCode;

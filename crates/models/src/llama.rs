@@ -6,6 +6,7 @@ use dflash_runtime::Backend;
 
 use crate::config::LlamaConfig;
 use crate::error::{ModelError, Result};
+use crate::paths::{path_of, ProjectionPath};
 use crate::rows::RowTable;
 use crate::source::TensorSource;
 use crate::target::{LogitRows, RowStep, Target};
@@ -129,6 +130,29 @@ pub struct LlamaModel<B: Backend> {
 }
 
 impl<B: Backend> LlamaModel<B> {
+    /// The numeric path of each projection (layer 0 stands for every layer) and the head.
+    pub fn matmul_paths(&self) -> Vec<ProjectionPath> {
+        let b = &*self.backend;
+        let c = &self.cfg;
+        let (h, qd, kvd, ff) = (c.hidden, c.heads * c.head_dim, c.kv_dim(), c.intermediate);
+        let mut v = Vec::new();
+        if let Some(l) = self.layers.first() {
+            for (name, w, rows, cols) in [
+                ("q", &l.wq, qd, h),
+                ("k", &l.wk, kvd, h),
+                ("v", &l.wv, kvd, h),
+                ("o", &l.wo, h, qd),
+                ("gate", &l.w_gate, ff, h),
+                ("up", &l.w_up, ff, h),
+                ("down", &l.w_down, h, ff),
+            ] {
+                v.push(path_of(b, "target", name, w, rows, cols));
+            }
+        }
+        v.push(path_of(b, "target", "lm_head", &self.lm_head, c.vocab, h));
+        v
+    }
+
     /// Builds the model from `src` (named per `naming`) with shapes from `cfg`.
     pub fn load(
         backend: std::sync::Arc<B>,
