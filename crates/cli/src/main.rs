@@ -5,6 +5,7 @@ mod bench;
 mod eval;
 mod generate;
 mod load;
+mod microbench;
 mod paths;
 mod progress;
 
@@ -31,6 +32,8 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Measure drafter acceptance (tau, acceptance by block slot) over a prompt set.
     Eval(eval::EvalArgs),
+    /// Time the CPU matmul kernels alone (int8 vs f32 paths) against the machine's peaks.
+    Microbench(microbench::MicrobenchArgs),
 }
 
 fn init_logging(verbose: u8) {
@@ -55,6 +58,7 @@ fn main() -> ExitCode {
         Command::Generate(a) => generate::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Eval(a) => eval::run(a),
+        Command::Microbench(a) => microbench::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

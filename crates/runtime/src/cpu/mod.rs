@@ -9,6 +9,7 @@ pub mod int8;
 pub mod kv;
 pub mod matmul;
 pub mod ops;
+pub mod peaks;
 pub mod policy;
 pub mod pool;
 pub mod tensor;
