@@ -12,6 +12,7 @@
 //! one that fails is disabled with a warning, and products fall back to the next family, or
 //! to the f32 kernels when none is left.
 
+pub mod contract;
 pub mod pack;
 pub mod quantize;
 pub mod reference;

@@ -93,28 +93,6 @@ fn a_row_gets_the_same_bits_alone_or_in_a_verify_block() {
     }
 }
 
-/// The numeric contract against the f32 kernels. Quantizing a block with scale `dx` moves
-/// each activation by at most `dx / 2` (round to nearest; `dx = amax / 127` and the
-/// reciprocal `127 / amax` are each rounded once, hence the `2⁻²⁰` slack), so the exact
-/// products differ by at most `E = Σ_g (dx_g / 2) · Σ_{k∈g} |w_k|`. On top, both sides round
-/// in f32: at most `K · 2⁻²⁴` of `Σ |w_k| · (|x_k| + dx/2)` each (recursive summation over at
-/// most K terms). The pinned bound per output is the sum of the two; the test checks it per
-/// format and M, on random weights here and on the default model's weights in
-/// `dflash-models`'s `int8_contract` test.
-pub(crate) fn int8_bound(w_dense: &[f32], x: &[f32], q: &QuantRows, i: usize, j: usize) -> f64 {
-    let k = q.k;
-    let (mut rounding, mut magnitude) = (0f64, 0f64);
-    for g in 0..k / 32 {
-        let dx = q.d[i * (k / 32) + g] as f64;
-        for kk in g * 32..(g + 1) * 32 {
-            let aw = (w_dense[j * k + kk] as f64).abs();
-            rounding += aw * dx / 2.0;
-            magnitude += aw * ((x[i * k + kk] as f64).abs() + dx / 2.0);
-        }
-    }
-    rounding * (1.0 + 2f64.powi(-20)) + 2.0 * k as f64 * 2f64.powi(-24) * magnitude
-}
-
 #[test]
 fn int8_products_stay_within_the_rounding_bound_of_the_f32_kernels() {
     let pool = CpuPool::new(2);
@@ -132,7 +110,12 @@ fn int8_products_stay_within_the_rounding_bound_of_the_f32_kernels() {
                 for i in 0..m {
                     for j in 0..n {
                         let dev = (got[i * n + j] as f64 - f32_out[i * n + j] as f64).abs();
-                        let bound = int8_bound(&dense, &x, &q, i, j);
+                        let kb = k / 32;
+                        let bound = contract::deviation_bound(
+                            &dense[j * k..(j + 1) * k],
+                            &x[i * k..(i + 1) * k],
+                            &q.d[i * kb..(i + 1) * kb],
+                        );
                         assert!(dev <= bound, "{dtype} m={m} ({i},{j}): {dev} > {bound}");
                         worst = worst.max(dev / bound);
                     }
