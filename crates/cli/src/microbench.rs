@@ -85,7 +85,7 @@ fn parse_shape(s: &str) -> Result<(usize, usize)> {
         .trim()
         .parse()
         .with_context(|| format!("shape `{s}`: bad N"))?;
-    if k == 0 || n == 0 || k % 32 != 0 {
+    if k == 0 || n == 0 || !k.is_multiple_of(32) {
         bail!("shape `{s}`: K and N must be positive and K a multiple of 32");
     }
     Ok((k, n))

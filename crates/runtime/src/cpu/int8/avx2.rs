@@ -28,8 +28,8 @@ unsafe fn half(blk: *const u8, t: usize, h: usize) -> __m256i {
 unsafe fn dot<const VNNI: bool>(format: Int8Format, w: &[__m256i; 8], xq: *const i8) -> __m256i {
     let zero = _mm256_setzero_si256();
     let ones = _mm256_set1_epi16(1);
-    // Codes 4t..4t+4 pair with operand t (Q4: t < 4 low nibbles, t >= 4 high nibbles, whose
-    // values are 16 + 4(t − 4)...; both cases are activation offset 4t).
+    // Operand t pairs with activation codes 4t..4t+4 (Q4: t < 4 the low nibbles, values
+    // 4t..4t+4; t >= 4 the high nibbles, values 16 + 4(t − 4)..: offset 4t as well).
     if VNNI {
         let mut s0 = zero;
         let mut s1 = zero;
@@ -49,12 +49,8 @@ unsafe fn dot<const VNNI: bool>(format: Int8Format, w: &[__m256i; 8], xq: *const
         return s;
     }
     let mut p = _mm256_maddubs_epi16(w[0], bcast(xq));
-    for t in 1..4 {
-        p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[t], bcast(xq.add(4 * t))));
-    }
-    for t in 0..4 {
-        let q = _mm256_maddubs_epi16(w[t + 4], bcast(xq.add(16 + 4 * t)));
-        p = _mm256_add_epi16(p, q);
+    for (t, wt) in w.iter().enumerate().skip(1) {
+        p = _mm256_add_epi16(p, _mm256_maddubs_epi16(*wt, bcast(xq.add(4 * t))));
     }
     _mm256_madd_epi16(p, ones)
 }

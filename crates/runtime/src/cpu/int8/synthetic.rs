@@ -70,7 +70,7 @@ pub fn activations(m: usize, k: usize, seed: u64) -> Vec<f32> {
     (0..m * k)
         .map(|_| {
             let v = rng.unit();
-            if rng.next_u64() % 64 == 0 {
+            if rng.next_u64().is_multiple_of(64) {
                 8.0 * v
             } else {
                 v
