@@ -170,6 +170,15 @@ fn read_prompts(path: &Option<PathBuf>) -> Result<Vec<String>> {
     Ok(out)
 }
 
+/// Milliseconds per round (0 without rounds).
+fn per_round(seconds: f64, rounds: usize) -> f64 {
+    if rounds == 0 {
+        0.0
+    } else {
+        1e3 * seconds / rounds as f64
+    }
+}
+
 fn arm_json(name: &str, runs: &[ArmRun]) -> Value {
     let last = runs.last().cloned().unwrap_or_default();
     json!({
@@ -183,6 +192,8 @@ fn arm_json(name: &str, runs: &[ArmRun]) -> Value {
             last.stats.accepted as f64 / last.stats.rounds as f64
         } else { 0.0 },
         "acceptance_by_position": last.stats.acceptance_by_position(),
+        "draft_ms_per_round": per_round(last.stats.draft_s, last.stats.rounds),
+        "verify_ms_per_round": per_round(last.stats.verify_s, last.stats.rounds),
     })
 }
 
