@@ -6,10 +6,10 @@
 #
 #   bash tools/gpu_check.sh --build
 #
-# builds `cargo test -p dflash-runtime --features cuda --no-run`, copies the cuda_ops test
-# executable (stripped) to .gpu/cuda_ops and makes sure .git/info/exclude ignores /.gpu/.
-# Any other prebuilt test executable put in .gpu/ is run too (e.g. a model-level test built
-# with the cuda feature; carry the model files it needs in .gpu/ as well and point it at them).
+# builds `cargo test -p dflash-runtime --features cuda --no-run`, copies the CUDA test
+# executables (cuda_ops, cuda_fused; stripped) to .gpu/tests/ and makes sure
+# .git/info/exclude ignores /.gpu/. Any other prebuilt test executable put in .gpu/tests/ is
+# run too (e.g. an engine test built with the cuda feature).
 # Then, with the device tool:
 #
 #   run  command: "bash tools/gpu_check.sh"   carry: [".gpu"]
@@ -28,25 +28,25 @@ cd "$(dirname "$0")/.."
 
 if [ "${1:-}" = "--build" ]; then
     set -e
-    exe=$(cargo test -p dflash-runtime --features cuda --no-run --message-format=json \
+    mkdir -p .gpu/tests
+    cargo test --release -p dflash-runtime --features cuda --no-run --message-format=json \
         | python3 -c '
-import json, sys
+import json, shutil, sys
 for line in sys.stdin:
     try:
         m = json.loads(line)
     except ValueError:
         continue
-    if m.get("reason") == "compiler-artifact" and m.get("target", {}).get("name") == "cuda_ops" \
+    name = m.get("target", {}).get("name", "")
+    if m.get("reason") == "compiler-artifact" and name.startswith("cuda_") \
             and m.get("profile", {}).get("test") and m.get("executable"):
-        print(m["executable"])
-' | tail -n 1)
-    [ -n "$exe" ] || { echo "could not find the cuda_ops test executable" >&2; exit 1; }
-    mkdir -p .gpu
-    cp "$exe" .gpu/cuda_ops
-    strip .gpu/cuda_ops 2>/dev/null || true
+        shutil.copy(m["executable"], ".gpu/tests/" + name)
+        print("built", name)
+'
+    strip .gpu/tests/* 2>/dev/null || true
     mkdir -p .git/info
     grep -qxF '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
-    ls -la .gpu
+    ls -la .gpu/tests
     echo "built: carry [\".gpu\"] and run: bash tools/gpu_check.sh"
     exit 0
 fi
@@ -57,34 +57,8 @@ log="$out/gpu_check.log"
 : > "$log"
 say() { echo "$@" | tee -a "$log"; }
 
-# --- CUDA locations -----------------------------------------------------------------------
-if [ -z "${CUDA_HOME:-}" ]; then
-    for d in /usr/local/cuda /usr/local/cuda-13.0 /usr/local/cuda-13 /opt/cuda; do
-        if [ -d "$d/include" ]; then export CUDA_HOME="$d"; break; fi
-    done
-fi
-libdirs=()
-[ -n "${CUDA_HOME:-}" ] && libdirs+=("$CUDA_HOME/lib64" "$CUDA_HOME/lib")
-# pip wheels (nvidia-cuda-nvrtc, nvidia-cublas: nvidia/cu13/lib, or nvidia/<name>/lib)
-while IFS= read -r d; do libdirs+=("$d"); done < <(python3 - 2>/dev/null <<'EOF'
-import glob, os, site
-roots = set(site.getsitepackages() + [site.getusersitepackages()])
-for r in sorted(roots):
-    for d in sorted(glob.glob(os.path.join(r, "nvidia", "*", "lib"))):
-        print(d)
-EOF
-)
-have_lib() { ldconfig -p 2>/dev/null | grep -q "$1"; }
-for lib in libnvrtc.so.13 libcublas.so.13; do
-    if ! have_lib "$lib"; then
-        for d in "${libdirs[@]}"; do
-            if [ -e "$d/$lib" ]; then
-                case ":${LD_LIBRARY_PATH:-}:" in *":$d:"*) ;; *) export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ;; esac
-                break
-            fi
-        done
-    fi
-done
+# shellcheck source=tools/cuda_env.sh
+source "$(dirname "$0")/cuda_env.sh"
 export DFLASH_CACHE_DIR="${DFLASH_CACHE_DIR:-/tmp/dflash-cache}"
 export RUST_BACKTRACE=1
 
@@ -102,14 +76,14 @@ for lib in libcuda.so.1 libnvrtc.so.13 libcublas.so.13; do
 done
 
 bins=()
-for f in .gpu/*; do
+for f in .gpu/tests/*; do
     [ -f "$f" ] || continue
     case "$f" in *.d|*.json|*.txt|*.gguf|*.safetensors) continue ;; esac
     chmod +x "$f" 2>/dev/null
     [ -x "$f" ] && bins+=("$f")
 done
 if [ ${#bins[@]} -eq 0 ]; then
-    say "no test executables in .gpu/: build them with 'bash tools/gpu_check.sh --build' and carry .gpu"
+    say "no test executables in .gpu/tests/: build them with 'bash tools/gpu_check.sh --build' and carry .gpu"
     exit 2
 fi
 

@@ -17,6 +17,8 @@ use dflash_models::tokenizer::TextTokenizer;
 use serde_json::{json, Value};
 
 use crate::args::{BatchAccept, DraftArgs, ModelArgs};
+#[cfg(feature = "cuda")]
+use crate::load::DeviceTarget;
 use crate::load::{chat_ids, decoder, drafter_dir, load_target, Loaded};
 use crate::paths::paths_json;
 
@@ -108,6 +110,41 @@ fn plain_run(decoder: &mut dyn Decoder, prompt: &[u32], gen: usize) -> Result<(f
         prompt.len() as f64 / prefill,
         (produced - 1) as f64 / decode,
     ))
+}
+
+/// GPU time per decode step by kernel class (CUDA events around every launch; graphs are
+/// off while profiling, so the sum is kernel time without the launch gaps a graph removes):
+/// one prefill of `prompt`, then `gen` profiled steps.
+#[cfg(feature = "cuda")]
+fn kernel_split(
+    decoder: &mut dyn Decoder,
+    backend: &dflash_runtime::cuda::CudaBackend,
+    prompt: &[u32],
+    gen: usize,
+) -> Result<Value> {
+    let capacity = prompt.len() + gen + decoder.lookahead() + 1;
+    let (row, _) = decoder.start_row(prompt, capacity, &SamplingParams::greedy())?;
+    backend.set_profiling(true);
+    let mut out = Vec::new();
+    for _ in 1..gen {
+        out.clear();
+        decoder.step(&mut out)?;
+    }
+    let prof = backend.take_profile();
+    backend.set_profiling(false);
+    decoder.finish_row(row);
+    let steps = (gen - 1).max(1) as f64;
+    let total: f64 = prof.iter().map(|c| c.ms).sum();
+    Ok(json!({
+        "steps": gen - 1,
+        "kernel_us_per_step": 1000.0 * total / steps,
+        "classes": prof.iter().map(|c| json!({
+            "class": c.class,
+            "us_per_step": 1000.0 * c.ms / steps,
+            "launches_per_step": c.launches as f64 / steps,
+            "share": c.ms / total.max(f64::MIN_POSITIVE),
+        })).collect::<Vec<_>>(),
+    }))
 }
 
 /// One arm's measurement over a prompt set.
@@ -205,6 +242,11 @@ pub fn run(args: BenchArgs) -> Result<()> {
         bail!("--batch must be at least 1");
     }
     let probe = load_target(&args.model)?;
+    #[cfg(feature = "cuda")]
+    let cuda = match &probe.target {
+        DeviceTarget::Cuda(b, _) => Some(b.clone()),
+        DeviceTarget::Cpu(..) => None,
+    };
     let drafter = drafter_dir(&args.draft, &probe)?;
     let mut plain_args = args.draft.clone();
     plain_args.no_draft = true;
@@ -248,6 +290,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
         "matmul": paths_json(&plain.matmul),
     });
     let mut matmul = plain.matmul.clone();
+    #[cfg(feature = "cuda")]
+    if let Some(b) = &cuda {
+        let split = kernel_split(plain.decoder.as_mut(), b, &prompt, args.gen_tokens)?;
+        report["graphs"] = json!(b.graphs_enabled());
+        report["kernel_split"] = split;
+    }
     let mut table = vec![format!(
         "| {} | {} | pp{} {:.1} tok/s | tg{} {:.1} tok/s |",
         plain.name,
@@ -257,6 +305,24 @@ pub fn run(args: BenchArgs) -> Result<()> {
         args.gen_tokens,
         report["decode_tok_per_s"].as_f64().unwrap_or(0.0)
     )];
+
+    if let Some(split) = report.get("kernel_split") {
+        let classes = split["classes"].as_array().cloned().unwrap_or_default();
+        table.push(format!(
+            "| kernel time per decode step {:.1} us | {} |",
+            split["kernel_us_per_step"].as_f64().unwrap_or(0.0),
+            classes
+                .iter()
+                .map(|c| format!(
+                    "{} {:.1} us ({:.1} launches)",
+                    c["class"].as_str().unwrap_or("?"),
+                    c["us_per_step"].as_f64().unwrap_or(0.0),
+                    c["launches_per_step"].as_f64().unwrap_or(0.0)
+                ))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
 
     if let Some(dir) = drafter {
         let texts = read_prompts(&args.prompts)?;

@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use dflash_runtime::backend::{AttnShape, RopeStyle, TokenMeta, WeightRole};
+use dflash_runtime::backend::{AttnShape, GraphKey, RopeStyle, TokenMeta, WeightRole};
 use dflash_runtime::Backend;
 use serde_json::Value;
 
@@ -245,7 +245,16 @@ pub struct DflashDrafter<B: Backend> {
     ids: Vec<u32>,
     meta: Vec<TokenMeta>,
     sel_rows: Vec<u32>,
+    /// Step inputs of `extend` and `draft` (each keeps its own device buffer).
+    ctx_step: B::Step,
+    draft_step: B::Step,
+    /// Names of this drafter's captured graphs (context extension, drafting).
+    graph_owner: [u64; 2],
 }
+
+/// Longest context extension replayed from a captured graph (a round commits at most a
+/// block per row); longer ones (prompt chunks) run eagerly.
+const GRAPH_MAX_TOKENS: usize = 256;
 
 /// Finds a tensor under its published name, or the aliases some exports use.
 fn resolve(src: &dyn TensorSource, name: &str) -> String {
@@ -358,6 +367,9 @@ impl<B: Backend> DflashDrafter<B> {
             ids: Vec::new(),
             meta: Vec::new(),
             sel_rows: Vec::new(),
+            ctx_step: b.step_new(),
+            draft_step: b.step_new(),
+            graph_owner: [b.graph_owner(), b.graph_owner()],
             backend,
             cfg,
         })
@@ -434,28 +446,54 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
         }
         let backend = self.backend.clone();
         let b = &*backend;
-        let meta = b.upload_meta(&self.meta);
+        let ids = vec![0u32; total];
+        b.step_upload(&mut self.ctx_step, &self.meta, &ids, tap_rows);
         let eps = self.cfg.rms_eps;
+        let (h, kvd) = (self.cfg.hidden, self.cfg.kv_heads * self.cfg.head_dim);
+        let taps_width = self.cfg.target_layer_ids.len() * h;
+        let key = GraphKey {
+            owner: self.graph_owner[0],
+            tokens: total,
+            rows: 0,
+            variant: taps as *const B::Tensor as usize as u64,
+        };
         b.run(|| {
             let ws = &mut self.ws;
-            b.gather_rows(taps, tap_rows, &mut ws.feat);
-            b.matmul(&ws.feat, &self.fc, &mut ws.ctx);
-            b.rms_norm(&mut ws.ctx, &self.hidden_norm, eps, false, None);
-            for (li, layer) in self.layers.iter().enumerate() {
-                b.matmul_many(
-                    &ws.ctx,
-                    &[&layer.wk, &layer.wv],
-                    &mut [&mut ws.k, &mut ws.v],
-                );
-                b.rms_norm(&mut ws.k, &layer.k_norm, eps, false, None);
-                b.rope(
-                    &mut ws.k,
-                    &meta,
-                    &self.inv_freq,
-                    self.cfg.head_dim,
-                    RopeStyle::Neox,
-                );
-                b.kv_write(&mut self.kv, li, &ws.k, &ws.v, &meta);
+            for (t, cols) in [
+                (&mut ws.feat, taps_width),
+                (&mut ws.ctx, h),
+                (&mut ws.k, kvd),
+                (&mut ws.v, kvd),
+            ] {
+                b.reshape(t, total, cols);
+            }
+            let mut work = || {
+                let ws = &mut self.ws;
+                let meta = b.step_meta(&self.ctx_step);
+                b.gather_step(taps, &self.ctx_step, &mut ws.feat);
+                b.matmul(&ws.feat, &self.fc, &mut ws.ctx);
+                b.rms_norm(&mut ws.ctx, &self.hidden_norm, eps, false, None);
+                for (li, layer) in self.layers.iter().enumerate() {
+                    b.matmul_many(
+                        &ws.ctx,
+                        &[&layer.wk, &layer.wv],
+                        &mut [&mut ws.k, &mut ws.v],
+                    );
+                    b.rms_norm(&mut ws.k, &layer.k_norm, eps, false, None);
+                    b.rope(
+                        &mut ws.k,
+                        meta,
+                        &self.inv_freq,
+                        self.cfg.head_dim,
+                        RopeStyle::Neox,
+                    );
+                    b.kv_write(&mut self.kv, li, &ws.k, &ws.v, meta);
+                }
+            };
+            if total <= GRAPH_MAX_TOKENS {
+                b.graph(key, &mut work);
+            } else {
+                work();
             }
         });
         for &(row, n) in rows {
@@ -504,43 +542,85 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
         }
         let backend = self.backend.clone();
         let b = &*backend;
-        let meta = b.upload_meta(&self.meta);
+        b.step_upload(&mut self.draft_step, &self.meta, &self.ids, &self.sel_rows);
         let shape = self.shape();
         let eps = self.cfg.rms_eps;
         let hd = self.cfg.head_dim;
+        let cfg = &self.cfg;
+        let (t, s) = (self.ids.len(), self.sel_rows.len());
+        let (h, qd, kvd) = (cfg.hidden, cfg.heads * hd, cfg.kv_heads * hd);
+        // The graph holds the embedding and head weights it was captured with: the key names
+        // them (a drafter drafts for one target, whose weights stay where they are).
+        let variant = (embed as *const B::Weight as usize as u64)
+            ^ (lm_head as *const B::Weight as usize as u64).rotate_left(32);
+        let key = GraphKey {
+            owner: self.graph_owner[1],
+            tokens: t,
+            rows: s,
+            variant,
+        };
+        let vocab = b.shape(&self.ws.logits).1;
         b.run(|| {
             let ws = &mut self.ws;
-            b.embed(embed, &self.ids, &mut ws.x);
-            for (li, layer) in self.layers.iter().enumerate() {
-                b.rms_norm(&mut ws.x, &layer.input_norm, eps, false, Some(&mut ws.h));
-                b.matmul_many(
-                    &ws.h,
-                    &[&layer.wq, &layer.wk, &layer.wv],
-                    &mut [&mut ws.q, &mut ws.k, &mut ws.v],
-                );
-                b.rms_norm(&mut ws.q, &layer.q_norm, eps, false, None);
-                b.rms_norm(&mut ws.k, &layer.k_norm, eps, false, None);
-                b.rope(&mut ws.q, &meta, &self.inv_freq, hd, RopeStyle::Neox);
-                b.rope(&mut ws.k, &meta, &self.inv_freq, hd, RopeStyle::Neox);
-                // Block K/V go just past the committed context; the context length is not
-                // advanced, so the next call overwrites them.
-                b.kv_write(&mut self.kv, li, &ws.k, &ws.v, &meta);
-                b.attention(&ws.q, &self.kv, li, &meta, shape, &mut ws.att);
-                b.matmul(&ws.att, &layer.wo, &mut ws.o);
-                b.add(&mut ws.x, &ws.o);
-                b.rms_norm(&mut ws.x, &layer.post_norm, eps, false, Some(&mut ws.h));
-                b.matmul_many(
-                    &ws.h,
-                    &[&layer.w_gate, &layer.w_up],
-                    &mut [&mut ws.gate, &mut ws.up],
-                );
-                b.silu_mul(&mut ws.gate, &ws.up);
-                b.matmul(&ws.gate, &layer.w_down, &mut ws.o);
-                b.add(&mut ws.x, &ws.o);
+            for (x, cols) in [
+                (&mut ws.x, h),
+                (&mut ws.h, h),
+                (&mut ws.q, qd),
+                (&mut ws.k, kvd),
+                (&mut ws.v, kvd),
+                (&mut ws.att, qd),
+                (&mut ws.o, h),
+                (&mut ws.gate, cfg.intermediate),
+                (&mut ws.up, cfg.intermediate),
+            ] {
+                b.reshape(x, t, cols);
             }
-            b.gather_rows(&ws.x, &self.sel_rows, &mut ws.sel);
-            b.rms_norm(&mut ws.sel, &self.norm, eps, false, None);
-            b.matmul(&ws.sel, lm_head, &mut ws.logits);
+            b.reshape(&mut ws.sel, s, h);
+            // The head's width is known once it has run; a first call shapes it itself.
+            if vocab > 0 {
+                b.reshape(&mut ws.logits, s, vocab);
+            }
+            let mut work = || {
+                let ws = &mut self.ws;
+                let meta = b.step_meta(&self.draft_step);
+                b.embed_step(embed, &self.draft_step, &mut ws.x);
+                for (li, layer) in self.layers.iter().enumerate() {
+                    b.rms_norm(&mut ws.x, &layer.input_norm, eps, false, Some(&mut ws.h));
+                    b.matmul_many(
+                        &ws.h,
+                        &[&layer.wq, &layer.wk, &layer.wv],
+                        &mut [&mut ws.q, &mut ws.k, &mut ws.v],
+                    );
+                    b.rms_norm(&mut ws.q, &layer.q_norm, eps, false, None);
+                    b.rms_norm(&mut ws.k, &layer.k_norm, eps, false, None);
+                    // Block K/V go just past the committed context; the context length is
+                    // not advanced, so the next call overwrites them.
+                    b.rope_kv_write(
+                        &mut ws.q,
+                        &mut ws.k,
+                        &ws.v,
+                        &mut self.kv,
+                        li,
+                        meta,
+                        &self.inv_freq,
+                        hd,
+                        RopeStyle::Neox,
+                    );
+                    b.attention(&ws.q, &self.kv, li, meta, shape, &mut ws.att);
+                    b.matmul_add(&ws.att, &layer.wo, &mut ws.x, &mut ws.o);
+                    b.rms_norm(&mut ws.x, &layer.post_norm, eps, false, Some(&mut ws.h));
+                    b.matmul_swiglu(&ws.h, &layer.w_gate, &layer.w_up, &mut ws.gate, &mut ws.up);
+                    b.matmul_add(&ws.gate, &layer.w_down, &mut ws.x, &mut ws.o);
+                }
+                b.gather_step(&ws.x, &self.draft_step, &mut ws.sel);
+                b.rms_norm(&mut ws.sel, &self.norm, eps, false, None);
+                b.matmul(&ws.sel, lm_head, &mut ws.logits);
+            };
+            if t <= GRAPH_MAX_TOKENS {
+                b.graph(key, &mut work);
+            } else {
+                work();
+            }
         });
         Ok(())
     }

@@ -1,7 +1,7 @@
 //! Llama-family decoder (Llama, SmolLM2, Qwen2 with qkv bias, Qwen3 with q/k norm) on any
 //! backend, batched over rows with their own positions and KV lengths.
 
-use dflash_runtime::backend::{AttnShape, TokenMeta, WeightRole};
+use dflash_runtime::backend::{AttnShape, GraphKey, TokenMeta, WeightRole};
 use dflash_runtime::Backend;
 
 use crate::config::LlamaConfig;
@@ -10,6 +10,10 @@ use crate::paths::{path_of, ProjectionPath};
 use crate::rows::RowTable;
 use crate::source::TensorSource;
 use crate::target::{LogitRows, RowStep, Target};
+
+/// Steps of at most this many tokens (decode, verify blocks, batched decode) may be replayed
+/// from captured graphs; longer ones (prompt chunks, whose lengths vary) run eagerly.
+const GRAPH_MAX_TOKENS: usize = 256;
 
 /// How the tensors of a source are named.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -127,6 +131,12 @@ pub struct LlamaModel<B: Backend> {
     ids: Vec<u32>,
     meta: Vec<TokenMeta>,
     sel_rows: Vec<u32>,
+    /// The step inputs on the device (metadata, ids, selected rows).
+    step: B::Step,
+    /// This model's name for its captured step graphs.
+    graph_owner: u64,
+    /// Bumped when the tapped layers change (the step then launches other copies).
+    tap_gen: u64,
 }
 
 impl<B: Backend> LlamaModel<B> {
@@ -233,6 +243,7 @@ impl<B: Backend> LlamaModel<B> {
             logits: b.tensor(0, cfg.vocab),
             taps: b.tensor(0, 0),
         };
+        let (step, graph_owner) = (b.step_new(), b.graph_owner());
         Ok(Self {
             backend,
             cfg,
@@ -248,6 +259,9 @@ impl<B: Backend> LlamaModel<B> {
             ids: Vec::new(),
             meta: Vec::new(),
             sel_rows: Vec::new(),
+            step,
+            graph_owner,
+            tap_gen: 0,
         })
     }
 
@@ -296,11 +310,51 @@ impl<B: Backend> LlamaModel<B> {
         Ok(())
     }
 
-    fn run_layers(&mut self, meta: &B::Meta) {
+    /// Sets every workspace tensor to its shape for a step of `t` tokens and `s` logit rows,
+    /// before the step's device work (which a graph replay runs without host code).
+    fn shape_workspace(&mut self, t: usize, s: usize) {
         let b = &*self.backend;
         let cfg = &self.cfg;
         let ws = &mut self.ws;
-        let t = self.ids.len();
+        let (h, qd, kvd) = (cfg.hidden, cfg.heads * cfg.head_dim, cfg.kv_dim());
+        for (x, cols) in [
+            (&mut ws.x, h),
+            (&mut ws.h, h),
+            (&mut ws.q, qd),
+            (&mut ws.k, kvd),
+            (&mut ws.v, kvd),
+            (&mut ws.att, qd),
+            (&mut ws.o, h),
+            (&mut ws.gate, cfg.intermediate),
+            (&mut ws.up, cfg.intermediate),
+            (&mut ws.taps, h * self.tap_layers.len()),
+        ] {
+            b.reshape(x, t, cols);
+        }
+        b.reshape(&mut ws.sel, s, h);
+        b.reshape(&mut ws.logits, s, cfg.vocab);
+    }
+
+    /// The step's device work: embedding, layers, final norm and output head of the
+    /// selected rows. Reads its inputs from `self.step` only (see [`Backend::graph`]).
+    fn device_step(&mut self) {
+        let backend = self.backend.clone();
+        let b = &*backend;
+        b.embed_step(&self.embed, &self.step, &mut self.ws.x);
+        self.run_layers();
+        let ws = &mut self.ws;
+        if b.shape(&ws.sel).0 > 0 {
+            b.gather_step(&ws.x, &self.step, &mut ws.sel);
+            b.rms_norm(&mut ws.sel, &self.norm, self.cfg.rms_eps, false, None);
+            b.matmul(&ws.sel, &self.lm_head, &mut ws.logits);
+        }
+    }
+
+    fn run_layers(&mut self) {
+        let b = &*self.backend;
+        let cfg = &self.cfg;
+        let ws = &mut self.ws;
+        let meta = b.step_meta(&self.step);
         let shape = AttnShape {
             n_heads: cfg.heads,
             n_kv_heads: cfg.kv_heads,
@@ -308,7 +362,6 @@ impl<B: Backend> LlamaModel<B> {
             scale: 1.0 / (cfg.head_dim as f32).sqrt(),
         };
         let hidden = cfg.hidden;
-        b.reshape(&mut ws.taps, t, hidden * self.tap_layers.len());
         for (li, layer) in self.layers.iter().enumerate() {
             b.rms_norm(
                 &mut ws.x,
@@ -331,24 +384,19 @@ impl<B: Backend> LlamaModel<B> {
                 b.rms_norm(&mut ws.q, qn, cfg.rms_eps, false, None);
                 b.rms_norm(&mut ws.k, kn, cfg.rms_eps, false, None);
             }
-            b.rope(
+            b.rope_kv_write(
                 &mut ws.q,
-                meta,
-                &self.inv_freq,
-                cfg.head_dim,
-                cfg.rope_style,
-            );
-            b.rope(
                 &mut ws.k,
+                &ws.v,
+                &mut self.kv,
+                li,
                 meta,
                 &self.inv_freq,
                 cfg.head_dim,
                 cfg.rope_style,
             );
-            b.kv_write(&mut self.kv, li, &ws.k, &ws.v, meta);
             b.attention(&ws.q, &self.kv, li, meta, shape, &mut ws.att);
-            b.matmul(&ws.att, &layer.wo, &mut ws.o);
-            b.add(&mut ws.x, &ws.o);
+            b.matmul_add(&ws.att, &layer.wo, &mut ws.x, &mut ws.o);
             b.rms_norm(
                 &mut ws.x,
                 &layer.ffn_norm,
@@ -356,14 +404,8 @@ impl<B: Backend> LlamaModel<B> {
                 false,
                 Some(&mut ws.h),
             );
-            b.matmul_many(
-                &ws.h,
-                &[&layer.w_gate, &layer.w_up],
-                &mut [&mut ws.gate, &mut ws.up],
-            );
-            b.silu_mul(&mut ws.gate, &ws.up);
-            b.matmul(&ws.gate, &layer.w_down, &mut ws.o);
-            b.add(&mut ws.x, &ws.o);
+            b.matmul_swiglu(&ws.h, &layer.w_gate, &layer.w_up, &mut ws.gate, &mut ws.up);
+            b.matmul_add(&ws.gate, &layer.w_down, &mut ws.x, &mut ws.o);
             for (slot, _) in self.tap_layers.iter().enumerate().filter(|(_, &l)| l == li) {
                 b.copy_columns(&ws.x, &mut ws.taps, slot * hidden);
             }
@@ -430,6 +472,7 @@ impl<B: Backend> Target for LlamaModel<B> {
             )));
         }
         self.tap_layers = layers.to_vec();
+        self.tap_gen += 1;
         Ok(())
     }
 
@@ -440,17 +483,19 @@ impl<B: Backend> Target for LlamaModel<B> {
         }
         let backend = self.backend.clone();
         let b = &*backend;
-        let meta = b.upload_meta(&self.meta);
+        b.step_upload(&mut self.step, &self.meta, &self.ids, &self.sel_rows);
+        let key = GraphKey {
+            owner: self.graph_owner,
+            tokens: self.ids.len(),
+            rows: self.sel_rows.len(),
+            variant: self.tap_gen,
+        };
         b.run(|| {
-            b.embed(&self.embed, &self.ids, &mut self.ws.x);
-            self.run_layers(&meta);
-            let ws = &mut self.ws;
-            b.gather_rows(&ws.x, &self.sel_rows, &mut ws.sel);
-            if !self.sel_rows.is_empty() {
-                b.rms_norm(&mut ws.sel, &self.norm, self.cfg.rms_eps, false, None);
-                b.matmul(&ws.sel, &self.lm_head, &mut ws.logits);
+            self.shape_workspace(key.tokens, key.rows);
+            if key.tokens <= GRAPH_MAX_TOKENS {
+                b.graph(key, &mut || self.device_step());
             } else {
-                b.reshape(&mut ws.logits, 0, self.cfg.vocab);
+                self.device_step();
             }
         });
         for s in steps {

@@ -25,6 +25,9 @@ pub struct SyntheticSpec {
     pub dtype: DType,
     pub tied_embeddings: bool,
     pub seed: u64,
+    /// Vocabulary size: the synthetic tokenizer's tokens padded with unused control tokens
+    /// up to this size (0: no padding), for output heads of real models' shapes.
+    pub vocab_size: usize,
 }
 
 impl SyntheticSpec {
@@ -42,6 +45,27 @@ impl SyntheticSpec {
             dtype: DType::Q8_0,
             tied_embeddings: true,
             seed: 1,
+            vocab_size: 0,
+        }
+    }
+
+    /// Qwen3-4B's shapes (36 layers, hidden 2560, 32 query / 8 KV heads of 128, FFN 9728,
+    /// vocabulary 151936, tied embeddings, q/k norms), context 8192, random weights stored as
+    /// `dtype`: a target whose decode is bound by weight bytes, for benchmarks.
+    pub fn qwen3_4b(dtype: DType) -> Self {
+        Self {
+            arch: Arch::Qwen3,
+            hidden: 2560,
+            layers: 36,
+            heads: 32,
+            kv_heads: 8,
+            head_dim: 128,
+            intermediate: 9728,
+            context_length: 8192,
+            dtype,
+            tied_embeddings: true,
+            seed: 4,
+            vocab_size: 151_936,
         }
     }
 }
@@ -106,10 +130,46 @@ fn encode(dtype: DType, values: &[f32], cols: usize) -> Vec<u8> {
     out
 }
 
+/// A `rows x cols` matrix of values uniform in `[-scale, scale)`, stored as `dtype`: made
+/// in chunks of rows, each from its own generator seeded by (`seed`, chunk), on all cores
+/// (the values depend on the seed only, not on the number of threads).
+fn random_encoded(seed: u64, dtype: DType, rows: usize, cols: usize, scale: f32) -> Vec<u8> {
+    const CHUNK_ROWS: usize = 256;
+    let chunks = rows.div_ceil(CHUNK_ROWS);
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(chunks.max(1));
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let parts = std::sync::Mutex::new(Vec::with_capacity(chunks));
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| loop {
+                let c = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if c >= chunks {
+                    break;
+                }
+                let mut rng = rand::rngs::StdRng::seed_from_u64(
+                    seed ^ (c as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15),
+                );
+                let n = CHUNK_ROWS.min(rows - c * CHUNK_ROWS);
+                let bytes = encode(dtype, &random_matrix(&mut rng, n, cols, scale), cols);
+                parts.lock().expect("parts lock").push((c, bytes));
+            });
+        }
+    });
+    let mut parts = parts.into_inner().expect("parts lock");
+    parts.sort_by_key(|p| p.0);
+    parts.into_iter().flat_map(|p| p.1).collect()
+}
+
 /// The GGUF bytes of a random model with `spec`'s shapes.
 pub fn synthetic_gguf(spec: &SyntheticSpec) -> Vec<u8> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(spec.seed);
-    let (tokens, types, merges) = vocab();
+    let (mut tokens, mut types, merges) = vocab();
+    for i in tokens.len()..spec.vocab_size {
+        tokens.push(format!("<|unused_{i}|>"));
+        types.push(3);
+    }
     let vocab_len = tokens.len();
     let arch = match spec.arch {
         Arch::Llama => "llama",
@@ -176,13 +236,8 @@ pub fn synthetic_gguf(spec: &SyntheticSpec) -> Vec<u8> {
     let f32_id = DType::F32.ggml_id();
     let dt = spec.dtype;
     let mut matrix = |w: &mut GgufWriter, name: &str, rows: usize, cols: usize, scale: f32| {
-        let m = random_matrix(&mut rng, rows, cols, scale);
-        w.tensor(
-            name,
-            &[cols as u64, rows as u64],
-            dt.ggml_id(),
-            encode(dt, &m, cols),
-        );
+        let bytes = random_encoded(rng.random(), dt, rows, cols, scale);
+        w.tensor(name, &[cols as u64, rows as u64], dt.ggml_id(), bytes);
     };
     matrix(&mut w, "token_embd.weight", vocab_len, h, 1.0);
     if !spec.tied_embeddings {

@@ -1,128 +1,278 @@
 // dflash-rs CUDA kernels: softmax attention of each token's query heads over its own row's
-// KV slice kv_start..kv_end (grouped-query: q head h reads kv head h / (n_heads/n_kv_heads)).
+// KV slice kv_start..kv_end, split over the key length (flash-decoding).
 #include "common.cu"
 
-// Block per (token, q head), ATT_WARPS warps. The visible keys are cut into tiles of 32 at
-// fixed offsets from kv_start; warp w takes tiles w, w + ATT_WARPS, ... and keeps an online
-// softmax state (running max m, running sum l, unnormalised output acc). For a tile:
-//   1. lane j scores key (tile start + j): dot(q, k) walked in order with fma, times scale;
-//   2. the tile max and the sum of exp(score - new max) use the fixed warp trees;
-//   3. acc (lanes over head dimensions) is rescaled, then the 32 keys' values are added in
-//      key order with fma.
-// At the end the warps' states are merged in warp order. Every step depends only on the
-// token's q, its KV slice and the constants here, never on the other tokens of the batch, so
-// a token gets the same output alone (decode) or in a block (verify). Long contexts need no
-// scratch: the state is O(head_dim) per warp.
-#define ATT_WARPS 4
-#define ATT_MAX_HD 256
-#define ATT_PER_LANE (ATT_MAX_HD / 32)
+// Keys are cut into tiles of 32 at fixed offsets from kv_start; a token with `ntiles` tiles
+// has its tiles grouped into nsplit <= ATT_MAX_SPLITS contiguous splits of `tps` tiles
+// (tps = ceil(ntiles / ATT_MAX_SPLITS)). Everything below depends on the token's own
+// (q, KV slice, kv length) only, never on the other tokens of the batch, so a token gets the
+// same output alone (decode), in a verify block, or next to other rows.
+//
+// attention_split: a block per (token, KV head, split), ATT_WARPS warps. The G query heads
+// of the KV head's group share every K and V load. Warp w takes tiles w, w + ATT_WARPS, ... of
+// the split and keeps, per query head, an online softmax state (running max m, running sum
+// l, unnormalised output acc over head dimensions, lanes owning dimensions lane + 32 i):
+//   1. lane j scores key (tile start + j) for each of the G heads: dot(q, k) walked in
+//      dimension order with fma (four dimensions per 16-byte load), times scale;
+//   2. per head, the tile max and the sum of exp(score - new max) use the fixed warp trees;
+//   3. acc is rescaled, then the tile's values are added in key order with fma.
+// The warps' states are merged in warp order and the split's (m, l, acc) is written out.
+//
+// attention_merge: a block per (token, query head) combines the token's splits in split
+// order: m* = max m_s, f_s = exp(m_s - m*), out = (sum acc_s f_s) / (sum l_s f_s).
 
-extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
-    attention_f32(const float* __restrict__ q, const u32* __restrict__ meta, const RowDesc* __restrict__ rows,
-                  int layer, int T, int n_heads, int n_kv_heads, int head_dim, int kv_dim, float scale,
-                  float* __restrict__ out) {
-    __shared__ float qs[ATT_MAX_HD];
-    __shared__ float st_m[ATT_WARPS];
-    __shared__ float st_l[ATT_WARPS];
-    __shared__ float st_acc[ATT_WARPS][ATT_MAX_HD];
+#define ATT_WARPS 4
+#define ATT_MAX_SPLITS 16
+#define ATT_MAX_GHD 1024  // query heads per group x head_dim
+
+struct AttParams {
+    u64 q;        // [T, n_heads * head_dim]
+    u64 meta;     // [T][4] u32: row, pos, kv_start, kv_end
+    u64 rows;     // RowDesc per KV row
+    u64 part;     // [T][n_heads][ATT_MAX_SPLITS][2 + head_dim] f32 partial states
+    u64 out;      // [T, n_heads * head_dim]
+    int layer;
+    int t;
+    int n_heads;
+    int n_kv_heads;
+    int head_dim;
+    int kv_dim;
+    float scale;
+    int pad;
+};
+
+// Splits of a token with `len` visible keys, and tiles per split.
+__device__ __forceinline__ void att_splits(int len, int* nsplit, int* tps) {
+    const int ntiles = (len + 31) >> 5;
+    const int per = (ntiles + ATT_MAX_SPLITS - 1) / ATT_MAX_SPLITS;
+    *tps = per;
+    *nsplit = per > 0 ? (ntiles + per - 1) / per : 0;
+}
+
+__device__ __forceinline__ float* att_part(const AttParams& p, int t, int h, int s) {
+    return (float*)p.part + (((size_t)t * p.n_heads + h) * ATT_MAX_SPLITS + s) * (size_t)(2 + p.head_dim);
+}
+
+// PER = dimensions per lane (head_dim <= 32 * PER), GM = most query heads per KV head.
+template <int PER, int GM>
+__device__ __forceinline__ void attention_split_body(const AttParams& p) {
+    __shared__ float qs[GM * 32 * PER];
+    __shared__ float st_m[ATT_WARPS][GM];
+    __shared__ float st_l[ATT_WARPS][GM];
+    __shared__ float st_acc[ATT_WARPS][GM * 32 * PER];
 
     const int t = blockIdx.x;
-    const int h = blockIdx.y;
-    if (t >= T || h >= n_heads) return;
+    const int kvh = blockIdx.y;
+    const int sp = blockIdx.z;
+    const int hd = p.head_dim;
+    const int G = p.n_heads / p.n_kv_heads;
+    const u32* meta = (const u32*)p.meta + 4 * t;
+    const int start = (int)meta[2];
+    const int end = (int)meta[3];
+    int nsplit, tps;
+    att_splits(end > start ? end - start : 0, &nsplit, &tps);
+    if (sp >= nsplit) return;  // the whole block leaves
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
-    const int q_cols = n_heads * head_dim;
-    const int kvh = h / (n_heads / n_kv_heads);
 
-    const u32 row = meta[4 * t + 0];
-    const int start = (int)meta[4 * t + 2];
-    const int end = (int)meta[4 * t + 3];
-    const RowDesc rd = rows[row];
-    const float* kb = (const float*)rd.base + (size_t)(2 * layer) * rd.cap * kv_dim + (size_t)kvh * head_dim;
-    const float* vb = (const float*)rd.base + (size_t)(2 * layer + 1) * rd.cap * kv_dim + (size_t)kvh * head_dim;
+    const RowDesc rd = ((const RowDesc*)p.rows)[meta[0]];
+    const float* kb = (const float*)rd.base + (size_t)(2 * p.layer) * rd.cap * p.kv_dim + (size_t)kvh * hd;
+    const float* vb = (const float*)rd.base + (size_t)(2 * p.layer + 1) * rd.cap * p.kv_dim + (size_t)kvh * hd;
 
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = q[(size_t)t * q_cols + (size_t)h * head_dim + d];
+    const int q_cols = p.n_heads * hd;
+    const float* qt = (const float*)p.q + (size_t)t * q_cols + (size_t)kvh * G * hd;
+    for (int i = threadIdx.x; i < G * hd; i += blockDim.x) qs[i] = qt[i];
     __syncthreads();
 
-    // Keys are 16-byte aligned when every offset is a multiple of four floats (row storage
-    // comes from cuMemAlloc).
-    const bool vec4 = ((head_dim | kv_dim) & 3) == 0;
-
-    float m = -DF_INF;
-    float l = 0.0f;
-    float acc[ATT_PER_LANE];
+    const bool vec4 = ((hd | p.kv_dim) & 3) == 0;
+    float m[GM], l[GM], acc[GM][PER];
 #pragma unroll
-    for (int i = 0; i < ATT_PER_LANE; i++) acc[i] = 0.0f;
+    for (int g = 0; g < GM; g++) {
+        m[g] = -DF_INF;
+        l[g] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < PER; i++) acc[g][i] = 0.0f;
+    }
 
-    for (int t0 = start + warp * 32; t0 < end; t0 += ATT_WARPS * 32) {
+    const int tile_end = min((sp + 1) * tps, ((end - start) + 31) >> 5);
+    for (int tile = sp * tps + warp; tile < tile_end; tile += ATT_WARPS) {
+        const int t0 = start + 32 * tile;
         const int j = t0 + lane;
         const bool valid = j < end;
-        float sc = -DF_INF;
+        float dot[GM];
+#pragma unroll
+        for (int g = 0; g < GM; g++) dot[g] = 0.0f;
         if (valid) {
-            const float* kr = kb + (size_t)j * kv_dim;
-            float dot = 0.0f;
+            const float* kr = kb + (size_t)j * p.kv_dim;
             if (vec4) {
-                // Same order as the scalar loop, four values per load.
+                // Four loads in flight, then their products in dimension order.
                 const float4* k4 = (const float4*)kr;
-                for (int d4 = 0; d4 < head_dim / 4; d4++) {
-                    const float4 kk = k4[d4];
-                    dot = __fmaf_rn(qs[4 * d4], kk.x, dot);
-                    dot = __fmaf_rn(qs[4 * d4 + 1], kk.y, dot);
-                    dot = __fmaf_rn(qs[4 * d4 + 2], kk.z, dot);
-                    dot = __fmaf_rn(qs[4 * d4 + 3], kk.w, dot);
+                const int n4 = hd / 4;
+                for (int d0 = 0; d0 < n4; d0 += 4) {
+                    float4 kk[4];
+#pragma unroll
+                    for (int u = 0; u < 4; u++) kk[u] = d0 + u < n4 ? k4[d0 + u] : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+                    for (int u = 0; u < 4; u++) {
+                        if (d0 + u < n4) {
+#pragma unroll
+                            for (int g = 0; g < GM; g++) {
+                                if (g < G) {
+                                    const float* qg = qs + g * hd + 4 * (d0 + u);
+                                    float a = dot[g];
+                                    a = __fmaf_rn(qg[0], kk[u].x, a);
+                                    a = __fmaf_rn(qg[1], kk[u].y, a);
+                                    a = __fmaf_rn(qg[2], kk[u].z, a);
+                                    a = __fmaf_rn(qg[3], kk[u].w, a);
+                                    dot[g] = a;
+                                }
+                            }
+                        }
+                    }
                 }
             } else {
-                for (int d = 0; d < head_dim; d++) dot = __fmaf_rn(qs[d], kr[d], dot);
+                for (int d = 0; d < hd; d++) {
+                    const float kv = kr[d];
+#pragma unroll
+                    for (int g = 0; g < GM; g++) {
+                        if (g < G) dot[g] = __fmaf_rn(qs[g * hd + d], kv, dot[g]);
+                    }
+                }
             }
-            sc = __fmul_rn(dot, scale);
         }
-        const float mn = fmaxf(m, warp_max(sc));
-        const float corr = expf(__fsub_rn(m, mn));
-        const float p = valid ? expf(__fsub_rn(sc, mn)) : 0.0f;
-        l = __fadd_rn(__fmul_rn(l, corr), warp_sum(p));
-        m = mn;
+        float pr[GM];
 #pragma unroll
-        for (int i = 0; i < ATT_PER_LANE; i++) acc[i] = __fmul_rn(acc[i], corr);
+        for (int g = 0; g < GM; g++) {
+            if (g < G) {
+                const float sc = valid ? __fmul_rn(dot[g], p.scale) : -DF_INF;
+                const float mn = fmaxf(m[g], warp_max(sc));
+                const float corr = expf(__fsub_rn(m[g], mn));
+                pr[g] = valid ? expf(__fsub_rn(sc, mn)) : 0.0f;
+                l[g] = __fadd_rn(__fmul_rn(l[g], corr), warp_sum(pr[g]));
+                m[g] = mn;
+#pragma unroll
+                for (int i = 0; i < PER; i++) acc[g][i] = __fmul_rn(acc[g][i], corr);
+            } else {
+                pr[g] = 0.0f;
+            }
+        }
         const int nk = min(32, end - t0);
-        for (int kk = 0; kk < nk; kk++) {
-            const float pk = __shfl_sync(DF_FULL_MASK, p, kk);
-            const float* vr = vb + (size_t)(t0 + kk) * kv_dim;
+        // Values of eight keys are loaded before they are added (in key order).
+        for (int k0 = 0; k0 < nk; k0 += 8) {
+            float vv[8][PER];
 #pragma unroll
-            for (int i = 0; i < ATT_PER_LANE; i++) {
-                const int d = lane + 32 * i;
-                if (d < head_dim) acc[i] = __fmaf_rn(pk, vr[d], acc[i]);
+            for (int u = 0; u < 8; u++) {
+                const float* vr = vb + (size_t)(t0 + k0 + u) * p.kv_dim;
+#pragma unroll
+                for (int i = 0; i < PER; i++) {
+                    const int d = lane + 32 * i;
+                    vv[u][i] = (k0 + u < nk && d < hd) ? vr[d] : 0.0f;
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < 8; u++) {
+                if (k0 + u < nk) {
+#pragma unroll
+                    for (int g = 0; g < GM; g++) {
+                        if (g < G) {
+                            const float pk = __shfl_sync(DF_FULL_MASK, pr[g], k0 + u);
+#pragma unroll
+                            for (int i = 0; i < PER; i++) acc[g][i] = __fmaf_rn(pk, vv[u][i], acc[g][i]);
+                        }
+                    }
+                }
             }
         }
     }
 
-    if (lane == 0) {
-        st_m[warp] = m;
-        st_l[warp] = l;
-    }
 #pragma unroll
-    for (int i = 0; i < ATT_PER_LANE; i++) {
-        const int d = lane + 32 * i;
-        if (d < head_dim) st_acc[warp][d] = acc[i];
+    for (int g = 0; g < GM; g++) {
+        if (g < G) {
+            if (lane == 0) {
+                st_m[warp][g] = m[g];
+                st_l[warp][g] = l[g];
+            }
+#pragma unroll
+            for (int i = 0; i < PER; i++) {
+                const int d = lane + 32 * i;
+                if (d < hd) st_acc[warp][g * hd + d] = acc[g][i];
+            }
+        }
     }
     __syncthreads();
 
-    // Merge the warps' states in warp order; warps that saw no key (l == 0) are skipped.
-    float gm = -DF_INF;
-    for (int w = 0; w < ATT_WARPS; w++) {
-        if (st_l[w] > 0.0f) gm = fmaxf(gm, st_m[w]);
+    // Merge the warps in warp order (warps that saw no key have l == 0 and are skipped).
+    for (int idx = threadIdx.x; idx < G * (hd + 2); idx += blockDim.x) {
+        const int g = idx / (hd + 2);
+        const int c = idx - g * (hd + 2);
+        float gm = -DF_INF;
+        for (int w = 0; w < ATT_WARPS; w++) {
+            if (st_l[w][g] > 0.0f) gm = fmaxf(gm, st_m[w][g]);
+        }
+        float v = 0.0f;
+        if (c == 0) {
+            v = gm;
+        } else {
+            for (int w = 0; w < ATT_WARPS; w++) {
+                if (st_l[w][g] > 0.0f) {
+                    const float f = expf(__fsub_rn(st_m[w][g], gm));
+                    v = c == 1 ? __fadd_rn(v, __fmul_rn(st_l[w][g], f)) : __fmaf_rn(st_acc[w][g * hd + c - 2], f, v);
+                }
+            }
+        }
+        att_part(p, t, kvh * G + g, sp)[c] = v;
     }
+}
+
+#define ATT_KERNEL(PER, GM)                                                                   \
+    extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)                              \
+        attention_split_##PER##_##GM(const AttParams p) {                                     \
+        attention_split_body<PER, GM>(p);                                                     \
+    }
+
+// Dimensions per lane (head_dim up to 32, 64, 128, 256) x query heads per KV head (1..8),
+// GM * 32 * PER <= ATT_MAX_GHD.
+ATT_KERNEL(1, 1) ATT_KERNEL(1, 2) ATT_KERNEL(1, 4) ATT_KERNEL(1, 8)
+ATT_KERNEL(2, 1) ATT_KERNEL(2, 2) ATT_KERNEL(2, 4) ATT_KERNEL(2, 8)
+ATT_KERNEL(4, 1) ATT_KERNEL(4, 2) ATT_KERNEL(4, 4) ATT_KERNEL(4, 8)
+ATT_KERNEL(8, 1) ATT_KERNEL(8, 2) ATT_KERNEL(8, 4)
+
+// Block per (token, query head); thread per head dimension (blockDim.x >= head_dim).
+extern "C" __global__ void attention_merge(const AttParams p) {
+    const int t = blockIdx.x;
+    const int h = blockIdx.y;
+    const int d = threadIdx.x;
+    const int hd = p.head_dim;
+    if (d >= hd) return;
+    const u32* meta = (const u32*)p.meta + 4 * t;
+    const int start = (int)meta[2];
+    const int end = (int)meta[3];
+    int nsplit, tps;
+    att_splits(end > start ? end - start : 0, &nsplit, &tps);
+    // All splits' states and values are loaded before they are combined (in split order).
+    float ms[ATT_MAX_SPLITS], ls[ATT_MAX_SPLITS], vs[ATT_MAX_SPLITS];
+#pragma unroll
+    for (int s = 0; s < ATT_MAX_SPLITS; s++) {
+        const float* ps = att_part(p, t, h, s < nsplit ? s : 0);
+        ms[s] = s < nsplit ? ps[0] : -DF_INF;
+        ls[s] = s < nsplit ? ps[1] : 0.0f;
+        vs[s] = s < nsplit ? ps[2 + d] : 0.0f;
+    }
+    float gm = -DF_INF;
+#pragma unroll
+    for (int s = 0; s < ATT_MAX_SPLITS; s++) {
+        if (ls[s] > 0.0f) gm = fmaxf(gm, ms[s]);
+    }
+    float o = 0.0f;
     float gl = 0.0f;
-    float f[ATT_WARPS];
-    for (int w = 0; w < ATT_WARPS; w++) {
-        f[w] = st_l[w] > 0.0f ? expf(__fsub_rn(st_m[w], gm)) : 0.0f;
-        gl = __fadd_rn(gl, __fmul_rn(st_l[w], f[w]));
+#pragma unroll
+    for (int s = 0; s < ATT_MAX_SPLITS; s++) {
+        if (ls[s] > 0.0f) {
+            const float f = expf(__fsub_rn(ms[s], gm));
+            gl = __fadd_rn(gl, __fmul_rn(ls[s], f));
+            o = __fmaf_rn(vs[s], f, o);
+        }
     }
     const float inv = gl > 0.0f ? __fdiv_rn(1.0f, gl) : 0.0f;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float o = 0.0f;
-        for (int w = 0; w < ATT_WARPS; w++) {
-            if (f[w] != 0.0f) o = __fmaf_rn(st_acc[w][d], f[w], o);
-        }
-        out[(size_t)t * q_cols + (size_t)h * head_dim + d] = __fmul_rn(o, inv);
-    }
+    ((float*)p.out)[(size_t)t * p.n_heads * hd + (size_t)h * hd + d] = __fmul_rn(o, inv);
 }

@@ -19,15 +19,8 @@ typedef long long i64;
 #define DF_INF (__int_as_float(0x7f800000))
 #define DF_FULL_MASK 0xffffffffu
 
-// Stored formats, numbered as the Rust side passes them (`dtype_index` in cuda/kernels.rs).
-#define DT_F32 0
-#define DT_F16 1
-#define DT_BF16 2
-#define DT_Q4_0 3
-#define DT_Q4_1 4
-#define DT_Q8_0 5
-#define DT_Q4K 6
-#define DT_Q6K 7
+// Stored formats: DT_<NAME> (format number) and DT_<NAME>_BYTES (bytes per block) are
+// defined ahead of this file by the Rust side, from the format table (`dtype::FORMATS`).
 
 // A KV row's storage: one allocation of 2 * layers * cap * kv_dim floats; layer l's keys at
 // (2l) * cap * kv_dim, its values at (2l + 1) * cap * kv_dim, position-major. Released rows
@@ -99,7 +92,7 @@ __device__ __forceinline__ void decode_half(const u8* row, int g, float* w) {
 
 // Q4_0: 18 bytes (f16 d, 16 nibble bytes); 2-byte aligned. Value = (q - 8) * d.
 __device__ __forceinline__ void decode_q4_0(const u8* row, int g, float* w) {
-    const u8* b = row + (size_t)g * 18;
+    const u8* b = row + (size_t)g * DT_Q4_0_BYTES;
     float d = f16_to_f32(ld_u16(b));
 #pragma unroll
     for (int i = 0; i < 8; i++) {
@@ -115,7 +108,7 @@ __device__ __forceinline__ void decode_q4_0(const u8* row, int g, float* w) {
 
 // Q4_1: 20 bytes (f16 d, f16 m, 16 nibble bytes); 4-byte aligned. Value = fma(q, d, m).
 __device__ __forceinline__ void decode_q4_1(const u8* row, int g, float* w) {
-    const u8* b = row + (size_t)g * 20;
+    const u8* b = row + (size_t)g * DT_Q4_1_BYTES;
     u32 dm = ld_u32(b);
     float d = f16_to_f32((u16)(dm & 0xffffu));
     float m = f16_to_f32((u16)(dm >> 16));
@@ -133,7 +126,7 @@ __device__ __forceinline__ void decode_q4_1(const u8* row, int g, float* w) {
 
 // Q8_0: 34 bytes (f16 d, 32 signed bytes); 2-byte aligned. Value = q * d.
 __device__ __forceinline__ void decode_q8_0(const u8* row, int g, float* w) {
-    const u8* b = row + (size_t)g * 34;
+    const u8* b = row + (size_t)g * DT_Q8_0_BYTES;
     float d = f16_to_f32(ld_u16(b));
 #pragma unroll
     for (int i = 0; i < 16; i++) {
@@ -148,7 +141,7 @@ __device__ __forceinline__ void decode_q8_0(const u8* row, int g, float* w) {
 // bytes 32*(s/2).. (low nibbles for even s, high for odd). 16-byte aligned.
 // Value = fma(q, d*scale_s, -(dmin*min_s)).
 __device__ __forceinline__ void decode_q4k(const u8* row, int g, float* w) {
-    const u8* blk = row + (size_t)(g >> 3) * 144;
+    const u8* blk = row + (size_t)(g >> 3) * DT_Q4K_BYTES;
     const int sub = g & 7;
     u32 dd = ld_u32(blk);
     float d = f16_to_f32((u16)(dd & 0xffffu));
@@ -187,7 +180,7 @@ __device__ __forceinline__ void decode_q4k(const u8* row, int g, float* w) {
 // (low half for q < 2, high half otherwise), high bits (qh[32h + l] >> 2q) & 3; the group's
 // two 16-value runs use scales 8h+2q and 8h+2q+1. Value = (d*scale) * (code - 32).
 __device__ __forceinline__ void decode_q6k(const u8* row, int g, float* w) {
-    const u8* blk = row + (size_t)(g >> 3) * 210;
+    const u8* blk = row + (size_t)(g >> 3) * DT_Q6K_BYTES;
     const int sub = g & 7;
     const int half = sub >> 2;
     const int quarter = sub & 3;

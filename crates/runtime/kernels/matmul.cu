@@ -6,105 +6,409 @@
 //
 // x: [M, K] f32 row-major, W: N rows of `row_bytes` bytes (K values as DT), out: [M, N].
 //
-// Summation order (what makes a row's result independent of M): the output (m, n) is owned
-// by one warp. Lane l walks the groups g = l, l + 32, l + 64, ... of row n in increasing
-// order; for each group it decodes the 32 weights and accumulates
-//     acc = fma(w[j], x[m][32g + j], acc)    for j = 0..31,
-// then the 32 lane sums are added by the xor butterfly of `warp_sum`. That order depends on
-// K and the format only: not on M, on MT (rows of x per block), on R (weight rows per warp)
-// nor on which block runs it. So decode (M = 1), verify blocks (M = 2..16) and prefill
-// (M > 16, run as blocks of 16 rows of x) give bit-identical results for the same row of x.
+// Work split. A warp owns R weight rows (R = 1, 2 or 4) and MT rows of x (MT = 1..16); a
+// block is MM_WARPS warps. Lane l = 4*j + s takes quarter s (8 values) of group j of every
+// run of 8 consecutive 32-value groups: groups j, j + 8, j + 16, ... of the row. So one warp
+// step reads 8 whole groups of a row (160 contiguous bytes for Q4_1), the lanes' loads
+// coalesce, and every lane is busy whenever K >= 256.
 //
-// Block: 8 warps; each warp owns R consecutive weight rows, so a block covers 8*R rows of W
-// and MT rows of x (blockIdx.y selects rows MT*blockIdx.y ..). x is staged through shared
-// memory 32 groups (1024 values) at a time, each group padded to 33 floats so that the 32
-// lanes (one group each) read distinct banks.
+// Summation order (what makes a row's result independent of M): for output (m, n), lane l
+// accumulates, for its groups in increasing order, the 8 products of its quarter in a fixed
+// order (`MmPart::fma8`) with fma into one f32; then the 32 lane sums are added by the xor
+// butterfly of `warp_sum`. That order depends on K and the format only: not on M, MT, R, the
+// block or the grid. So decode (M = 1), verify blocks (M = 2..16) and prefill (M > 16, run as
+// tiles of 16 rows of x) give bit-identical results for the same row of x.
 //
-// Dynamic shared memory: MT * 32 * 33 * 4 bytes.
+// Loads. The weight bytes of P consecutive steps (P = 4 for MT <= 2, 2 for MT = 4, else 1)
+// are loaded before their products, with the widest load the format's alignment allows (16
+// bytes for f16/bf16 and f32, 8 for the Q4_K nibbles, 4 for Q4_1). x is read through the
+// read-only path (it is small and shared by every warp of the grid).
+//
+// Epilogues: store; add into `out` (out = out + s: the residual add, bit-identical to a
+// separate `add`); SwiGLU (two weights per output: out = silu(x·gᵀ) * (x·uᵀ), bit-identical to
+// a separate `silu_mul`).
+//
+// Segments. One launch can run up to MM_SEGS products of the same x and format with
+// different weights and outputs (q/k/v, gate/up): blocks are handed out segment after
+// segment (`MmSeg::block0`), so the products share one launch and fill the GPU together.
 
-#define MM_WARPS 8
-#define MM_CHUNK 32            // groups of x staged per step (one per lane)
-#define MM_PAD 33              // floats per staged group
-#define MM_XROW (MM_CHUNK * MM_PAD)
+#define MM_WARPS 4
+#define MM_SEGS 3
 
-template <int DT, int MT, int R>
-__device__ __forceinline__ void matmul_body(const u8* __restrict__ w, i64 row_bytes, int N, int K,
-                                            const float* __restrict__ x, int M,
-                                            float* __restrict__ out) {
-    extern __shared__ float xs[];
-    const int warp = threadIdx.x >> 5;
+#define EPI_STORE 0
+#define EPI_ADD 1
+#define EPI_SWIGLU 2
+
+struct MmSeg {
+    u64 w;         // weight rows (gate rows for SwiGLU)
+    u64 w2;        // up rows for SwiGLU, else 0
+    u64 out;       // [M, n] f32
+    i64 row_bytes; // bytes per weight row
+    int n;         // weight rows (outputs per row of x)
+    int block0;    // first block (blockIdx.x) of this segment
+};
+
+struct MmParams {
+    MmSeg seg[MM_SEGS];
+    u64 x;      // [M, K] f32
+    int nseg;
+    int k;
+    int m;
+    int pad;
+};
+
+// The 8 values of quarter s of group g: weights in w[0..8], matching x at offsets
+// 32g + xa .. +4 and 32g + xb .. +4.
+template <int DT>
+struct MmPart;
+
+template <>
+struct MmPart<DT_F32> {
+    float4 a, b;
+    static __device__ __forceinline__ int xa(int s) { return 8 * s; }
+    static __device__ __forceinline__ int xb(int s) { return 8 * s + 4; }
+    __device__ __forceinline__ void load(const u8* row, int g, int s) {
+        const float4* p = (const float4*)(row + (size_t)g * 128 + 32 * s);
+        a = __ldg(p);
+        b = __ldg(p + 1);
+    }
+    __device__ __forceinline__ void decode(float* w) const {
+        w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
+        w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
+    }
+};
+
+template <bool BF>
+struct MmPartHalf {
+    uint4 v;
+    static __device__ __forceinline__ int xa(int s) { return 8 * s; }
+    static __device__ __forceinline__ int xb(int s) { return 8 * s + 4; }
+    __device__ __forceinline__ void load(const u8* row, int g, int s) {
+        v = __ldg((const uint4*)(row + (size_t)g * 64 + 16 * s));
+    }
+    __device__ __forceinline__ void decode(float* w) const {
+        const u32 words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const u16 lo = (u16)(words[k] & 0xffffu);
+            const u16 hi = (u16)(words[k] >> 16);
+            w[2 * k] = BF ? bf16_to_f32(lo) : f16_to_f32(lo);
+            w[2 * k + 1] = BF ? bf16_to_f32(hi) : f16_to_f32(hi);
+        }
+    }
+};
+template <>
+struct MmPart<DT_F16> : MmPartHalf<false> {};
+template <>
+struct MmPart<DT_BF16> : MmPartHalf<true> {};
+
+// Q4_0 (18 bytes: f16 d, 16 nibble bytes; 2-byte aligned): quarter s holds bytes 4s..4s+4,
+// whose low nibbles are values 4s.. and high nibbles values 16 + 4s...
+template <>
+struct MmPart<DT_Q4_0> {
+    u32 q;
+    u16 d;
+    static __device__ __forceinline__ int xa(int s) { return 4 * s; }
+    static __device__ __forceinline__ int xb(int s) { return 16 + 4 * s; }
+    __device__ __forceinline__ void load(const u8* row, int g, int s) {
+        const u8* b = row + (size_t)g * DT_Q4_0_BYTES;
+        d = __ldg((const unsigned short*)b);
+        const u16 lo = __ldg((const unsigned short*)(b + 2 + 4 * s));
+        const u16 hi = __ldg((const unsigned short*)(b + 4 + 4 * s));
+        q = (u32)lo | ((u32)hi << 16);
+    }
+    __device__ __forceinline__ void decode(float* w) const {
+        const float df = f16_to_f32(d);
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const u32 byte = (q >> (8 * k)) & 0xffu;
+            w[k] = __fmul_rn((float)((int)(byte & 0x0fu) - 8), df);
+            w[4 + k] = __fmul_rn((float)((int)(byte >> 4) - 8), df);
+        }
+    }
+};
+
+// Q4_1 (20 bytes: f16 d, f16 m, 16 nibble bytes; 4-byte aligned): as Q4_0, value fma(q, d, m).
+template <>
+struct MmPart<DT_Q4_1> {
+    u32 q;
+    u32 dm;
+    static __device__ __forceinline__ int xa(int s) { return 4 * s; }
+    static __device__ __forceinline__ int xb(int s) { return 16 + 4 * s; }
+    __device__ __forceinline__ void load(const u8* row, int g, int s) {
+        const u8* b = row + (size_t)g * DT_Q4_1_BYTES;
+        dm = __ldg((const unsigned int*)b);
+        q = __ldg((const unsigned int*)(b + 4 + 4 * s));
+    }
+    __device__ __forceinline__ void decode(float* w) const {
+        const float d = f16_to_f32((u16)(dm & 0xffffu));
+        const float m = f16_to_f32((u16)(dm >> 16));
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const u32 byte = (q >> (8 * k)) & 0xffu;
+            w[k] = __fmaf_rn((float)(byte & 0x0fu), d, m);
+            w[4 + k] = __fmaf_rn((float)(byte >> 4), d, m);
+        }
+    }
+};
+
+// Q8_0 (34 bytes: f16 d, 32 signed bytes; 2-byte aligned): quarter s = bytes 8s..8s+8.
+template <>
+struct MmPart<DT_Q8_0> {
+    u32 lo, hi;
+    u16 d;
+    static __device__ __forceinline__ int xa(int s) { return 8 * s; }
+    static __device__ __forceinline__ int xb(int s) { return 8 * s + 4; }
+    __device__ __forceinline__ void load(const u8* row, int g, int s) {
+        const u8* b = row + (size_t)g * DT_Q8_0_BYTES;
+        d = __ldg((const unsigned short*)b);
+        const unsigned short* p = (const unsigned short*)(b + 2 + 8 * s);
+        lo = (u32)__ldg(p) | ((u32)__ldg(p + 1) << 16);
+        hi = (u32)__ldg(p + 2) | ((u32)__ldg(p + 3) << 16);
+    }
+    __device__ __forceinline__ void decode(float* w) const {
+        const float df = f16_to_f32(d);
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            w[k] = __fmul_rn((float)(signed char)((lo >> (8 * k)) & 0xffu), df);
+            w[4 + k] = __fmul_rn((float)(signed char)((hi >> (8 * k)) & 0xffu), df);
+        }
+    }
+};
+
+// Byte i (0..12) of three little-endian words, without an indexed (local-memory) array.
+__device__ __forceinline__ u32 byte_of(u32 w0, u32 w1, u32 w2, int i) {
+    const u32 w = i < 4 ? w0 : (i < 8 ? w1 : w2);
+    return (w >> (8 * (i & 3))) & 0xffu;
+}
+
+// Q4_K (144-byte super-blocks of 8 groups; 16-byte aligned). Group sub = g % 8 takes the
+// low (even sub) or high (odd sub) nibbles of bytes 32*(sub/2) .. of the 128 nibble bytes,
+// scale and min from the 12 packed 6-bit codes. Quarter s: 8 nibble bytes at 8s (8-byte load).
+template <>
+struct MmPart<DT_Q4K> {
+    uint2 q;
+    u32 dd;
+    u32 sc, mn;
+    int shift;
+    static __device__ __forceinline__ int xa(int s) { return 8 * s; }
+    static __device__ __forceinline__ int xb(int s) { return 8 * s + 4; }
+    __device__ __forceinline__ void load(const u8* row, int g, int s) {
+        const u8* blk = row + (size_t)(g >> 3) * DT_Q4K_BYTES;
+        const int sub = g & 7;
+        dd = __ldg((const unsigned int*)blk);
+        const unsigned int* sw = (const unsigned int*)(blk + 4);
+        const u32 s0 = __ldg(sw), s1 = __ldg(sw + 1), s2 = __ldg(sw + 2);
+        if (sub < 4) {
+            sc = byte_of(s0, s1, s2, sub) & 63u;
+            mn = byte_of(s0, s1, s2, sub + 4) & 63u;
+        } else {
+            sc = (byte_of(s0, s1, s2, sub + 4) & 0x0fu) | ((byte_of(s0, s1, s2, sub - 4) >> 6) << 4);
+            mn = (byte_of(s0, s1, s2, sub + 4) >> 4) | ((byte_of(s0, s1, s2, sub) >> 6) << 4);
+        }
+        shift = (sub & 1) * 4;
+        q = __ldg((const uint2*)(blk + 16 + (sub >> 1) * 32 + 8 * s));
+    }
+    __device__ __forceinline__ void decode(float* w) const {
+        const float d = f16_to_f32((u16)(dd & 0xffffu));
+        const float dmin = f16_to_f32((u16)(dd >> 16));
+        const float scale = __fmul_rn(d, (float)sc);
+        const float neg_min = -__fmul_rn(dmin, (float)mn);
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            w[k] = __fmaf_rn((float)((q.x >> (8 * k + shift)) & 0x0fu), scale, neg_min);
+            w[4 + k] = __fmaf_rn((float)((q.y >> (8 * k + shift)) & 0x0fu), scale, neg_min);
+        }
+    }
+};
+
+// Q6_K (210-byte super-blocks; 2-byte aligned): see decode_q6k in common.cu. Quarter s holds
+// values l = 8s .. 8s+8 of the group: low nibbles from ql, high pairs from qh, scale s0 for
+// l < 16 and s1 above.
+template <>
+struct MmPart<DT_Q6K> {
+    u32 ql0, ql1, qh0, qh1;
+    u16 d;
+    signed char sc;
+    int lshift, hshift;
+    static __device__ __forceinline__ int xa(int s) { return 8 * s; }
+    static __device__ __forceinline__ int xb(int s) { return 8 * s + 4; }
+    __device__ __forceinline__ void load(const u8* row, int g, int s) {
+        const u8* blk = row + (size_t)(g >> 3) * DT_Q6K_BYTES;
+        const int sub = g & 7;
+        const int half = sub >> 2;
+        const int quarter = sub & 3;
+        d = __ldg((const unsigned short*)(blk + 208));
+        const int slot = 4 * half + quarter;
+        const u16 sc2 = __ldg((const unsigned short*)(blk + 192 + 2 * slot));
+        sc = (signed char)(s < 2 ? (sc2 & 0xff) : (sc2 >> 8));
+        const unsigned short* ql = (const unsigned short*)(blk + 64 * half + 32 * (quarter & 1) + 8 * s);
+        const unsigned short* qh = (const unsigned short*)(blk + 128 + 32 * half + 8 * s);
+        ql0 = (u32)__ldg(ql) | ((u32)__ldg(ql + 1) << 16);
+        ql1 = (u32)__ldg(ql + 2) | ((u32)__ldg(ql + 3) << 16);
+        qh0 = (u32)__ldg(qh) | ((u32)__ldg(qh + 1) << 16);
+        qh1 = (u32)__ldg(qh + 2) | ((u32)__ldg(qh + 3) << 16);
+        lshift = (quarter >> 1) * 4;
+        hshift = 2 * quarter;
+    }
+    __device__ __forceinline__ void decode(float* w) const {
+        const float scale = __fmul_rn(f16_to_f32(d), (float)sc);
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const u32 lw = k < 4 ? ql0 : ql1;
+            const u32 hw = k < 4 ? qh0 : qh1;
+            const u32 low = ((lw >> (8 * (k & 3))) >> lshift) & 0x0fu;
+            const u32 high = ((hw >> (8 * (k & 3))) >> hshift) & 3u;
+            w[k] = __fmul_rn((float)((int)(low | (high << 4)) - 32), scale);
+        }
+    }
+};
+
+// acc += the 8 products of a quarter, in the fixed order (values xa..xa+4, then xb..xb+4).
+__device__ __forceinline__ float fma8(const float* w, float4 a, float4 b, float acc) {
+    acc = __fmaf_rn(w[0], a.x, acc);
+    acc = __fmaf_rn(w[1], a.y, acc);
+    acc = __fmaf_rn(w[2], a.z, acc);
+    acc = __fmaf_rn(w[3], a.w, acc);
+    acc = __fmaf_rn(w[4], b.x, acc);
+    acc = __fmaf_rn(w[5], b.y, acc);
+    acc = __fmaf_rn(w[6], b.z, acc);
+    acc = __fmaf_rn(w[7], b.w, acc);
+    return acc;
+}
+
+// silu(g) * u exactly as silu_mul_f32 (ops.cu) computes it.
+__device__ __forceinline__ float swiglu(float g, float u) {
+    const float e = (float)exp(-(double)g);
+    return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, e)), u);
+}
+
+// One warp: R output rows (each from W rows, W = 2 for SwiGLU) for MT rows of x.
+template <int DT, int MT, int R, int EPI>
+__device__ __forceinline__ void mm_warp(const MmSeg& sg, int n0, const float* __restrict__ x, int K, int M,
+                                        int m0) {
+    constexpr int W = EPI == EPI_SWIGLU ? 2 : 1;
     const int lane = threadIdx.x & 31;
-    const int n0 = (blockIdx.x * MM_WARPS + warp) * R;
-    const int m0 = blockIdx.y * MT;
-    const int ml = min(MT, M - m0);
+    const int j = lane >> 2;
+    const int s = lane & 3;
     const int groups = K / GROUP;
+    const int ml = min(MT, M - m0);
 
-    float acc[R][MT];
+    const u8* rows[R][W];
 #pragma unroll
     for (int r = 0; r < R; r++) {
-#pragma unroll
-        for (int m = 0; m < MT; m++) acc[r][m] = 0.0f;
+        const int n = min(n0 + r, sg.n - 1);  // rows past the end repeat the last (not stored)
+        rows[r][0] = (const u8*)sg.w + (size_t)n * sg.row_bytes;
+        if (W == 2) rows[r][W - 1] = (const u8*)sg.w2 + (size_t)n * sg.row_bytes;
     }
 
-    for (int c0 = 0; c0 < groups; c0 += MM_CHUNK) {
-        const int gc = min(MM_CHUNK, groups - c0);
-        const int vals = gc * GROUP;
-        __syncthreads();
-        for (int i = threadIdx.x; i < ml * vals; i += blockDim.x) {
-            const int m = i / vals;
-            const int v = i - m * vals;
-            xs[m * MM_XROW + (v >> 5) * MM_PAD + (v & 31)] =
-                x[(size_t)(m0 + m) * K + (size_t)c0 * GROUP + v];
+    float acc[R][W][MT];
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int v = 0; v < W; v++)
+#pragma unroll
+            for (int m = 0; m < MT; m++) acc[r][v][m] = 0.0f;
+
+    // P steps' weight bytes are loaded before any of their products (P more loads in flight
+    // per lane); the products then run in step order, so the sum is the same for every P.
+    constexpr int P = MT <= 2 ? 4 : (MT <= 4 ? 2 : 1);
+    const int xa = MmPart<DT>::xa(s);
+    const int xb = MmPart<DT>::xb(s);
+    for (int g0 = j; g0 < groups; g0 += 8 * P) {
+        MmPart<DT> part[P][R][W];
+#pragma unroll
+        for (int q = 0; q < P; q++) {
+            const int g = g0 + 8 * q;
+            if (g < groups) {
+#pragma unroll
+                for (int r = 0; r < R; r++)
+#pragma unroll
+                    for (int v = 0; v < W; v++) part[q][r][v].load(rows[r][v], g, s);
+            }
         }
-        __syncthreads();
-        if (lane < gc) {
-            const int g = c0 + lane;
 #pragma unroll
-            for (int r = 0; r < R; r++) {
-                const int n = n0 + r;
-                if (n < N) {
-                    float wv[GROUP];
-                    decode_group<DT>(w + (size_t)n * row_bytes, g, wv);
+        for (int q = 0; q < P; q++) {
+            const int g = g0 + 8 * q;
+            if (g < groups) {
+                float w[R][W][8];
 #pragma unroll
-                    for (int m = 0; m < MT; m++) {
-                        if (m < ml) {
-                            const float* xr = xs + m * MM_XROW + lane * MM_PAD;
-                            float a = acc[r][m];
+                for (int r = 0; r < R; r++)
 #pragma unroll
-                            for (int j = 0; j < GROUP; j++) a = __fmaf_rn(wv[j], xr[j], a);
-                            acc[r][m] = a;
-                        }
+                    for (int v = 0; v < W; v++) part[q][r][v].decode(w[r][v]);
+#pragma unroll
+                for (int m = 0; m < MT; m++) {
+                    if (m < ml) {
+                        const float* xr = x + (size_t)(m0 + m) * K + (size_t)g * GROUP;
+                        const float4 a = __ldg((const float4*)(xr + xa));
+                        const float4 b = __ldg((const float4*)(xr + xb));
+#pragma unroll
+                        for (int r = 0; r < R; r++)
+#pragma unroll
+                            for (int v = 0; v < W; v++) acc[r][v][m] = fma8(w[r][v], a, b, acc[r][v][m]);
                     }
                 }
             }
         }
     }
 
+    float* out = (float*)sg.out;
 #pragma unroll
     for (int r = 0; r < R; r++) {
         const int n = n0 + r;
 #pragma unroll
         for (int m = 0; m < MT; m++) {
-            const float s = warp_sum(acc[r][m]);
-            if (lane == 0 && n < N && m < ml) out[(size_t)(m0 + m) * N + n] = s;
+            float sum[W];
+#pragma unroll
+            for (int v = 0; v < W; v++) sum[v] = warp_sum(acc[r][v][m]);
+            if (lane == 0 && n < sg.n && m < ml) {
+                float* o = out + (size_t)(m0 + m) * sg.n + n;
+                if (EPI == EPI_STORE) {
+                    *o = sum[0];
+                } else if (EPI == EPI_ADD) {
+                    *o = __fadd_rn(*o, sum[0]);
+                } else {
+                    *o = swiglu(sum[0], sum[W - 1]);
+                }
+            }
         }
     }
 }
 
-// One kernel per (format, MT); R (weight rows per warp) is fixed by MT so that a warp keeps
-// at most 16 accumulators: MT=1 -> R=4, MT=2 -> R=2, MT>=4 -> R=1.
-#define MM_KERNEL(NAME, DT, MT, R)                                                        \
-    extern "C" __global__ void __launch_bounds__(MM_WARPS * 32)                           \
-        NAME(const u8* w, i64 row_bytes, int N, int K, const float* x, int M, float* out) { \
-        matmul_body<DT, MT, R>(w, row_bytes, N, K, x, M, out);                            \
+template <int DT, int MT, int R, int EPI>
+__device__ __forceinline__ void mm_body(const MmParams& p) {
+    int si = 0;
+#pragma unroll
+    for (int k = 1; k < MM_SEGS; k++) {
+        if (k < p.nseg && (int)blockIdx.x >= p.seg[k].block0) si = k;
+    }
+    const MmSeg& sg = p.seg[si];
+    const int warp = threadIdx.x >> 5;
+    const int n0 = (((int)blockIdx.x - sg.block0) * MM_WARPS + warp) * R;
+    if (n0 >= sg.n) return;  // a whole warp leaves together (no shuffle is left waiting)
+    mm_warp<DT, MT, R, EPI>(sg, n0, (const float*)p.x, p.k, p.m, (int)blockIdx.y * MT);
+}
+
+// Kernel names: mm_<format>_<MT>_<R>_<epilogue>. R for a tile is chosen by the host
+// (MM_TILES in cuda/device.rs): wider R shares each x load among more weight rows.
+#define MM_KERNEL(SUFFIX, DT, MT, R, EPI, ENAME)                                               \
+    extern "C" __global__ void __launch_bounds__(MM_WARPS * 32)                                \
+        mm_##SUFFIX##_##MT##_##R##_##ENAME(const MmParams p) {                                 \
+        mm_body<DT, MT, R, EPI>(p);                                                            \
     }
 
-#define MM_KERNELS(SUFFIX, DT)                 \
-    MM_KERNEL(mm_##SUFFIX##_1, DT, 1, 4)       \
-    MM_KERNEL(mm_##SUFFIX##_2, DT, 2, 2)       \
-    MM_KERNEL(mm_##SUFFIX##_4, DT, 4, 1)       \
-    MM_KERNEL(mm_##SUFFIX##_8, DT, 8, 1)       \
-    MM_KERNEL(mm_##SUFFIX##_16, DT, 16, 1)
+#define MM_EPIS(SUFFIX, DT, MT, R, RS)                   \
+    MM_KERNEL(SUFFIX, DT, MT, R, EPI_STORE, store)       \
+    MM_KERNEL(SUFFIX, DT, MT, R, EPI_ADD, add)           \
+    MM_KERNEL(SUFFIX, DT, MT, RS, EPI_SWIGLU, swiglu)
+
+// (MT, R for store/add, R for SwiGLU): keep each warp at most 64 accumulators.
+#define MM_KERNELS(SUFFIX, DT)         \
+    MM_EPIS(SUFFIX, DT, 1, 1, 1)       \
+    MM_EPIS(SUFFIX, DT, 2, 1, 1)       \
+    MM_EPIS(SUFFIX, DT, 4, 2, 1)       \
+    MM_EPIS(SUFFIX, DT, 8, 4, 2)       \
+    MM_EPIS(SUFFIX, DT, 16, 4, 2)
 
 // ---- dequantization --------------------------------------------------------------------
 //
@@ -140,34 +444,10 @@ __device__ __forceinline__ void dequant_body(const u8* __restrict__ table, i64 r
         dequant_body<DT>(table, row_bytes, cols, ids, row0, T, out);                            \
     }
 
-// Instantiations. The Rust side compiles this file once per format, with DF_MM_DTYPE set to
-// that format's number, so that the formats compile in parallel and a model only waits for
-// the ones it uses; without DF_MM_DTYPE every format is instantiated.
+// Instantiations. The Rust side compiles this file once per format, with DF_MM_DTYPE and
+// DF_MM_SUFFIX set to that format's number and name (from the format table, dtype.rs).
 #define DF_FORMAT(SUFFIX, DT) \
     MM_KERNELS(SUFFIX, DT)    \
     DQ_KERNEL(SUFFIX, DT)
-
-#if !defined(DF_MM_DTYPE) || DF_MM_DTYPE == DT_F32
-DF_FORMAT(f32, DT_F32)
-#endif
-#if !defined(DF_MM_DTYPE) || DF_MM_DTYPE == DT_F16
-DF_FORMAT(f16, DT_F16)
-#endif
-#if !defined(DF_MM_DTYPE) || DF_MM_DTYPE == DT_BF16
-DF_FORMAT(bf16, DT_BF16)
-#endif
-#if !defined(DF_MM_DTYPE) || DF_MM_DTYPE == DT_Q4_0
-DF_FORMAT(q4_0, DT_Q4_0)
-#endif
-#if !defined(DF_MM_DTYPE) || DF_MM_DTYPE == DT_Q4_1
-DF_FORMAT(q4_1, DT_Q4_1)
-#endif
-#if !defined(DF_MM_DTYPE) || DF_MM_DTYPE == DT_Q8_0
-DF_FORMAT(q8_0, DT_Q8_0)
-#endif
-#if !defined(DF_MM_DTYPE) || DF_MM_DTYPE == DT_Q4K
-DF_FORMAT(q4k, DT_Q4K)
-#endif
-#if !defined(DF_MM_DTYPE) || DF_MM_DTYPE == DT_Q6K
-DF_FORMAT(q6k, DT_Q6K)
-#endif
+#define DF_FORMAT_OF(SUFFIX, DT) DF_FORMAT(SUFFIX, DT)
+DF_FORMAT_OF(DF_MM_SUFFIX, DF_MM_DTYPE)

@@ -85,33 +85,57 @@ extern "C" __global__ void dequant_float_any(const u8* table, i64 row_bytes, int
 // w' = 1 + w when zero-centred. The sum of squares ss follows cpu::ops::dot exactly: sixteen
 // partial sums, partial l adding x[i]*x[i] (rounded product, then rounded sum) for
 // i = l, l + 16, ... in increasing order, then combined by halving (l + l+8, then + l+4, ...).
-// Sixteen lanes (half a warp) own a group; the shuffle-down tree is that halving. So the
-// result is bit-identical to the CPU backend's. In place when x == out (each lane reads and
-// writes only its own elements).
-extern "C" __global__ void rms_norm_f32(const float* x, float* out, const float* w, i64 groups, int dim,
-                                        float eps, int zero_centred) {
-    const int half_lane = threadIdx.x & 15;
-    const i64 grp = (blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 4;
-    const bool live = grp < groups;
-    const float* xs = x + (live ? grp : 0) * (i64)dim;
-    float acc = 0.0f;
-    if (live) {
-        for (int i = half_lane; i < dim; i += 16) {
-            const float v = xs[i];
-            acc = __fadd_rn(acc, __fmul_rn(v, v));
-        }
-    }
+// A block owns a group: lanes 0..15 of its first warp make the sixteen partials (loading
+// eight values ahead of summing them) and the shuffle-down tree is that halving, so the result
+// is bit-identical to the CPU backend's; then every thread scales its share of the group.
+// In place when x == out (the group is read completely before any of it is written).
+#define NORM_THREADS 128
+extern "C" __global__ void __launch_bounds__(NORM_THREADS)
+    rms_norm_f32(const float* x, float* out, const float* w, i64 groups, int dim, float eps, int zero_centred) {
+    __shared__ float s_inv;
+    const i64 grp = blockIdx.x;
+    if (grp >= groups) return;
+    const float* xs = x + grp * (i64)dim;
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        float acc = 0.0f;
+        if (lane < 16) {
+            for (int i0 = lane; i0 < dim; i0 += 16 * 8) {
+                float v[8];
 #pragma unroll
-    for (int off = 8; off > 0; off >>= 1) {
-        acc = __fadd_rn(acc, __shfl_down_sync(DF_FULL_MASK, acc, off, 16));
+                for (int u = 0; u < 8; u++) {
+                    const int i = i0 + 16 * u;
+                    v[u] = i < dim ? xs[i] : 0.0f;
+                }
+#pragma unroll
+                for (int u = 0; u < 8; u++) {
+                    if (i0 + 16 * u < dim) acc = __fadd_rn(acc, __fmul_rn(v[u], v[u]));
+                }
+            }
+        }
+#pragma unroll
+        for (int off = 8; off > 0; off >>= 1) {
+            acc = __fadd_rn(acc, __shfl_down_sync(DF_FULL_MASK, acc, off, 16));
+        }
+        if (lane == 0) s_inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(acc, (float)dim), eps)));
     }
-    const float ss = __shfl_sync(DF_FULL_MASK, acc, 0, 16);
-    if (!live) return;
-    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)dim), eps)));
+    __syncthreads();
+    const float inv = s_inv;
     float* os = out + grp * (i64)dim;
-    for (int i = half_lane; i < dim; i += 16) {
-        const float wv = zero_centred ? __fadd_rn(1.0f, w[i]) : w[i];
-        os[i] = __fmul_rn(wv, __fmul_rn(xs[i], inv));
+    for (int i0 = threadIdx.x; i0 < dim; i0 += NORM_THREADS * 4) {
+        float xv[4], wv[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const int i = i0 + NORM_THREADS * u;
+            xv[u] = i < dim ? xs[i] : 0.0f;
+            wv[u] = i < dim ? w[i] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const int i = i0 + NORM_THREADS * u;
+            const float wu = zero_centred ? __fadd_rn(1.0f, wv[u]) : wv[u];
+            if (i < dim) os[i] = __fmul_rn(wu, __fmul_rn(xv[u], inv));
+        }
     }
 }
 
@@ -121,6 +145,28 @@ extern "C" __global__ void rms_norm_f32(const float* x, float* out, const float*
 // angle = pos * inv_freq[i] in f32 (as the CPU and HF compute it); cos and sin are evaluated
 // in double and rounded to f32 (closer to the CPU's libm cosf/sinf than the f32 intrinsics).
 // style 0: neox (i pairs with i + half); style 1: interleaved (2i pairs with 2i + 1).
+
+// Rotates pair i of the head at `head`, writing the results to `dst` (may equal head).
+__device__ __forceinline__ void rope_pair(const float* head, float* dst, int i, int half, int style, float pos,
+                                          const float* inv_freq) {
+    const float angle = __fmul_rn(pos, inv_freq[i]);
+    double sd, cd;
+    sincos((double)angle, &sd, &cd);
+    const float c = (float)cd;
+    const float s = (float)sd;
+    if (style == 0) {
+        const float a = head[i];
+        const float b = head[i + half];
+        dst[i] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+        dst[i + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+    } else {
+        const float a = head[2 * i];
+        const float b = head[2 * i + 1];
+        dst[2 * i] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+        dst[2 * i + 1] = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
+    }
+}
+
 extern "C" __global__ void rope_f32(float* x, const u32* meta, const float* inv_freq, int T, int cols,
                                     int head_dim, int half, int style) {
     const int t = blockIdx.y;
@@ -130,24 +176,58 @@ extern "C" __global__ void rope_f32(float* x, const u32* meta, const float* inv_
     float* xt = x + (size_t)t * cols;
     for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < heads * half; idx += gridDim.x * blockDim.x) {
         const int h = idx / half;
-        const int i = idx - h * half;
-        const float angle = __fmul_rn(pos, inv_freq[i]);
-        double sd, cd;
-        sincos((double)angle, &sd, &cd);
-        const float c = (float)cd;
-        const float s = (float)sd;
         float* head = xt + (size_t)h * head_dim;
-        if (style == 0) {
-            const float a = head[i];
-            const float b = head[i + half];
-            head[i] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-            head[i + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
-        } else {
-            const float a = head[2 * i];
-            const float b = head[2 * i + 1];
-            head[2 * i] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-            head[2 * i + 1] = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
-        }
+        rope_pair(head, head, idx - h * half, half, style, pos, inv_freq);
+    }
+}
+
+// RoPE of q and k, and the KV write of k and v, for token blockIdx.x: the fusion of two
+// `rope_f32` and one `kv_write_f32` launches, with the same arithmetic. k is rotated in place
+// (as the separate ops leave it), then k and v are copied into the cache.
+struct RopeKvParams {
+    u64 q;         // [T, q_cols]
+    u64 k;         // [T, kv_dim]
+    u64 v;         // [T, kv_dim]
+    u64 meta;      // [T][4] u32
+    u64 inv_freq;  // [half]
+    u64 rows;      // RowDesc per KV row
+    int t;
+    int q_cols;
+    int kv_dim;
+    int head_dim;
+    int half;
+    int style;
+    int layer;
+    int pad;
+};
+
+extern "C" __global__ void rope_kv_f32(const RopeKvParams p) {
+    const int t = blockIdx.x;
+    if (t >= p.t) return;
+    const u32* meta = (const u32*)p.meta + 4 * t;
+    const float pos = (float)meta[META_POS];
+    const float* inv_freq = (const float*)p.inv_freq;
+    float* qt = (float*)p.q + (size_t)t * p.q_cols;
+    float* kt = (float*)p.k + (size_t)t * p.kv_dim;
+    const int qpairs = (p.q_cols / p.head_dim) * p.half;
+    const int kpairs = (p.kv_dim / p.head_dim) * p.half;
+    for (int idx = threadIdx.x; idx < qpairs + kpairs; idx += blockDim.x) {
+        const bool isq = idx < qpairs;
+        const int j = isq ? idx : idx - qpairs;
+        const int h = j / p.half;
+        float* head = (isq ? qt : kt) + (size_t)h * p.head_dim;
+        rope_pair(head, head, j - h * p.half, p.half, p.style, pos, inv_freq);
+    }
+    __syncthreads();
+    const RowDesc rd = ((const RowDesc*)p.rows)[meta[META_ROW]];
+    const size_t at = meta[META_POS];
+    float* base = (float*)rd.base;
+    float* kd = base + ((size_t)(2 * p.layer) * rd.cap + at) * p.kv_dim;
+    float* vd = base + ((size_t)(2 * p.layer + 1) * rd.cap + at) * p.kv_dim;
+    const float* vt = (const float*)p.v + (size_t)t * p.kv_dim;
+    for (int c = threadIdx.x; c < p.kv_dim; c += blockDim.x) {
+        kd[c] = kt[c];
+        vd[c] = vt[c];
     }
 }
 

@@ -106,6 +106,20 @@ pub struct AttnShape {
     pub scale: f32,
 }
 
+/// What a captured step graph is replayed for: a model instance ([`Backend::graph_owner`])
+/// and the launch shapes of its step. Two steps with equal keys launch the same kernels with
+/// the same arguments; only device data (step inputs, KV contents) differ.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GraphKey {
+    pub owner: u64,
+    /// Tokens in the step.
+    pub tokens: usize,
+    /// Rows whose logits are computed.
+    pub rows: usize,
+    /// Any other shape the model's step depends on (e.g. its tap layout's generation).
+    pub variant: u64,
+}
+
 /// The op set of a device. See the module docs.
 pub trait Backend: Send + Sync + 'static {
     /// An f32 matrix of `rows x cols` on the device.
@@ -116,6 +130,10 @@ pub trait Backend: Send + Sync + 'static {
     type Kv: Send + Sync;
     /// Token metadata of one step, on the device.
     type Meta: Send + Sync;
+    /// A model's step inputs, kept on the device at fixed addresses between steps: token
+    /// metadata, token ids (for [`Backend::embed_step`]) and selected rows (for
+    /// [`Backend::gather_step`]). Written once per step by [`Backend::step_upload`].
+    type Step: Send + Sync;
 
     fn name(&self) -> &'static str;
 
@@ -139,6 +157,13 @@ pub trait Backend: Send + Sync + 'static {
     /// Copies `t` into `out` (resized), reusing `out`'s allocation.
     fn copy_to_host(&self, t: &Self::Tensor, out: &mut Vec<f32>);
     fn upload_meta(&self, meta: &[TokenMeta]) -> Self::Meta;
+
+    /// Empty step inputs.
+    fn step_new(&self) -> Self::Step;
+    /// Writes a step's inputs (one host-to-device copy on a GPU).
+    fn step_upload(&self, step: &mut Self::Step, meta: &[TokenMeta], ids: &[u32], sel: &[u32]);
+    /// The token metadata of the last upload.
+    fn step_meta<'a>(&self, step: &'a Self::Step) -> &'a Self::Meta;
 
     // --- KV cache -------------------------------------------------------------------------
     fn kv_new(&self, layers: usize, kv_dim: usize) -> Self::Kv;
@@ -208,4 +233,74 @@ pub trait Backend: Send + Sync + 'static {
     fn copy_columns(&self, src: &Self::Tensor, dst: &mut Self::Tensor, col: usize);
     /// Index of the largest value of every row (first one on ties).
     fn argmax_rows(&self, x: &Self::Tensor) -> Vec<u32>;
+
+    // --- step inputs, fusions and graphs (defaults compose the ops above) -----------------
+
+    /// `out[t] = table[ids[t]]` for the ids of the step's last upload.
+    fn embed_step(&self, table: &Self::Weight, step: &Self::Step, out: &mut Self::Tensor);
+    /// `out[i] = x[sel[i]]` for the selected rows of the step's last upload.
+    fn gather_step(&self, x: &Self::Tensor, step: &Self::Step, out: &mut Self::Tensor);
+
+    /// `out += x · wᵀ` (a residual add fused into the product); `scratch` may be used for
+    /// the product. Bit-identical to `matmul` then `add`.
+    fn matmul_add(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        out: &mut Self::Tensor,
+        scratch: &mut Self::Tensor,
+    ) {
+        self.matmul(x, w, scratch);
+        self.add(out, scratch);
+    }
+
+    /// `out = silu(x · gateᵀ) * (x · upᵀ)`; `scratch` may hold the up product.
+    /// Bit-identical to `matmul_many` then `silu_mul`.
+    fn matmul_swiglu(
+        &self,
+        x: &Self::Tensor,
+        gate: &Self::Weight,
+        up: &Self::Weight,
+        out: &mut Self::Tensor,
+        scratch: &mut Self::Tensor,
+    ) {
+        self.matmul_many(x, &[gate, up], &mut [out, scratch]);
+        self.silu_mul(out, scratch);
+    }
+
+    /// RoPE of `q` and `k` at each token's position, then the KV write of `k` and `v`.
+    /// Bit-identical to `rope(q)`, `rope(k)`, `kv_write`.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_kv_write(
+        &self,
+        q: &mut Self::Tensor,
+        k: &mut Self::Tensor,
+        v: &Self::Tensor,
+        kv: &mut Self::Kv,
+        layer: usize,
+        meta: &Self::Meta,
+        inv_freq: &Self::Tensor,
+        head_dim: usize,
+        style: RopeStyle,
+    ) {
+        self.rope(q, meta, inv_freq, head_dim, style);
+        self.rope(k, meta, inv_freq, head_dim, style);
+        self.kv_write(kv, layer, k, v, meta);
+    }
+
+    /// A number no other model of this backend gets, for [`GraphKey::owner`].
+    fn graph_owner(&self) -> u64 {
+        0
+    }
+
+    /// Runs `f`, which enqueues one step's device work, possibly as a replay of a graph
+    /// captured from an earlier call with the same `key`. The caller guarantees that every
+    /// call with one key enqueues the same work on the same tensors, already shaped before
+    /// the call (so that no op reallocates), reading what changes between steps from device
+    /// memory only (step inputs, KV), and that `f` does nothing else that must happen every
+    /// step: on a replay `f` is not called. The default runs `f`.
+    fn graph(&self, key: GraphKey, f: &mut dyn FnMut()) {
+        let _ = key;
+        f()
+    }
 }

@@ -167,7 +167,7 @@ fn kernels_compile_with_nvrtc() {
         );
         // The PTX fallback must compile too.
         let t = compile::Target { arch, cubin: false };
-        for m in compile::Module::ALL {
+        for m in compile::Module::all() {
             let img = compile::compile(m, t).unwrap_or_else(|e| panic!("compute_{arch}: {e}"));
             assert!(!img.is_empty());
         }

@@ -102,6 +102,14 @@ impl CpuBackend {
     }
 }
 
+/// The CPU's step inputs: host vectors.
+#[derive(Debug, Default)]
+pub struct CpuStep {
+    meta: Vec<TokenMeta>,
+    ids: Vec<u32>,
+    sel: Vec<u32>,
+}
+
 thread_local! {
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
@@ -111,6 +119,7 @@ impl Backend for CpuBackend {
     type Weight = CpuWeight;
     type Kv = CpuKv;
     type Meta = Vec<TokenMeta>;
+    type Step = CpuStep;
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -180,6 +189,23 @@ impl Backend for CpuBackend {
 
     fn upload_meta(&self, meta: &[TokenMeta]) -> Vec<TokenMeta> {
         meta.to_vec()
+    }
+
+    fn step_new(&self) -> CpuStep {
+        CpuStep::default()
+    }
+
+    fn step_upload(&self, step: &mut CpuStep, meta: &[TokenMeta], ids: &[u32], sel: &[u32]) {
+        for (dst, src) in [(&mut step.ids, ids), (&mut step.sel, sel)] {
+            dst.clear();
+            dst.extend_from_slice(src);
+        }
+        step.meta.clear();
+        step.meta.extend_from_slice(meta);
+    }
+
+    fn step_meta<'a>(&self, step: &'a CpuStep) -> &'a Vec<TokenMeta> {
+        &step.meta
     }
 
     fn kv_new(&self, layers: usize, kv_dim: usize) -> CpuKv {
@@ -395,5 +421,13 @@ impl Backend for CpuBackend {
 
     fn argmax_rows(&self, x: &CpuTensor) -> Vec<u32> {
         (0..x.rows).map(|r| elementwise::argmax(x.row(r))).collect()
+    }
+
+    fn embed_step(&self, table: &HostWeight, step: &CpuStep, out: &mut CpuTensor) {
+        self.embed(table, &step.ids, out);
+    }
+
+    fn gather_step(&self, x: &CpuTensor, step: &CpuStep, out: &mut CpuTensor) {
+        self.gather_rows(x, &step.sel, out);
     }
 }

@@ -15,7 +15,7 @@ pub mod pool;
 pub mod tensor;
 mod weight;
 
-pub use backend::CpuBackend;
+pub use backend::{CpuBackend, CpuStep};
 pub use kv::CpuKv;
 pub use matmul::Isa;
 pub use policy::{CpuPath, MatmulMode};

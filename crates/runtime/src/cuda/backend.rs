@@ -1,15 +1,18 @@
 //! `Backend` for CUDA GPUs.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use super::device::{
-    dtype_index, ensure, int, long, mm_rows_per_warp, mm_smem_bytes, Arg, CudaOptions, Device,
-    PrefillGemm, MM_TILES, MM_WARPS,
+    ck, ensure, int, long, Arg, CudaOptions, Device, Epilogue, PrefillGemm, ATT_GM, ATT_MAX_GHD,
+    ATT_MAX_SPLITS, ATT_PER, ATT_THREADS, MM_SEGS, MM_TILES, MM_WARPS,
 };
+use super::graph::Graphs;
 use super::kv::CudaKv;
-use super::tensor::{CudaMeta, CudaTensor, CudaWeight};
+use super::profile::{KernelClassTime, Profiler};
+use super::tensor::{CudaMeta, CudaStep, CudaTensor, CudaWeight};
 use crate::backend::{
-    Activations, AttnShape, Backend, RopeStyle, TokenMeta, WeightPath, WeightRole,
+    Activations, AttnShape, Backend, GraphKey, RopeStyle, TokenMeta, WeightPath, WeightRole,
 };
 use crate::dtype::DType;
 use crate::error::RuntimeError;
@@ -19,18 +22,89 @@ use crate::weight::HostWeight;
 const EW_THREADS: u32 = 256;
 /// Most blocks an element-wise kernel is launched with (they loop over the rest).
 const EW_MAX_BLOCKS: usize = 4096;
-/// Largest head dimension the attention kernel handles (ATT_MAX_HD in attention.cu).
-const ATT_MAX_HD: usize = 256;
-/// Threads per attention block (ATT_WARPS * 32 in attention.cu).
-const ATT_THREADS: u32 = 128;
 /// Largest rotary half-dimension (as on the CPU).
 const ROPE_MAX_HALF: usize = 256;
 /// Floats of dequantized weight the cuBLAS path keeps at once.
 const DEQ_PANEL_MAX: usize = 32 << 20;
 
+/// KV rows the device table is first made for (it grows by doubling, which moves it).
+const KV_TABLE_ROWS: usize = 256;
+
+/// One product of a fused matmul launch (`MmSeg` in matmul.cu).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct MmSeg {
+    w: u64,
+    w2: u64,
+    out: u64,
+    row_bytes: i64,
+    n: i32,
+    block0: i32,
+}
+
+/// `MmParams` in matmul.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct MmParams {
+    seg: [MmSeg; MM_SEGS],
+    x: u64,
+    nseg: i32,
+    k: i32,
+    m: i32,
+    pad: i32,
+}
+
+/// `AttParams` in attention.cu.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct AttParams {
+    q: u64,
+    meta: u64,
+    rows: u64,
+    part: u64,
+    out: u64,
+    layer: i32,
+    t: i32,
+    n_heads: i32,
+    n_kv_heads: i32,
+    head_dim: i32,
+    kv_dim: i32,
+    scale: f32,
+    pad: i32,
+}
+
+/// `RopeKvParams` in ops.cu.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct RopeKvParams {
+    q: u64,
+    k: u64,
+    v: u64,
+    meta: u64,
+    inv_freq: u64,
+    rows: u64,
+    t: i32,
+    q_cols: i32,
+    kv_dim: i32,
+    head_dim: i32,
+    half: i32,
+    style: i32,
+    layer: i32,
+    pad: i32,
+}
+
+/// A weight (and, for SwiGLU, its partner) and the output of one fused product.
+struct Product<'a> {
+    w: &'a CudaWeight,
+    w2: Option<&'a CudaWeight>,
+    out: u64,
+}
+
 /// The CUDA backend. See the module docs of [`crate::cuda`].
 pub struct CudaBackend {
     dev: Arc<Device>,
+    graphs: Mutex<Graphs>,
+    owners: AtomicU64,
 }
 
 fn grid_1d(n: usize, threads: u32) -> u32 {
@@ -46,9 +120,76 @@ impl CudaBackend {
     }
 
     pub fn with_options(opts: CudaOptions) -> Result<Self, RuntimeError> {
+        let graphs = Graphs::from_env().map_err(RuntimeError::Device)?;
         Ok(Self {
             dev: Arc::new(Device::open(&opts)?),
+            graphs: Mutex::new(graphs),
+            owners: AtomicU64::new(1),
         })
+    }
+
+    /// Whether decode steps are replayed as CUDA graphs (on unless `DFLASH_CUDA_GRAPHS=0`
+    /// or profiling is on).
+    pub fn graphs_enabled(&self) -> bool {
+        self.graphs.lock().expect("graph lock").enabled()
+            && self.dev.profiler.lock().expect("profiler lock").is_none()
+    }
+
+    /// Milliseconds of GPU time of the work `f` enqueues (CUDA events around it; waits for it).
+    pub fn time_gpu(&self, f: &mut dyn FnMut()) -> f64 {
+        use cudarc::driver::sys as cu;
+        self.dev.bind();
+        let ev = || {
+            ck(
+                self.dev
+                    .ctx
+                    .new_event(Some(cu::CUevent_flags::CU_EVENT_DEFAULT)),
+                "event creation",
+            )
+        };
+        let (start, end) = (ev(), ev());
+        ck(start.record(&self.dev.stream), "event record");
+        f();
+        ck(end.record(&self.dev.stream), "event record");
+        ck(start.elapsed_ms(&end), "event timing") as f64
+    }
+
+    /// Device-to-device copy bandwidth in GB/s (bytes read plus bytes written per second),
+    /// median of 5 copies of `bytes` bytes after a warm-up: the memory ceiling kernels are
+    /// compared with.
+    pub fn copy_bandwidth(&self, bytes: usize) -> f64 {
+        self.dev.bind();
+        let n = bytes / 4;
+        let (src, mut dst) = (self.dev.zeros::<f32>(n), self.dev.zeros::<f32>(n));
+        let mut copy = || {
+            ck(
+                self.dev.stream.memcpy_dtod(&src, &mut dst),
+                "device-to-device copy",
+            )
+        };
+        copy();
+        let mut t: Vec<f64> = (0..5).map(|_| self.time_gpu(&mut copy)).collect();
+        t.sort_by(f64::total_cmp);
+        2.0 * (4 * n) as f64 / (t[2] * 1e-3) / 1e9
+    }
+
+    /// Starts timing every kernel launch by class (CUDA events; graphs are off meanwhile),
+    /// or stops it.
+    pub fn set_profiling(&self, on: bool) {
+        self.synchronize();
+        *self.dev.profiler.lock().expect("profiler lock") = on.then(Profiler::default);
+    }
+
+    /// GPU time per kernel class since profiling was turned on (or last taken).
+    pub fn take_profile(&self) -> Vec<KernelClassTime> {
+        self.dev.bind();
+        self.dev
+            .profiler
+            .lock()
+            .expect("profiler lock")
+            .as_mut()
+            .map(Profiler::take)
+            .unwrap_or_default()
     }
 
     /// The GPU's name, e.g. "NVIDIA H200".
@@ -104,7 +245,7 @@ impl CudaBackend {
     /// scratch lock so that no other op can overwrite the indices before the launch.
     fn with_indices(&self, ids: &[u32], f: impl FnOnce(u64)) {
         let mut s = self.dev.scratch.lock().expect("scratch lock");
-        let p = ensure(&self.dev.stream, &mut s.idx, ids.len());
+        let p = ensure(&self.dev.stream, &self.dev.epoch, &mut s.idx, ids.len());
         self.dev.htod(ids, p);
         f(p);
     }
@@ -123,9 +264,65 @@ impl CudaBackend {
         );
     }
 
+    /// The products `prods` of one x and format in one launch, each output already shaped
+    /// `[M, N]` (`MM_SEGS` products at most; SwiGLU products carry their up weight).
+    fn mm_launch(&self, x: &CudaTensor, prods: &[Product<'_>], epi: Epilogue) {
+        let m = x.rows;
+        let Some(first) = prods.first() else { return };
+        if m == 0 {
+            return;
+        }
+        assert!(prods.len() <= MM_SEGS);
+        // The smallest tile holding all of x (M > 16 runs as tiles of 16 rows), unless
+        // DFLASH_CUDA_MM_TILE fixes one. The tile never changes a row's result.
+        let want = self.dev.fixed_mt.unwrap_or(m.min(16));
+        let ti = MM_TILES
+            .iter()
+            .position(|t| t.mt >= want)
+            .expect("tiles cover 1..=16");
+        let tile = MM_TILES[ti];
+        let r = if epi == Epilogue::Swiglu {
+            tile.r_swiglu
+        } else {
+            tile.r
+        };
+        let mut p = MmParams {
+            x: self.tptr(x),
+            nseg: prods.len() as i32,
+            k: first.w.cols as i32,
+            m: m as i32,
+            ..Default::default()
+        };
+        let mut blocks = 0usize;
+        for (seg, pr) in p.seg.iter_mut().zip(prods) {
+            assert_eq!(pr.w.dtype, first.w.dtype, "one launch, one format");
+            assert_eq!(pr.w.cols, first.w.cols, "one launch, one K");
+            *seg = MmSeg {
+                w: self.ptr(&pr.w.buf),
+                w2: pr.w2.map_or(0, |w2| self.ptr(&w2.buf)),
+                out: pr.out,
+                row_bytes: pr.w.row_bytes as i64,
+                n: pr.w.rows as i32,
+                block0: blocks as i32,
+            };
+            blocks += pr.w.rows.div_ceil(MM_WARPS * r);
+        }
+        if blocks == 0 {
+            return;
+        }
+        let f = &self.dev.loaded(first.w.dtype).mm[ti][epi as usize];
+        self.dev.launch_with(
+            f,
+            &format!("matmul[{}]", first.w.name),
+            (blocks as u32, m.div_ceil(tile.mt) as u32, 1),
+            ((MM_WARPS * 32) as u32, 1, 1),
+            &p,
+        );
+    }
+
     /// `out = x · wᵀ`, out already shaped `[M, N]`.
     fn matmul_launch(&self, x: &CudaTensor, w: &CudaWeight, out: &CudaTensor) {
-        let (m, n, k) = (x.rows, w.rows, w.cols);
+        let (m, n) = (x.rows, w.rows);
         if m == 0 || n == 0 {
             return;
         }
@@ -134,32 +331,23 @@ impl CudaBackend {
                 return self.matmul_cublas(x, w, out);
             }
         }
-        // The smallest tile holding all of x (or the largest the device allows, in blocks of
-        // it), unless DFLASH_CUDA_MM_TILE fixes one. The tile never changes a row's result.
-        let want = self.dev.fixed_mt.unwrap_or_else(|| m.min(self.dev.max_mt));
-        let ti = MM_TILES
-            .iter()
-            .position(|&t| t >= want)
-            .expect("tile sizes cover 1..=16");
-        let mt = MM_TILES[ti];
-        let rows_per_block = MM_WARPS * mm_rows_per_warp(mt);
-        let grid = (n.div_ceil(rows_per_block) as u32, m.div_ceil(mt) as u32, 1);
-        let f = &self.dev.loaded(w.dtype).mm[ti];
-        self.dev.launch(
-            f,
-            "matmul",
-            grid,
-            ((MM_WARPS * 32) as u32, 1, 1),
-            mm_smem_bytes(mt) as u32,
-            &[
-                Arg::Ptr(self.ptr(&w.buf)),
-                long(w.row_bytes),
-                int(n),
-                int(k),
-                Arg::Ptr(self.tptr(x)),
-                int(m),
-                Arg::Ptr(self.tptr(out)),
-            ],
+        self.mm_launch(
+            x,
+            &[Product {
+                w,
+                w2: None,
+                out: self.tptr(out),
+            }],
+            Epilogue::Store,
+        );
+    }
+
+    fn check_product(x: &CudaTensor, w: &CudaWeight) {
+        assert_eq!(x.cols, w.cols, "matmul {}: inner dimensions differ", w.name);
+        assert!(
+            w.cols.is_multiple_of(32),
+            "matmul {}: needs whole 32-value groups",
+            w.name
         );
     }
 
@@ -205,7 +393,7 @@ impl CudaBackend {
                     Arg::Ptr(self.ptr(&w.buf)),
                     long(w.row_bytes),
                     int(w.cols),
-                    int(dtype_index(w.dtype)),
+                    int(w.dtype.index()),
                     ids_arg,
                     int(row0),
                     int(count),
@@ -226,7 +414,7 @@ impl CudaBackend {
         let (m, n, k) = (x.rows, w.rows, w.cols);
         let panel = (DEQ_PANEL_MAX / k.max(1)).clamp(1, n);
         let mut s = self.dev.scratch.lock().expect("scratch lock");
-        let deq = ensure(&self.dev.stream, &mut s.deq, panel * k);
+        let deq = ensure(&self.dev.stream, &self.dev.epoch, &mut s.deq, panel * k);
         let (alpha, beta) = (1.0f32, 0.0f32);
         let mut n0 = 0;
         while n0 < n {
@@ -298,7 +486,11 @@ impl CudaBackend {
     fn kv_sync_table(&self, kv: &mut CudaKv) {
         let need = kv.table_host.len();
         if kv.table.as_ref().is_none_or(|t| t.len() < need) {
-            kv.table = Some(self.dev.zeros::<u64>(need.next_power_of_two().max(16)));
+            kv.table = Some(
+                self.dev
+                    .zeros::<u64>(need.next_power_of_two().max(2 * KV_TABLE_ROWS)),
+            );
+            self.dev.moved();
         }
         let p = self.ptr(kv.table.as_ref().expect("just set"));
         self.dev.htod(&kv.table_host, p);
@@ -310,6 +502,7 @@ impl Backend for CudaBackend {
     type Weight = CudaWeight;
     type Kv = CudaKv;
     type Meta = CudaMeta;
+    type Step = CudaStep;
 
     fn name(&self) -> &'static str {
         "cuda"
@@ -362,6 +555,7 @@ impl Backend for CudaBackend {
         if rows * cols > t.buf.len() {
             self.dev.bind();
             t.buf = self.dev.zeros::<f32>(rows * cols);
+            self.dev.moved();
         }
         t.rows = rows;
         t.cols = cols;
@@ -549,22 +743,40 @@ impl Backend for CudaBackend {
     }
 
     fn matmul(&self, x: &CudaTensor, w: &CudaWeight, out: &mut CudaTensor) {
-        assert_eq!(x.cols, w.cols, "matmul {}: inner dimensions differ", w.name);
-        assert!(
-            w.cols.is_multiple_of(32),
-            "matmul {}: needs whole 32-value groups",
-            w.name
-        );
+        Self::check_product(x, w);
         self.reshape(out, x.rows, w.rows);
         self.dev.bind();
         self.matmul_launch(x, w, out);
     }
 
+    /// One launch for all products when they share a format (q/k/v, gate/up) and the
+    /// kernel path is in use; otherwise one product at a time.
     fn matmul_many(&self, x: &CudaTensor, ws: &[&CudaWeight], outs: &mut [&mut CudaTensor]) {
         assert_eq!(ws.len(), outs.len());
-        for (w, out) in ws.iter().zip(outs.iter_mut()) {
-            self.matmul(x, w, out);
+        let same_format = ws.iter().all(|w| w.dtype == ws[0].dtype);
+        let cublas = matches!(self.dev.prefill_gemm, PrefillGemm::Cublas { min_rows }
+            if x.rows > 16 && x.rows >= min_rows);
+        if ws.len() > MM_SEGS || !same_format || cublas {
+            for (w, out) in ws.iter().zip(outs.iter_mut()) {
+                self.matmul(x, w, out);
+            }
+            return;
         }
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            Self::check_product(x, w);
+            self.reshape(out, x.rows, w.rows);
+        }
+        self.dev.bind();
+        let prods: Vec<Product<'_>> = ws
+            .iter()
+            .zip(outs.iter())
+            .map(|(w, out)| Product {
+                w,
+                w2: None,
+                out: self.tptr(out),
+            })
+            .collect();
+        self.mm_launch(x, &prods, Epilogue::Store);
     }
 
     fn add_bias(&self, x: &mut CudaTensor, bias: &CudaTensor) {
@@ -606,13 +818,12 @@ impl Backend for CudaBackend {
         if groups == 0 {
             return;
         }
-        // Sixteen lanes per group.
-        let threads = groups * 16;
+        // A block per group (NORM_THREADS in ops.cu).
         self.dev.launch(
             &self.dev.k.rms_norm,
             "rms_norm",
-            (threads.div_ceil(256) as u32, 1, 1),
-            (256, 1, 1),
+            (groups as u32, 1, 1),
+            (128, 1, 1),
             0,
             &[
                 Arg::Ptr(src),
@@ -691,10 +902,23 @@ impl Backend for CudaBackend {
             n_kv_heads * head_dim <= kv.kv_dim,
             "attention: KV heads exceed the cache's width"
         );
-        assert!(
-            head_dim <= ATT_MAX_HD,
-            "attention: head_dim {head_dim} above {ATT_MAX_HD} is not supported"
-        );
+        let group = n_heads / n_kv_heads;
+        let per = ATT_PER.iter().position(|&p| 32 * p >= head_dim);
+        let gm = ATT_GM.iter().position(|&g| g >= group);
+        let (Some(pi), Some(gi)) = (per, gm) else {
+            panic!(
+                "attention: head_dim {head_dim} with {group} query heads per KV head is not \
+                 supported (head_dim <= 256, group <= 8, group x head_dim <= {ATT_MAX_GHD})"
+            )
+        };
+        let f = self.dev.k.attention_split[pi][gi]
+            .as_ref()
+            .unwrap_or_else(|| {
+                panic!(
+                    "attention: {group} query heads per KV head of dimension {head_dim} exceed \
+                 {ATT_MAX_GHD} values per block"
+                )
+            });
         assert!(layer < kv.layers, "KV layer {layer} out of range");
         for m in &meta.host {
             assert!(
@@ -716,26 +940,45 @@ impl Backend for CudaBackend {
             return;
         }
         self.dev.bind();
-        let table = self.ptr(kv.table.as_ref().expect("rows reserved"));
-        self.dev.launch(
-            &self.dev.k.attention,
+        let part = {
+            let mut s = self.dev.scratch.lock().expect("scratch lock");
+            ensure(
+                &self.dev.stream,
+                &self.dev.epoch,
+                &mut s.att_part,
+                t * n_heads * ATT_MAX_SPLITS * (head_dim + 2),
+            )
+        };
+        let p = AttParams {
+            q: self.tptr(q),
+            meta: self.meta_ptr(meta),
+            rows: self.ptr(kv.table.as_ref().expect("rows reserved")),
+            part,
+            out: self.tptr(out),
+            layer: layer as i32,
+            t: t as i32,
+            n_heads: n_heads as i32,
+            n_kv_heads: n_kv_heads as i32,
+            head_dim: head_dim as i32,
+            kv_dim: kv.kv_dim as i32,
+            scale,
+            pad: 0,
+        };
+        // Splits past a token's key count leave at once; the grid does not depend on the
+        // context length, so a captured step stays valid as the context grows.
+        self.dev.launch_with(
+            f,
             "attention",
-            (t as u32, n_heads as u32, 1),
+            (t as u32, n_kv_heads as u32, ATT_MAX_SPLITS as u32),
             (ATT_THREADS, 1, 1),
-            0,
-            &[
-                Arg::Ptr(self.tptr(q)),
-                Arg::Ptr(self.meta_ptr(meta)),
-                Arg::Ptr(table),
-                int(layer),
-                int(t),
-                int(n_heads),
-                int(n_kv_heads),
-                int(head_dim),
-                int(kv.kv_dim),
-                Arg::F32(scale),
-                Arg::Ptr(self.tptr(out)),
-            ],
+            &p,
+        );
+        self.dev.launch_with(
+            &self.dev.k.attention_merge,
+            "attention merge",
+            (t as u32, n_heads as u32, 1),
+            (head_dim.next_multiple_of(32) as u32, 1, 1),
+            &p,
         );
     }
 
@@ -821,6 +1064,247 @@ impl Backend for CudaBackend {
         );
     }
 
+    fn step_new(&self) -> CudaStep {
+        CudaStep {
+            meta: CudaMeta {
+                host: Vec::new(),
+                buf: None,
+                pool: self.dev.meta_pool.clone(),
+            },
+            pinned: None,
+            copied: None,
+            tokens: 0,
+            sel: 0,
+            cap: 0,
+        }
+    }
+
+    fn step_upload(&self, step: &mut CudaStep, meta: &[TokenMeta], ids: &[u32], sel: &[u32]) {
+        assert_eq!(meta.len(), ids.len(), "one id per token");
+        self.dev.bind();
+        let need = 5 * meta.len() + sel.len();
+        if need > step.cap {
+            let cap = need.next_power_of_two().max(64);
+            step.meta.buf = Some(self.dev.uninit::<u32>(cap));
+            // SAFETY: written before every copy out of it (below).
+            step.pinned = Some(ck(
+                unsafe { self.dev.ctx.alloc_pinned::<u32>(cap) },
+                "pinned allocation",
+            ));
+            step.copied = None;
+            step.cap = cap;
+            self.dev.moved();
+        }
+        if let Some(e) = &step.copied {
+            // The previous step's copy must have left the staging buffer.
+            ck(e.synchronize(), "event wait");
+        }
+        let pinned = step.pinned.as_mut().expect("allocated above");
+        let host = ck(pinned.as_mut_slice(), "pinned buffer");
+        for (i, m) in meta.iter().enumerate() {
+            host[4 * i..4 * i + 4].copy_from_slice(&[m.row, m.pos, m.kv_start, m.kv_end]);
+        }
+        let t = meta.len();
+        host[4 * t..5 * t].copy_from_slice(ids);
+        host[5 * t..need].copy_from_slice(sel);
+        let dst = self.ptr(step.meta.buf.as_ref().expect("allocated above"));
+        // SAFETY: the device buffer holds `cap >= need` values; the staging buffer is pinned
+        // and not written again before `copied` completes.
+        ck(
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(
+                    dst,
+                    &host[..need],
+                    self.dev.stream.cu_stream(),
+                )
+            },
+            "step input copy",
+        );
+        let ev = step
+            .copied
+            .get_or_insert_with(|| ck(self.dev.ctx.new_event(None), "event creation"));
+        ck(ev.record(&self.dev.stream), "event record");
+        step.meta.host.clear();
+        step.meta.host.extend_from_slice(meta);
+        step.tokens = t;
+        step.sel = sel.len();
+    }
+
+    fn step_meta<'a>(&self, step: &'a CudaStep) -> &'a CudaMeta {
+        &step.meta
+    }
+
+    fn embed_step(&self, table: &CudaWeight, step: &CudaStep, out: &mut CudaTensor) {
+        let t = step.tokens;
+        self.reshape(out, t, table.cols);
+        if t == 0 || table.cols == 0 {
+            return;
+        }
+        self.dev.bind();
+        let base = self.meta_ptr(&step.meta);
+        let ids = base + 4 * step.ids_offset() as u64;
+        self.dequant(table, Some(ids), 0, t, self.tptr(out));
+    }
+
+    fn gather_step(&self, x: &CudaTensor, step: &CudaStep, out: &mut CudaTensor) {
+        let n = step.sel;
+        self.reshape(out, n, x.cols);
+        if n == 0 || x.cols == 0 {
+            return;
+        }
+        self.dev.bind();
+        let sel = self.meta_ptr(&step.meta) + 4 * step.sel_offset() as u64;
+        self.dev.launch(
+            &self.dev.k.gather_rows,
+            "gather_rows",
+            (x.cols.div_ceil(256).min(64) as u32, n as u32, 1),
+            (256, 1, 1),
+            0,
+            &[
+                Arg::Ptr(self.tptr(x)),
+                Arg::Ptr(sel),
+                int(n),
+                int(x.cols),
+                Arg::Ptr(self.tptr(out)),
+            ],
+        );
+    }
+
+    fn matmul_add(
+        &self,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        out: &mut CudaTensor,
+        scratch: &mut CudaTensor,
+    ) {
+        Self::check_product(x, w);
+        assert_eq!(
+            (out.rows, out.cols),
+            (x.rows, w.rows),
+            "matmul_add {}: the output has the wrong shape",
+            w.name
+        );
+        if x.rows > 16 && matches!(self.dev.prefill_gemm, PrefillGemm::Cublas { .. }) {
+            self.matmul(x, w, scratch);
+            return self.add(out, scratch);
+        }
+        self.dev.bind();
+        let prod = Product {
+            w,
+            w2: None,
+            out: self.tptr(out),
+        };
+        self.mm_launch(x, &[prod], Epilogue::Add);
+    }
+
+    fn matmul_swiglu(
+        &self,
+        x: &CudaTensor,
+        gate: &CudaWeight,
+        up: &CudaWeight,
+        out: &mut CudaTensor,
+        scratch: &mut CudaTensor,
+    ) {
+        let fusable = gate.dtype == up.dtype && gate.rows == up.rows;
+        if !fusable || (x.rows > 16 && matches!(self.dev.prefill_gemm, PrefillGemm::Cublas { .. }))
+        {
+            self.matmul_many(x, &[gate, up], &mut [&mut *out, &mut *scratch]);
+            return self.silu_mul(out, scratch);
+        }
+        Self::check_product(x, gate);
+        Self::check_product(x, up);
+        self.reshape(out, x.rows, gate.rows);
+        self.dev.bind();
+        let prod = Product {
+            w: gate,
+            w2: Some(up),
+            out: self.tptr(out),
+        };
+        self.mm_launch(x, &[prod], Epilogue::Swiglu);
+    }
+
+    fn rope_kv_write(
+        &self,
+        q: &mut CudaTensor,
+        k: &mut CudaTensor,
+        v: &CudaTensor,
+        kv: &mut CudaKv,
+        layer: usize,
+        meta: &CudaMeta,
+        inv_freq: &CudaTensor,
+        head_dim: usize,
+        style: RopeStyle,
+    ) {
+        let t = meta.host.len();
+        let half = inv_freq.len();
+        let dim = kv.kv_dim;
+        assert_eq!(q.rows, t);
+        assert!(k.rows >= t && v.rows >= t);
+        assert_eq!(k.cols, dim);
+        assert_eq!(v.cols, dim);
+        assert!(layer < kv.layers, "KV layer {layer} out of range");
+        assert!(
+            half <= ROPE_MAX_HALF,
+            "rotary dimension above 512 is not supported"
+        );
+        assert!(head_dim > 0 && q.cols.is_multiple_of(head_dim) && dim.is_multiple_of(head_dim));
+        assert!(2 * half <= head_dim);
+        for m in &meta.host {
+            assert!(
+                (m.row as usize) < kv.rows.len(),
+                "KV row {} was never reserved",
+                m.row
+            );
+            assert!(
+                (m.pos as usize) < kv.capacity(m.row as usize),
+                "KV write past the row's reserved capacity"
+            );
+        }
+        if t == 0 {
+            return;
+        }
+        self.dev.bind();
+        let p = RopeKvParams {
+            q: self.tptr(q),
+            k: self.tptr(k),
+            v: self.tptr(v),
+            meta: self.meta_ptr(meta),
+            inv_freq: self.tptr(inv_freq),
+            rows: self.ptr(kv.table.as_ref().expect("rows reserved")),
+            t: t as i32,
+            q_cols: q.cols as i32,
+            kv_dim: dim as i32,
+            head_dim: head_dim as i32,
+            half: half as i32,
+            style: match style {
+                RopeStyle::Neox => 0,
+                RopeStyle::Interleaved => 1,
+            },
+            layer: layer as i32,
+            pad: 0,
+        };
+        self.dev.launch_with(
+            &self.dev.k.rope_kv,
+            "rope_kv",
+            (t as u32, 1, 1),
+            (128, 1, 1),
+            &p,
+        );
+    }
+
+    fn graph_owner(&self) -> u64 {
+        self.owners.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn graph(&self, key: GraphKey, f: &mut dyn FnMut()) {
+        if !self.graphs_enabled() {
+            return f();
+        }
+        self.dev.bind();
+        let mut g = self.graphs.lock().expect("graph lock");
+        g.run(&self.dev, key, f);
+    }
+
     fn argmax_rows(&self, x: &CudaTensor) -> Vec<u32> {
         if x.rows == 0 {
             return Vec::new();
@@ -830,7 +1314,7 @@ impl Backend for CudaBackend {
         }
         self.dev.bind();
         let mut s = self.dev.scratch.lock().expect("scratch lock");
-        let p = ensure(&self.dev.stream, &mut s.argmax, x.rows);
+        let p = ensure(&self.dev.stream, &self.dev.epoch, &mut s.argmax, x.rows);
         self.dev.launch(
             &self.dev.k.argmax_rows,
             "argmax_rows",

@@ -21,41 +21,32 @@ use std::path::{Path, PathBuf};
 
 use cudarc::nvrtc::sys as nv;
 
+use crate::dtype::{DType, FORMATS};
+
 const COMMON: &str = include_str!("../../kernels/common.cu");
 const INCLUDE_COMMON: &str = "#include \"common.cu\"";
 
-/// Suffixes of the per-format kernels (`mm_<suffix>_<tile>`, `dequant_<suffix>`), in the
-/// order of the kernels' format numbers (DT_* in common.cu).
-pub const FORMAT_SUFFIX: [&str; 8] = ["f32", "f16", "bf16", "q4_0", "q4_1", "q8_0", "q4k", "q6k"];
-
-/// A compiled unit: `ops.cu`, `attention.cu`, or `matmul.cu` for one format (by its number).
+/// A compiled unit: `ops.cu`, `attention.cu`, or `matmul.cu` for one format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Module {
     Ops,
     Attention,
-    Matmul(usize),
+    Matmul(DType),
 }
 
 impl Module {
-    /// Every unit: the two shared modules, then matmul for each format.
-    pub const ALL: [Module; 10] = [
-        Module::Ops,
-        Module::Attention,
-        Module::Matmul(0),
-        Module::Matmul(1),
-        Module::Matmul(2),
-        Module::Matmul(3),
-        Module::Matmul(4),
-        Module::Matmul(5),
-        Module::Matmul(6),
-        Module::Matmul(7),
-    ];
+    /// Every unit: the shared modules, then matmul for each format.
+    pub fn all() -> Vec<Module> {
+        let mut v = vec![Module::Ops, Module::Attention];
+        v.extend(DType::ALL.into_iter().map(Module::Matmul));
+        v
+    }
 
     pub fn name(self) -> String {
         match self {
             Module::Ops => "ops".into(),
             Module::Attention => "attention".into(),
-            Module::Matmul(d) => format!("matmul_{}", FORMAT_SUFFIX[d]),
+            Module::Matmul(d) => format!("matmul_{}", d.info().kernel_name),
         }
     }
 
@@ -67,8 +58,9 @@ impl Module {
         }
     }
 
-    /// The complete source handed to NVRTC: the file with `common.cu` pasted in (and, for
-    /// matmul, the format to instantiate defined first).
+    /// The complete source handed to NVRTC: the format constants of the table
+    /// ([`format_defines`]), then the file with `common.cu` pasted in (and, for matmul, the
+    /// format to instantiate defined first).
     pub fn source(self) -> String {
         let raw = self.raw_source();
         assert!(
@@ -76,7 +68,14 @@ impl Module {
             "{}.cu must include common.cu",
             self.name()
         );
-        let mut body = String::with_capacity(raw.len() + COMMON.len());
+        let mut body = format_defines();
+        if let Module::Matmul(d) = self {
+            body.push_str(&format!(
+                "#define DF_MM_DTYPE {}\n#define DF_MM_SUFFIX {}\n",
+                d.index(),
+                d.info().kernel_name
+            ));
+        }
         for line in raw.lines() {
             if line.trim() == INCLUDE_COMMON {
                 body.push_str(COMMON);
@@ -85,14 +84,23 @@ impl Module {
             }
             body.push('\n');
         }
-        match self {
-            Module::Matmul(d) => {
-                assert!(d < FORMAT_SUFFIX.len());
-                format!("#define DF_MM_DTYPE {d}\n{body}")
-            }
-            _ => body,
-        }
+        body
     }
+}
+
+/// `#define DT_<NAME> <number>` and `#define DT_<NAME>_BYTES <bytes per block>` for every
+/// row of the format table: the kernels' only source of format numbers and block sizes.
+pub fn format_defines() -> String {
+    let mut s = String::new();
+    for f in FORMATS.iter() {
+        let name = f.kernel_name.to_uppercase();
+        s.push_str(&format!(
+            "#define DT_{name} {}\n#define DT_{name}_BYTES {}\n",
+            f.dtype.index(),
+            f.block_bytes
+        ));
+    }
+    s
 }
 
 /// What a compilation produced.
@@ -446,7 +454,7 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 /// Compiles every unit for `sm_<arch>` (no GPU needed, only NVRTC), in parallel, returning
 /// each unit's name and CUBIN size. Used to check the kernel sources.
 pub fn compile_all(arch: u32) -> Result<Vec<(String, usize)>, String> {
-    compile_many(&Module::ALL, Target { arch, cubin: true }, false).map(|v| {
+    compile_many(&Module::all(), Target { arch, cubin: true }, false).map(|v| {
         v.into_iter()
             .map(|(m, img)| (m.name(), img.len()))
             .collect()
@@ -489,13 +497,18 @@ mod tests {
 
     #[test]
     fn sources_paste_common() {
-        for m in Module::ALL {
+        for m in Module::all() {
             let s = m.source();
             assert!(!s.lines().any(|l| l.trim() == INCLUDE_COMMON));
-            assert_eq!(s.matches("#define DT_Q6K 7").count(), 1);
+            assert_eq!(s.matches("#define DT_Q6K 7\n").count(), 1);
+            assert_eq!(s.matches("#define DT_Q4_1_BYTES 20\n").count(), 1);
             assert!(s.contains("decode_group"));
             if let Module::Matmul(d) = m {
-                assert!(s.starts_with(&format!("#define DF_MM_DTYPE {d}\n")));
+                assert!(s.contains(&format!(
+                    "#define DF_MM_DTYPE {}\n#define DF_MM_SUFFIX {}\n",
+                    d.index(),
+                    d.info().kernel_name
+                )));
             }
         }
     }

@@ -1,13 +1,15 @@
 //! The CUDA device: context, the one stream, the loaded kernels, launches and copies.
 
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::sys as cu;
 use cudarc::driver::{result as drv, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr};
 
-use super::compile::{self, Image, Module, Target, FORMAT_SUFFIX};
+use super::compile::{self, Image, Module, Target};
+use super::profile::Profiler;
 use crate::dtype::DType;
 use crate::error::RuntimeError;
 
@@ -71,36 +73,80 @@ impl CudaOptions {
     }
 }
 
-/// The index of a format in the kernels' numbering (DT_* in common.cu).
-pub(crate) fn dtype_index(d: DType) -> usize {
-    match d {
-        DType::F32 => 0,
-        DType::F16 => 1,
-        DType::BF16 => 2,
-        DType::Q4_0 => 3,
-        DType::Q4_1 => 4,
-        DType::Q8_0 => 5,
-        DType::Q4K => 6,
-        DType::Q6K => 7,
+/// A matmul tile: MT rows of x per block; R weight rows per warp for the store/add epilogues
+/// and R_SWIGLU (gate + up pairs) for SwiGLU. Must match MM_KERNELS in kernels/matmul.cu.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct MmTile {
+    pub mt: usize,
+    pub r: usize,
+    pub r_swiglu: usize,
+}
+
+pub(crate) const MM_TILES: [MmTile; 5] = [
+    MmTile {
+        mt: 1,
+        r: 1,
+        r_swiglu: 1,
+    },
+    MmTile {
+        mt: 2,
+        r: 1,
+        r_swiglu: 1,
+    },
+    MmTile {
+        mt: 4,
+        r: 2,
+        r_swiglu: 1,
+    },
+    MmTile {
+        mt: 8,
+        r: 4,
+        r_swiglu: 2,
+    },
+    MmTile {
+        mt: 16,
+        r: 4,
+        r_swiglu: 2,
+    },
+];
+/// Warps per matmul block (MM_WARPS in matmul.cu).
+pub(crate) const MM_WARPS: usize = 4;
+/// Products one matmul launch can hold (MM_SEGS in matmul.cu).
+pub(crate) const MM_SEGS: usize = 3;
+
+/// What a matmul does with each output value (EPI_* in matmul.cu).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Epilogue {
+    /// `out = s`
+    Store,
+    /// `out = out + s` (a fused residual add)
+    Add,
+    /// `out = silu(s_gate) * s_up` (two weights per output)
+    Swiglu,
+}
+
+impl Epilogue {
+    pub const ALL: [Epilogue; 3] = [Epilogue::Store, Epilogue::Add, Epilogue::Swiglu];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Epilogue::Store => "store",
+            Epilogue::Add => "add",
+            Epilogue::Swiglu => "swiglu",
+        }
     }
 }
 
-/// Rows of x per block of the matmul kernels, and the matching weight rows per warp.
-pub(crate) const MM_TILES: [usize; 5] = [1, 2, 4, 8, 16];
-pub(crate) const MM_WARPS: usize = 8;
-
-pub(crate) fn mm_rows_per_warp(mt: usize) -> usize {
-    match mt {
-        1 => 4,
-        2 => 2,
-        _ => 1,
-    }
-}
-
-/// Dynamic shared memory of a matmul kernel with `mt` rows of x per block (matmul.cu).
-pub(crate) fn mm_smem_bytes(mt: usize) -> usize {
-    mt * 32 * 33 * 4
-}
+/// Query-head dimensions per lane (head_dim <= 32 * PER) and query heads per KV head of the
+/// split attention kernels (`attention_split_<PER>_<GM>` in attention.cu).
+pub(crate) const ATT_PER: [usize; 4] = [1, 2, 4, 8];
+pub(crate) const ATT_GM: [usize; 4] = [1, 2, 4, 8];
+/// Largest GM * 32 * PER (ATT_MAX_GHD in attention.cu).
+pub(crate) const ATT_MAX_GHD: usize = 1024;
+/// Splits of a token's keys (ATT_MAX_SPLITS in attention.cu).
+pub(crate) const ATT_MAX_SPLITS: usize = 16;
+/// Threads of an attention_split block (ATT_WARPS * 32).
+pub(crate) const ATT_THREADS: u32 = 128;
 
 /// Function handles of the kernels every model needs (ops.cu, attention.cu).
 pub(crate) struct Kernels {
@@ -112,16 +158,19 @@ pub(crate) struct Kernels {
     pub copy_columns: CudaFunction,
     pub rms_norm: CudaFunction,
     pub rope: CudaFunction,
+    pub rope_kv: CudaFunction,
     pub argmax_rows: CudaFunction,
     pub kv_write: CudaFunction,
     pub kv_copy: CudaFunction,
-    pub attention: CudaFunction,
+    /// `attention_split[per index][gm index]` (None where GM * 32 * PER > ATT_MAX_GHD).
+    pub attention_split: Vec<Vec<Option<CudaFunction>>>,
+    pub attention_merge: CudaFunction,
 }
 
 /// The kernels of one weight format (matmul.cu compiled for it), loaded on first use.
 pub(crate) struct FormatKernels {
-    /// `mm[tile_index]` for the tiles of `MM_TILES`.
-    pub mm: Vec<CudaFunction>,
+    /// `mm[tile index][epilogue index]` for the tiles of `MM_TILES`.
+    pub mm: Vec<Vec<CudaFunction>>,
     pub dequant: CudaFunction,
 }
 
@@ -165,17 +214,22 @@ pub(crate) struct Scratch {
     pub argmax: Option<CudaSlice<u32>>,
     /// Dequantized weight panels for the cuBLAS path.
     pub deq: Option<CudaSlice<f32>>,
+    /// Partial softmax states of the split attention.
+    pub att_part: Option<CudaSlice<f32>>,
 }
 
-/// Returns `slot`'s buffer, reallocated when shorter than `n` (contents undefined).
+/// Returns `slot`'s buffer, reallocated when shorter than `n` (contents undefined). A
+/// reallocation moves the buffer, so it bumps `epoch` (captured graphs must be rebuilt).
 pub(crate) fn ensure<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
     stream: &Arc<CudaStream>,
+    epoch: &AtomicU64,
     slot: &mut Option<CudaSlice<T>>,
     n: usize,
 ) -> u64 {
     if slot.as_ref().is_none_or(|s| s.len() < n) {
         *slot = None;
         *slot = Some(ck(stream.alloc_zeros::<T>(n.max(1)), "allocation"));
+        epoch.fetch_add(1, Ordering::Relaxed);
     }
     dptr(stream, slot.as_ref().expect("just set"))
 }
@@ -194,11 +248,8 @@ pub(crate) struct Device {
     /// Per-format kernels, by `dtype_index`, loaded by `format`.
     formats: [OnceLock<FormatKernels>; 8],
     format_lock: Mutex<()>,
-    /// Largest rows-of-x tile the matmul kernels may use (16 when the device allows the
-    /// shared memory it needs).
-    pub max_mt: usize,
-    /// A tile forced by `DFLASH_CUDA_MM_TILE` (1, 2, 4, 8 or 16) for every product: a
-    /// debugging aid (one kernel instance for every M).
+    /// A tile forced by `DFLASH_CUDA_MM_TILE` (1, 2, 4, 8 or 16 rows of x) for every
+    /// product: a debugging aid (one kernel instance for every M).
     pub fixed_mt: Option<usize>,
     pub name: String,
     pub compute_capability: (i32, i32),
@@ -208,6 +259,11 @@ pub(crate) struct Device {
     pub scratch: Mutex<Scratch>,
     /// Device buffers of dropped metadata, reused by `upload_meta`.
     pub meta_pool: Arc<Mutex<Vec<CudaSlice<u32>>>>,
+    /// Bumped whenever a buffer that kernels may have been captured with moves (a tensor,
+    /// scratch or table reallocation): graphs captured before are stale.
+    pub epoch: AtomicU64,
+    /// Kernel timing by class (CUDA events around every launch), when turned on.
+    pub profiler: Mutex<Option<Profiler>>,
 }
 
 impl Device {
@@ -301,25 +357,12 @@ impl Device {
         let target = compile::target_for(arch).map_err(dev_err)?;
         let (k, target) = load_kernels(&ctx, target).map_err(dev_err)?;
 
-        let optin = ctx
-            .attribute(
-                cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
-            )
-            .unwrap_or(48 * 1024) as usize;
-        let max_mt = MM_TILES
-            .iter()
-            .copied()
-            .filter(|&mt| mm_smem_bytes(mt) <= optin.max(48 * 1024))
-            .max()
-            .unwrap_or(1);
-
         let fixed_mt = match std::env::var("DFLASH_CUDA_MM_TILE") {
             Ok(v) => match v.trim().parse::<usize>() {
-                Ok(t) if MM_TILES.contains(&t) && t <= max_mt => Some(t),
+                Ok(t) if MM_TILES.iter().any(|x| x.mt == t) => Some(t),
                 _ => {
                     return Err(dev_err(format!(
-                        "DFLASH_CUDA_MM_TILE={v:?}: expected one of {:?} (at most {max_mt} here)",
-                        MM_TILES
+                        "DFLASH_CUDA_MM_TILE={v:?}: expected one of 1, 2, 4, 8, 16"
                     )))
                 }
             },
@@ -351,7 +394,6 @@ impl Device {
             k,
             formats: Default::default(),
             format_lock: Mutex::new(()),
-            max_mt,
             fixed_mt,
             name,
             compute_capability: cc,
@@ -360,12 +402,14 @@ impl Device {
             prefill_gemm: opts.prefill_gemm,
             scratch: Mutex::new(Scratch::default()),
             meta_pool: Arc::new(Mutex::new(Vec::new())),
+            epoch: AtomicU64::new(0),
+            profiler: Mutex::new(None),
         })
     }
 
     /// The kernels of format `d`, compiled (or read from the cache) and loaded on first use.
     pub fn format(&self, d: DType) -> Result<&FormatKernels, String> {
-        let i = dtype_index(d);
+        let i = d.index();
         if let Some(f) = self.formats[i].get() {
             return Ok(f);
         }
@@ -373,8 +417,8 @@ impl Device {
         if let Some(f) = self.formats[i].get() {
             return Ok(f);
         }
-        let image = compile::load_or_compile(Module::Matmul(i), self.target)?;
-        let f = self.load_format(i, image)?;
+        let image = compile::load_or_compile(Module::Matmul(d), self.target)?;
+        let f = self.load_format(d, image)?;
         Ok(self.formats[i].get_or_init(|| f))
     }
 
@@ -383,46 +427,45 @@ impl Device {
         let _one_at_a_time = self.format_lock.lock().map_err(|e| e.to_string())?;
         let todo: Vec<Module> = formats
             .iter()
-            .map(|&d| dtype_index(d))
-            .filter(|&i| self.formats[i].get().is_none())
-            .map(Module::Matmul)
+            .filter(|d| self.formats[d.index()].get().is_none())
+            .map(|&d| Module::Matmul(d))
             .collect();
         for (m, image) in compile::compile_many(&todo, self.target, true)? {
-            let Module::Matmul(i) = m else { unreachable!() };
-            let f = self.load_format(i, image)?;
-            let _ = self.formats[i].set(f);
+            let Module::Matmul(d) = m else { unreachable!() };
+            let f = self.load_format(d, image)?;
+            let _ = self.formats[d.index()].set(f);
         }
         Ok(())
     }
 
     /// The kernels of a format whose weights were uploaded (which loaded them).
     pub fn loaded(&self, d: DType) -> &FormatKernels {
-        self.formats[dtype_index(d)]
+        self.formats[d.index()]
             .get()
             .expect("weights are uploaded through upload_weight, which loads their kernels")
     }
 
-    fn load_format(&self, i: usize, image: Image) -> Result<FormatKernels, String> {
-        let m = Module::Matmul(i);
+    fn load_format(&self, d: DType, image: Image) -> Result<FormatKernels, String> {
+        let m = Module::Matmul(d);
         let module = load_image(&self.ctx, m, image, self.target)?;
         let get = |name: &str| {
             module
                 .load_function(name)
                 .map_err(|e| format!("kernel {name} missing from {}: {e}", m.name()))
         };
-        let sfx = FORMAT_SUFFIX[i];
+        let sfx = d.info().kernel_name;
         let mut mm = Vec::new();
-        for mt in MM_TILES {
-            let f = get(&format!("mm_{sfx}_{mt}"))?;
-            let need = mm_smem_bytes(mt);
-            if mt <= self.max_mt && need > 48 * 1024 {
-                f.set_attribute(
-                    cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    need as i32,
-                )
-                .map_err(|e| format!("could not allow {need} bytes of shared memory: {e}"))?;
+        for t in MM_TILES {
+            let mut by_epi = Vec::new();
+            for e in Epilogue::ALL {
+                let r = if e == Epilogue::Swiglu {
+                    t.r_swiglu
+                } else {
+                    t.r
+                };
+                by_epi.push(get(&format!("mm_{sfx}_{}_{r}_{}", t.mt, e.name()))?);
             }
-            mm.push(f);
+            mm.push(by_epi);
         }
         Ok(FormatKernels {
             mm,
@@ -438,7 +481,8 @@ impl Device {
         );
     }
 
-    /// Launches `f` on the stream. `name` is for error messages.
+    /// Launches `f` on the stream with `args` (one 8-byte slot each). `name` is for error
+    /// messages and the profile's kernel classes.
     pub fn launch(
         &self,
         f: &CudaFunction,
@@ -450,14 +494,6 @@ impl Device {
     ) {
         const MAX_ARGS: usize = 16;
         assert!(args.len() <= MAX_ARGS, "too many kernel arguments");
-        assert!(
-            grid.0 > 0 && grid.1 > 0 && grid.2 > 0,
-            "empty grid for {name}"
-        );
-        assert!(
-            grid.1 <= 65535 && grid.2 <= 65535,
-            "grid too large for {name}: {grid:?}"
-        );
         let mut slots = [0u64; MAX_ARGS];
         for (s, a) in slots.iter_mut().zip(args) {
             *s = match *a {
@@ -474,17 +510,64 @@ impl Device {
         // SAFETY: the argument list matches the kernel's parameters (each call site is
         // written against the kernel's signature) and the slots outlive the call, which
         // copies the parameters.
-        let r = unsafe {
-            drv::launch_kernel(
-                f.cu_function(),
-                grid,
-                block,
-                smem,
-                self.stream.cu_stream(),
-                &mut params[..args.len()],
-            )
-        };
-        ck(r, &format!("launch of {name}"));
+        unsafe { self.launch_raw(f, name, grid, block, smem, &mut params[..args.len()]) }
+    }
+
+    /// Launches a kernel whose one parameter is the `#[repr(C)]` struct `p` (mirroring the
+    /// kernel's parameter struct field for field).
+    pub fn launch_with<P: Copy>(
+        &self,
+        f: &CudaFunction,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        p: &P,
+    ) {
+        let mut params = [p as *const P as *mut c_void];
+        // SAFETY: the kernel takes one parameter of P's layout (both sides are C structs of
+        // the same fields); the call copies it.
+        unsafe { self.launch_raw(f, name, grid, block, 0, &mut params) }
+    }
+
+    unsafe fn launch_raw(
+        &self,
+        f: &CudaFunction,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        smem: u32,
+        params: &mut [*mut c_void],
+    ) {
+        assert!(
+            grid.0 > 0 && grid.1 > 0 && grid.2 > 0,
+            "empty grid for {name}"
+        );
+        assert!(
+            grid.1 <= 65535 && grid.2 <= 65535,
+            "grid too large for {name}: {grid:?}"
+        );
+        // A poisoned lock (a panic in an earlier launch) still guards a usable profiler.
+        let mut prof = self.profiler.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = prof.as_mut() {
+            p.before(&self.ctx, &self.stream, name);
+        }
+        let r = drv::launch_kernel(
+            f.cu_function(),
+            grid,
+            block,
+            smem,
+            self.stream.cu_stream(),
+            params,
+        );
+        ck(r, name);
+        if let Some(p) = prof.as_mut() {
+            p.after(&self.stream);
+        }
+    }
+
+    /// Bumps the epoch: a buffer kernels may have been captured with has moved.
+    pub fn moved(&self) {
+        self.epoch.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Copies `src` to device address `dst` (stream-ordered; `src` may be reused at once).
@@ -605,6 +688,21 @@ fn load_kernels_for(ctx: &Arc<CudaContext>, target: Target) -> Result<Kernels, S
             .load_function(name)
             .map_err(|e| format!("kernel {name} missing from {}: {e}", m.name()))
     };
+    let mut attention_split = Vec::new();
+    for per in ATT_PER {
+        let mut row = Vec::new();
+        for gm in ATT_GM {
+            row.push(if gm * 32 * per <= ATT_MAX_GHD {
+                Some(get(
+                    Module::Attention,
+                    &format!("attention_split_{per}_{gm}"),
+                )?)
+            } else {
+                None
+            });
+        }
+        attention_split.push(row);
+    }
     Ok(Kernels {
         dequant_float_any: get(Module::Ops, "dequant_float_any")?,
         add: get(Module::Ops, "add_f32")?,
@@ -614,9 +712,11 @@ fn load_kernels_for(ctx: &Arc<CudaContext>, target: Target) -> Result<Kernels, S
         copy_columns: get(Module::Ops, "copy_columns_f32")?,
         rms_norm: get(Module::Ops, "rms_norm_f32")?,
         rope: get(Module::Ops, "rope_f32")?,
+        rope_kv: get(Module::Ops, "rope_kv_f32")?,
         argmax_rows: get(Module::Ops, "argmax_rows_f32")?,
         kv_write: get(Module::Ops, "kv_write_f32")?,
         kv_copy: get(Module::Ops, "kv_copy_f32")?,
-        attention: get(Module::Attention, "attention_f32")?,
+        attention_split,
+        attention_merge: get(Module::Attention, "attention_merge")?,
     })
 }

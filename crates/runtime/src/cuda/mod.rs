@@ -58,10 +58,13 @@
 mod backend;
 pub mod compile;
 mod device;
+mod graph;
 pub mod kv;
+mod profile;
 mod tensor;
 
 pub use backend::CudaBackend;
 pub use device::{CudaOptions, PrefillGemm};
 pub use kv::CudaKv;
-pub use tensor::{CudaMeta, CudaTensor, CudaWeight};
+pub use profile::KernelClassTime;
+pub use tensor::{CudaMeta, CudaStep, CudaTensor, CudaWeight};

@@ -73,3 +73,33 @@ impl Drop for CudaMeta {
         }
     }
 }
+
+/// A model's step inputs on the device: one buffer of `[T][4]` metadata, `T` token ids and
+/// `S` selected rows (in that order), written from a pinned host buffer with one copy per
+/// step. Its device address only changes when a step needs more room than it has (the
+/// backend's epoch is then bumped, so that graphs captured with the old address are rebuilt).
+pub struct CudaStep {
+    /// The metadata view of the buffer (its host copy is the last upload's).
+    pub(crate) meta: CudaMeta,
+    /// Host staging for the copy.
+    pub(crate) pinned: Option<cudarc::driver::PinnedHostSlice<u32>>,
+    /// Recorded after the last copy out of `pinned`: waited for before `pinned` is rewritten.
+    pub(crate) copied: Option<cudarc::driver::CudaEvent>,
+    /// Tokens and selected rows of the last upload.
+    pub(crate) tokens: usize,
+    pub(crate) sel: usize,
+    /// u32 values the buffers hold.
+    pub(crate) cap: usize,
+}
+
+impl CudaStep {
+    /// Offset (in u32) of the token ids in the buffer.
+    pub(crate) fn ids_offset(&self) -> usize {
+        4 * self.tokens
+    }
+
+    /// Offset (in u32) of the selected rows in the buffer.
+    pub(crate) fn sel_offset(&self) -> usize {
+        5 * self.tokens
+    }
+}

@@ -1,0 +1,254 @@
+//! Kernel microbench of the CUDA backend: each weight format x M = 1, 2, 4, 8, 16 x the
+//! projection shapes of a model, and split attention at contexts 128 .. 8k, as µs per call
+//! and GB/s against the measured device-to-device copy bandwidth.
+//!
+//! ```text
+//! cargo build --release -p dflash-runtime --features cuda --example cuda_microbench
+//! cuda_microbench [--shapes smollm2|qwen3-4b|all] [--formats q4_0,q4_1,...] [--reps 50]
+//!                 [--only matmul|attention]
+//! ```
+//!
+//! Method: every measured call is one of `reps` launches captured in a CUDA graph (so launch
+//! overhead is out, as in a captured decode step), the graph is replayed 5 times after a
+//! warm-up and the median is reported. Weights rotate over enough copies to exceed the 60 MB
+//! L2 cache, so each call reads its weight from HBM. Bytes counted: the weight once per call
+//! (matmul); the visible K and V once per call (attention).
+
+use dflash_runtime::backend::{AttnShape, GraphKey};
+use dflash_runtime::cuda::CudaBackend;
+use dflash_runtime::{Backend, DType, HostWeight, TokenMeta, WeightBytes, WeightRole};
+use rand::{Rng, SeedableRng};
+
+struct Shapes {
+    name: &'static str,
+    /// (label, N, K) of the products.
+    products: Vec<(&'static str, usize, usize)>,
+    /// (heads, kv heads, head dim).
+    attention: (usize, usize, usize),
+}
+
+fn shapes(which: &str) -> Vec<Shapes> {
+    let smollm2 = Shapes {
+        name: "smollm2-135m",
+        products: vec![
+            ("q/o 576x576", 576, 576),
+            ("k/v 192x576", 192, 576),
+            ("gate/up 1536x576", 1536, 576),
+            ("down 576x1536", 576, 1536),
+            ("head 49152x576", 49152, 576),
+        ],
+        attention: (9, 3, 64),
+    };
+    let qwen3_4b = Shapes {
+        name: "qwen3-4b",
+        products: vec![
+            ("q 4096x2560", 4096, 2560),
+            ("k/v 1024x2560", 1024, 2560),
+            ("o 2560x4096", 2560, 4096),
+            ("gate/up 9728x2560", 9728, 2560),
+            ("down 2560x9728", 2560, 9728),
+            ("head 151936x2560", 151936, 2560),
+        ],
+        attention: (32, 8, 128),
+    };
+    match which {
+        "smollm2" => vec![smollm2],
+        "qwen3-4b" => vec![qwen3_4b],
+        _ => vec![smollm2, qwen3_4b],
+    }
+}
+
+fn random_weight(dtype: DType, rows: usize, cols: usize, seed: u64) -> HostWeight {
+    let mut r = rand::rngs::StdRng::seed_from_u64(seed);
+    let row_bytes = dtype.row_bytes(cols).expect("whole blocks");
+    let mut bytes = vec![0u8; rows * row_bytes];
+    r.fill(&mut bytes[..]);
+    let f16 = |v: f32| half::f16::from_f32(v).to_bits().to_le_bytes();
+    let scales: &[usize] = match dtype {
+        DType::Q4_0 | DType::Q8_0 => &[0],
+        DType::Q4_1 | DType::Q4K => &[0, 2],
+        DType::Q6K => &[208],
+        _ => &[],
+    };
+    if scales.is_empty() {
+        // Plain floats: small finite values (random bits could be NaN or huge).
+        let width = dtype.block_bytes();
+        for c in bytes.chunks_exact_mut(width) {
+            let v = r.random_range(-1.0f32..1.0);
+            match dtype {
+                DType::F32 => c.copy_from_slice(&v.to_le_bytes()),
+                DType::F16 => c.copy_from_slice(&f16(v)),
+                _ => c.copy_from_slice(&half::bf16::from_f32(v).to_bits().to_le_bytes()),
+            }
+        }
+    } else {
+        for blk in bytes.chunks_exact_mut(dtype.block_bytes()) {
+            for &o in scales {
+                blk[o..o + 2].copy_from_slice(&f16(r.random_range(-0.05f32..0.05)));
+            }
+        }
+    }
+    HostWeight::new(
+        format!("w_{dtype}_{rows}x{cols}"),
+        dtype,
+        rows,
+        cols,
+        WeightBytes::from_vec(bytes),
+    )
+    .expect("consistent shape")
+}
+
+/// Median milliseconds of replaying `f` (captured as a graph after one eager run).
+fn time_graph(g: &CudaBackend, owner: u64, tokens: usize, f: &mut dyn FnMut()) -> f64 {
+    let key = GraphKey {
+        owner,
+        tokens,
+        rows: 0,
+        variant: 0,
+    };
+    g.graph(key, f); // eager: allocations
+    g.graph(key, f); // capture and first replay
+    let mut t: Vec<f64> = (0..5)
+        .map(|_| g.time_gpu(&mut || g.graph(key, f)))
+        .collect();
+    t.sort_by(f64::total_cmp);
+    t[2]
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let mut which = "all".to_string();
+    let mut reps = 50usize;
+    let mut only = String::new();
+    let mut formats = vec![
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q8_0,
+        DType::Q4K,
+        DType::Q6K,
+        DType::BF16,
+        DType::F16,
+    ];
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let mut val = || args.next().ok_or(format!("{a} needs a value"));
+        match a.as_str() {
+            "--shapes" => which = val()?,
+            "--reps" => reps = val()?.parse()?,
+            "--only" => only = val()?,
+            "--formats" => {
+                formats = val()?
+                    .split(',')
+                    .map(|f| {
+                        DType::ALL
+                            .into_iter()
+                            .find(|d| d.info().kernel_name == f || d.info().name == f)
+                            .ok_or(format!("unknown format {f}"))
+                    })
+                    .collect::<Result<_, _>>()?
+            }
+            _ => return Err(format!("unknown flag {a}").into()),
+        }
+    }
+    let g = CudaBackend::new()?;
+    g.preload(&formats)?;
+    let bw = g.copy_bandwidth(2 << 30);
+    println!(
+        "# {} ({}); device-to-device copy {:.0} GB/s (read + write); {reps} launches per graph",
+        g.device_name(),
+        g.kernel_target(),
+        bw
+    );
+    let owner = g.graph_owner();
+    let mut variant_owner = owner * 1000;
+    for sh in shapes(&which) {
+        if only.is_empty() || only == "matmul" {
+            println!(
+                "\n## {} matmul: us per call (GB/s of weight, % of copy bandwidth)",
+                sh.name
+            );
+            println!("| format | shape | M=1 | M=2 | M=4 | M=8 | M=16 |");
+            println!("|---|---|---|---|---|---|---|");
+            for &dtype in &formats {
+                for &(label, n, k) in &sh.products {
+                    if !k.is_multiple_of(dtype.block_len()) {
+                        continue;
+                    }
+                    let bytes = n * dtype.row_bytes(k).expect("whole blocks");
+                    let copies = (256usize << 20).div_ceil(bytes).clamp(1, 64);
+                    let ws: Vec<_> = (0..copies)
+                        .map(|c| g.upload_weight(&random_weight(dtype, n, k, c as u64), WeightRole::Projection))
+                        .collect::<Result<_, _>>()?;
+                    let mut cells = Vec::new();
+                    for m in [1usize, 2, 4, 8, 16] {
+                        let mut r = rand::rngs::StdRng::seed_from_u64(m as u64);
+                        let xv: Vec<f32> = (0..m * k).map(|_| r.random_range(-1.0..1.0)).collect();
+                        let x = g.upload(&xv, m, k);
+                        let mut out = g.tensor(m, n);
+                        variant_owner += 1;
+                        let ms = time_graph(&g, variant_owner, m, &mut || {
+                            for i in 0..reps {
+                                g.matmul(&x, &ws[i % copies], &mut out);
+                            }
+                        });
+                        let us = 1000.0 * ms / reps as f64;
+                        let gbs = bytes as f64 / (us * 1e-6) / 1e9;
+                        cells.push(format!("{us:.2} ({gbs:.0}, {:.0}%)", 100.0 * gbs / bw));
+                    }
+                    println!("| {dtype} | {label} | {} |", cells.join(" | "));
+                }
+            }
+        }
+        if only.is_empty() || only == "attention" {
+            let (heads, kv_heads, hd) = sh.attention;
+            let kv_dim = kv_heads * hd;
+            let shape = AttnShape {
+                n_heads: heads,
+                n_kv_heads: kv_heads,
+                head_dim: hd,
+                scale: 1.0 / (hd as f32).sqrt(),
+            };
+            println!(
+                "\n## {} attention ({heads} heads, {kv_heads} KV heads, dim {hd}): us per call (GB/s of K+V)",
+                sh.name
+            );
+            println!("| context | T=1 | T=16 (a verify block) |");
+            println!("|---|---|---|");
+            for ctx in [128usize, 512, 1024, 2048, 4096, 8192] {
+                let mut kv = g.kv_new(1, kv_dim);
+                g.kv_reserve(&mut kv, 0, ctx + 16, 0);
+                let meta: Vec<TokenMeta> = (0..ctx + 16)
+                    .map(|p| TokenMeta::causal(0, p as u32))
+                    .collect();
+                let mut r = rand::rngs::StdRng::seed_from_u64(ctx as u64);
+                let kvv: Vec<f32> = (0..(ctx + 16) * kv_dim)
+                    .map(|_| r.random_range(-1.0..1.0))
+                    .collect();
+                let kt = g.upload(&kvv, ctx + 16, kv_dim);
+                g.kv_write(&mut kv, 0, &kt, &kt, &g.upload_meta(&meta));
+                let mut cells = Vec::new();
+                for t in [1usize, 16] {
+                    let tm: Vec<TokenMeta> = (0..t)
+                        .map(|i| TokenMeta::causal(0, (ctx - 1 + i) as u32))
+                        .collect();
+                    let mg = g.upload_meta(&tm);
+                    let qv: Vec<f32> = (0..t * heads * hd)
+                        .map(|_| r.random_range(-1.0..1.0))
+                        .collect();
+                    let q = g.upload(&qv, t, heads * hd);
+                    let mut out = g.tensor(t, heads * hd);
+                    variant_owner += 1;
+                    let ms = time_graph(&g, variant_owner, t, &mut || {
+                        for _ in 0..reps {
+                            g.attention(&q, &kv, 0, &mg, shape, &mut out);
+                        }
+                    });
+                    let us = 1000.0 * ms / reps as f64;
+                    let bytes = 2 * (ctx + t) * kv_dim * 4;
+                    cells.push(format!("{us:.2} ({:.0})", bytes as f64 / (us * 1e-6) / 1e9));
+                }
+                println!("| {ctx} | {} |", cells.join(" | "));
+            }
+        }
+    }
+    Ok(())
+}

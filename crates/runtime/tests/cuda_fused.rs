@@ -1,0 +1,384 @@
+//! The CUDA backend's fused ops, step inputs and graphs: each fusion against the ops it
+//! replaces (bit for bit on the GPU), the small-M matmul tiles against each other for every
+//! M = 1..20 (one reduction order: bit for bit), split attention across split boundaries, and
+//! a step replayed from a CUDA graph against the same step run eagerly.
+//!
+//! Every test prints "skipped: no CUDA device (<reason>)" and returns when there is none.
+#![cfg(feature = "cuda")]
+
+use std::sync::OnceLock;
+
+use dflash_runtime::backend::{AttnShape, GraphKey, RopeStyle};
+use dflash_runtime::cuda::CudaBackend;
+use dflash_runtime::{Backend, DType, HostWeight, TokenMeta, WeightBytes, WeightRole};
+use rand::{Rng, SeedableRng};
+
+fn gpu() -> Option<&'static CudaBackend> {
+    static GPU: OnceLock<Result<CudaBackend, String>> = OnceLock::new();
+    let open = || {
+        let b = CudaBackend::new()?;
+        b.preload(&DType::ALL)?;
+        Ok::<_, dflash_runtime::RuntimeError>(b)
+    };
+    match GPU.get_or_init(|| open().map_err(|e| e.to_string())) {
+        Ok(b) => Some(b),
+        Err(e) => {
+            println!("skipped: no CUDA device ({e})");
+            None
+        }
+    }
+}
+
+fn random_vec(n: usize, lo: f32, hi: f32, seed: u64) -> Vec<f32> {
+    let mut r = rand::rngs::StdRng::seed_from_u64(seed);
+    (0..n).map(|_| r.random_range(lo..hi)).collect()
+}
+
+/// Random weights: random codes with small finite scales (plain floats in [-1, 1)).
+fn random_weight(dtype: DType, rows: usize, cols: usize, seed: u64) -> HostWeight {
+    let mut r = rand::rngs::StdRng::seed_from_u64(seed);
+    let row_bytes = dtype.row_bytes(cols).expect("whole blocks");
+    let mut bytes = vec![0u8; rows * row_bytes];
+    let f16 = |v: f32| half::f16::from_f32(v).to_bits().to_le_bytes();
+    match dtype {
+        DType::F32 => bytes
+            .chunks_exact_mut(4)
+            .for_each(|c| c.copy_from_slice(&r.random_range(-1.0f32..1.0).to_le_bytes())),
+        DType::F16 => bytes
+            .chunks_exact_mut(2)
+            .for_each(|c| c.copy_from_slice(&f16(r.random_range(-1.0f32..1.0)))),
+        DType::BF16 => bytes.chunks_exact_mut(2).for_each(|c| {
+            let b = half::bf16::from_f32(r.random_range(-1.0f32..1.0));
+            c.copy_from_slice(&b.to_bits().to_le_bytes())
+        }),
+        _ => {
+            r.fill(&mut bytes[..]);
+            let scales: &[usize] = match dtype {
+                DType::Q4_0 | DType::Q8_0 => &[0],
+                DType::Q4_1 | DType::Q4K => &[0, 2],
+                DType::Q6K => &[208],
+                _ => unreachable!(),
+            };
+            for blk in bytes.chunks_exact_mut(dtype.block_bytes()) {
+                for &o in scales {
+                    blk[o..o + 2].copy_from_slice(&f16(r.random_range(-0.05f32..0.05)));
+                }
+            }
+        }
+    }
+    HostWeight::new(
+        format!("w_{dtype}"),
+        dtype,
+        rows,
+        cols,
+        WeightBytes::from_vec(bytes),
+    )
+    .expect("consistent shape")
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+#[test]
+fn every_m_from_1_to_20_gives_the_bits_of_m_1() {
+    let Some(g) = gpu() else { return };
+    // K = 576 (18 groups: a partial last step of 8 groups) and 1536; N not a multiple of any
+    // block's rows.
+    for (k, n) in [(576usize, 197usize), (1536, 61)] {
+        for dtype in DType::ALL {
+            let k = if dtype.block_len() == 256 { 1536 } else { k };
+            let w = g
+                .upload_weight(&random_weight(dtype, n, k, 7 + k as u64), WeightRole::Projection)
+                .unwrap();
+            let x = random_vec(20 * k, -1.0, 1.0, 9);
+            let mut alone = Vec::new();
+            for r in 0..20 {
+                let mut o = g.tensor(0, 0);
+                g.matmul(&g.upload(&x[r * k..(r + 1) * k], 1, k), &w, &mut o);
+                alone.extend(g.to_host(&o));
+            }
+            for m in 1..=20 {
+                let mut o = g.tensor(0, 0);
+                g.matmul(&g.upload(&x[..m * k], m, k), &w, &mut o);
+                assert_eq!(
+                    bits(&g.to_host(&o)),
+                    bits(&alone[..m * n]),
+                    "{dtype} K={k}: M={m} differs from the rows alone"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn fused_matmuls_equal_the_ops_they_replace() {
+    let Some(g) = gpu() else { return };
+    for dtype in [
+        DType::Q4_1,
+        DType::Q8_0,
+        DType::BF16,
+        DType::Q4K,
+        DType::Q6K,
+    ] {
+        let (k, n) = (512usize, 300usize);
+        let wa = g.upload_weight(&random_weight(dtype, n, k, 1), WeightRole::Projection).unwrap();
+        let wb = g.upload_weight(&random_weight(dtype, n, k, 2), WeightRole::Projection).unwrap();
+        let wc = g.upload_weight(&random_weight(dtype, 77, k, 3), WeightRole::Projection).unwrap();
+        for m in [1usize, 3, 8, 16, 40] {
+            let x = g.upload(&random_vec(m * k, -1.0, 1.0, 4 + m as u64), m, k);
+            let base = random_vec(m * n, -3.0, 3.0, 5);
+
+            // out += x · wᵀ
+            let mut fused = g.upload(&base, m, n);
+            let mut scratch = g.tensor(0, 0);
+            g.matmul_add(&x, &wa, &mut fused, &mut scratch);
+            let mut sep = g.upload(&base, m, n);
+            let mut prod = g.tensor(0, 0);
+            g.matmul(&x, &wa, &mut prod);
+            g.add(&mut sep, &prod);
+            assert_eq!(
+                bits(&g.to_host(&fused)),
+                bits(&g.to_host(&sep)),
+                "matmul_add {dtype} M={m}"
+            );
+
+            // silu(x · gᵀ) * (x · uᵀ)
+            let (mut fg, mut fu) = (g.tensor(0, 0), g.tensor(0, 0));
+            g.matmul_swiglu(&x, &wa, &wb, &mut fg, &mut fu);
+            let (mut sg, mut su) = (g.tensor(0, 0), g.tensor(0, 0));
+            g.matmul(&x, &wa, &mut sg);
+            g.matmul(&x, &wb, &mut su);
+            g.silu_mul(&mut sg, &su);
+            assert_eq!(
+                bits(&g.to_host(&fg)),
+                bits(&g.to_host(&sg)),
+                "matmul_swiglu {dtype} M={m}"
+            );
+
+            // Three products in one launch (different N) against one at a time.
+            let (mut o1, mut o2, mut o3) = (g.tensor(0, 0), g.tensor(0, 0), g.tensor(0, 0));
+            g.matmul_many(&x, &[&wa, &wc, &wb], &mut [&mut o1, &mut o2, &mut o3]);
+            for (w, o) in [(&wa, &o1), (&wc, &o2), (&wb, &o3)] {
+                let mut single = g.tensor(0, 0);
+                g.matmul(&x, w, &mut single);
+                assert_eq!(
+                    bits(&g.to_host(o)),
+                    bits(&g.to_host(&single)),
+                    "matmul_many {dtype} M={m}"
+                );
+            }
+        }
+    }
+}
+
+/// Tokens of rows with contexts around tile (32) and split boundaries, for `rope_kv_write`
+/// and attention tests.
+fn kv_setup(g: &CudaBackend, kv_dim: usize, lens: &[usize]) -> <CudaBackend as Backend>::Kv {
+    let mut kv = g.kv_new(1, kv_dim);
+    for (row, &len) in lens.iter().enumerate() {
+        g.kv_reserve(&mut kv, row, len + 64, 0);
+        let meta: Vec<TokenMeta> = (0..len)
+            .map(|p| TokenMeta::causal(row as u32, p as u32))
+            .collect();
+        let k = random_vec(len * kv_dim, -1.0, 1.0, 100 + row as u64);
+        let v = random_vec(len * kv_dim, -1.0, 1.0, 200 + row as u64);
+        g.kv_write(
+            &mut kv,
+            0,
+            &g.upload(&k, len, kv_dim),
+            &g.upload(&v, len, kv_dim),
+            &g.upload_meta(&meta),
+        );
+    }
+    kv
+}
+
+#[test]
+fn rope_kv_write_equals_rope_rope_kv_write_and_verify_equals_decode() {
+    let Some(g) = gpu() else { return };
+    for (n_heads, n_kv_heads, head_dim) in [(9usize, 3usize, 64usize), (32, 8, 128), (8, 8, 64)] {
+        let kv_dim = n_kv_heads * head_dim;
+        let shape = AttnShape {
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            scale: 1.0 / (head_dim as f32).sqrt(),
+        };
+        let inv: Vec<f32> = (0..head_dim / 2)
+            .map(|i| 10000f32.powf(-((2 * i) as f32) / head_dim as f32))
+            .collect();
+        let inv = g.upload(&inv, 1, head_dim / 2);
+        // Row contexts just below, at and above tile and split boundaries (512 = 16 tiles:
+        // beyond it a split holds several tiles).
+        let lens = [31usize, 495, 512, 1000, 4100];
+        let block = 17;
+        let q = random_vec(block * n_heads * head_dim, -2.0, 2.0, 300);
+        let k = random_vec(block * kv_dim, -1.0, 1.0, 301);
+        let v = random_vec(block * kv_dim, -1.0, 1.0, 302);
+        for (row, &len) in lens.iter().enumerate() {
+            let meta: Vec<TokenMeta> = (0..block)
+                .map(|i| TokenMeta::causal(row as u32, (len + i) as u32))
+                .collect();
+            // Fused and separate: same q, same cache, same attention.
+            let mut kv_f = kv_setup(g, kv_dim, &lens);
+            let mut kv_s = kv_setup(g, kv_dim, &lens);
+            let mg = g.upload_meta(&meta);
+            let mut qf = g.upload(&q, block, n_heads * head_dim);
+            let mut kf = g.upload(&k, block, kv_dim);
+            let vf = g.upload(&v, block, kv_dim);
+            g.rope_kv_write(
+                &mut qf,
+                &mut kf,
+                &vf,
+                &mut kv_f,
+                0,
+                &mg,
+                &inv,
+                head_dim,
+                RopeStyle::Neox,
+            );
+            let mut qs = g.upload(&q, block, n_heads * head_dim);
+            let mut ks = g.upload(&k, block, kv_dim);
+            g.rope(&mut qs, &mg, &inv, head_dim, RopeStyle::Neox);
+            g.rope(&mut ks, &mg, &inv, head_dim, RopeStyle::Neox);
+            g.kv_write(&mut kv_s, 0, &ks, &vf, &mg);
+            assert_eq!(bits(&g.to_host(&qf)), bits(&g.to_host(&qs)), "rotated q");
+            assert_eq!(bits(&g.to_host(&kf)), bits(&g.to_host(&ks)), "rotated k");
+            let (mut af, mut asep) = (g.tensor(0, 0), g.tensor(0, 0));
+            g.attention(&qf, &kv_f, 0, &mg, shape, &mut af);
+            g.attention(&qs, &kv_s, 0, &mg, shape, &mut asep);
+            let verify = g.to_host(&af);
+            assert_eq!(
+                bits(&verify),
+                bits(&g.to_host(&asep)),
+                "attention after fusion"
+            );
+
+            // Token by token (decode) gives the verify block's bits.
+            let width = n_heads * head_dim;
+            let qh = g.to_host(&qf);
+            for (i, m) in meta.iter().enumerate() {
+                let mut o = g.tensor(0, 0);
+                g.attention(
+                    &g.upload(&qh[i * width..(i + 1) * width], 1, width),
+                    &kv_f,
+                    0,
+                    &g.upload_meta(std::slice::from_ref(m)),
+                    shape,
+                    &mut o,
+                );
+                assert_eq!(
+                    bits(&g.to_host(&o)),
+                    bits(&verify[i * width..(i + 1) * width]),
+                    "heads {n_heads}/{n_kv_heads} dim {head_dim}: token {i} of the block at \
+                     context {len} alone differs"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn step_inputs_feed_embed_and_gather() {
+    let Some(g) = gpu() else { return };
+    let table = g
+        .upload_weight(&random_weight(DType::Q8_0, 1000, 64, 11), WeightRole::Embedding)
+        .unwrap();
+    let mut step = g.step_new();
+    for (t, seed) in [(3usize, 1u64), (40, 2), (1, 3), (600, 4)] {
+        let mut r = rand::rngs::StdRng::seed_from_u64(seed);
+        let ids: Vec<u32> = (0..t).map(|_| r.random_range(0..1000)).collect();
+        let sel: Vec<u32> = (0..t.min(5)).map(|i| (t - 1 - i) as u32).collect();
+        let meta: Vec<TokenMeta> = (0..t).map(|i| TokenMeta::causal(0, i as u32)).collect();
+        g.step_upload(&mut step, &meta, &ids, &sel);
+        assert_eq!(g.step_meta(&step).tokens(), &meta[..]);
+        let (mut e1, mut e2) = (g.tensor(0, 0), g.tensor(0, 0));
+        g.embed_step(&table, &step, &mut e1);
+        g.embed(&table, &ids, &mut e2);
+        assert_eq!(
+            bits(&g.to_host(&e1)),
+            bits(&g.to_host(&e2)),
+            "embed_step t={t}"
+        );
+        let (mut s1, mut s2) = (g.tensor(0, 0), g.tensor(0, 0));
+        g.gather_step(&e1, &step, &mut s1);
+        g.gather_rows(&e1, &sel, &mut s2);
+        assert_eq!(
+            bits(&g.to_host(&s1)),
+            bits(&g.to_host(&s2)),
+            "gather_step t={t}"
+        );
+    }
+}
+
+#[test]
+fn graph_replays_equal_eager_steps() {
+    let Some(g) = gpu() else { return };
+    let (hidden, vocab) = (128usize, 500usize);
+    let table = g
+        .upload_weight(&random_weight(DType::Q4_1, vocab, hidden, 21), WeightRole::Embedding)
+        .unwrap();
+    let w = g
+        .upload_weight(&random_weight(DType::Q4_0, hidden, hidden, 22), WeightRole::Projection)
+        .unwrap();
+    let head = g
+        .upload_weight(&random_weight(DType::Q8_0, vocab, hidden, 23), WeightRole::Vocab)
+        .unwrap();
+    let norm = g.upload(&random_vec(hidden, 0.5, 1.5, 24), 1, hidden);
+    let owner = g.graph_owner();
+    // A step of 4 tokens: embed, norm, a residual product, gather 2 rows, head. The graph
+    // path keeps its buffers for every call (as a model's workspace does).
+    struct Bufs {
+        x: <CudaBackend as Backend>::Tensor,
+        h: <CudaBackend as Backend>::Tensor,
+        o: <CudaBackend as Backend>::Tensor,
+        sel: <CudaBackend as Backend>::Tensor,
+        logits: <CudaBackend as Backend>::Tensor,
+    }
+    let bufs = || Bufs {
+        x: g.tensor(4, hidden),
+        h: g.tensor(4, hidden),
+        o: g.tensor(4, hidden),
+        sel: g.tensor(2, hidden),
+        logits: g.tensor(2, vocab),
+    };
+    let run =
+        |step: &mut <CudaBackend as Backend>::Step, b: &mut Bufs, ids: &[u32], graph: bool| {
+            let meta: Vec<TokenMeta> = (0..ids.len())
+                .map(|i| TokenMeta::causal(0, i as u32))
+                .collect();
+            g.step_upload(step, &meta, ids, &[3, 1]);
+            let mut work = || {
+                g.embed_step(&table, step, &mut b.x);
+                g.rms_norm(&mut b.x, &norm, 1e-5, false, Some(&mut b.h));
+                g.matmul_add(&b.h, &w, &mut b.x, &mut b.o);
+                g.gather_step(&b.x, step, &mut b.sel);
+                g.matmul(&b.sel, &head, &mut b.logits);
+            };
+            if graph {
+                let key = GraphKey {
+                    owner,
+                    tokens: 4,
+                    rows: 2,
+                    variant: 0,
+                };
+                g.graph(key, &mut work);
+            } else {
+                work();
+            }
+            g.to_host(&b.logits)
+        };
+    let (mut eager_step, mut eager_bufs) = (g.step_new(), bufs());
+    let (mut graph_step, mut graph_bufs) = (g.step_new(), bufs());
+    // Run the graph path many times (eager, capture, replays) with new ids each time.
+    for i in 0..6u32 {
+        let ids = [i * 7 % 500, 3 + i, 499 - i, 250];
+        let want = run(&mut eager_step, &mut eager_bufs, &ids, false);
+        let got = run(&mut graph_step, &mut graph_bufs, &ids, true);
+        assert_eq!(bits(&got), bits(&want), "step {i}: graph path differs");
+    }
+    if !g.graphs_enabled() {
+        println!("note: DFLASH_CUDA_GRAPHS=0: the graph path ran eagerly");
+    }
+}

@@ -1,0 +1,159 @@
+#!/usr/bin/env bash
+# One H200 session of the CUDA backend in three back-to-back device calls (the device tool
+# carries at most 64 MiB per call and keeps $HOME only while the machine stays warm, so the
+# 98 MB default model travels in two parts). Built and packed here, run there:
+#
+#   bash tools/h200_session.sh --pack      # here: builds, then fills .gpu/{common,A,B,C}
+#   run  carry [".gpu/common", ".gpu/A"]  command "bash .gpu/common/h200_session.sh A"
+#   run  carry [".gpu/common", ".gpu/B"]  command "bash .gpu/common/h200_session.sh B"
+#   run  carry [".gpu/common", ".gpu/C"]  command "bash .gpu/common/h200_session.sh C"
+#
+# A: unpacks the binaries, starts a llama.cpp CUDA build (Feb-2025 source, sm_90) in the
+#    background, runs the CUDA op tests (cuda_ops, cuda_fused) and the kernel microbench.
+# B: assembles and checks the default model; CPU-vs-GPU greedy parity on 24 MT-Bench
+#    prompts; `dflash bench` plain decoding (kernel split by class) at prompts 128 and 512.
+# C: the shipped drafter: DFlash parity on the GPU (B = 1 and B = 4); dflash bench AR vs
+#    DFlash and B = 4; llama-bench beside dflash bench, alternating; the Qwen3-4B-shaped
+#    synthetic target; a compute-sanitizer pass over the fused-op tests.
+# Logs and results go to $OUT (the device tool brings them back).
+set -uo pipefail
+
+pack() {
+    set -e
+    cd "$(dirname "$0")/.."
+    local model="${DFLASH_MODEL_FILE:-$HOME/.cache/dflash/SmolLM2-135M-Instruct.Q4_1.gguf}"
+    [ -f "$model" ] || { echo "pack: the default model is not at $model (set DFLASH_MODEL_FILE)" >&2; exit 2; }
+    cargo build --release -p dflash-cli --features cuda --bin dflash --example gpu_parity
+    cargo build --release -p dflash-runtime --features cuda --example cuda_microbench
+    cargo build --release -p dflash-models --example synthetic_model
+    bash tools/gpu_check.sh --build
+    rm -rf .gpu/common .gpu/A .gpu/B .gpu/C
+    mkdir -p .gpu/common .gpu/A .gpu/B .gpu/C .gpu/bin
+    cp tools/h200_session.sh tools/cuda_env.sh .gpu/common/
+    cp data/mt_bench_first_turns.jsonl .gpu/common/prompts.jsonl
+    for b in dflash examples/gpu_parity examples/cuda_microbench examples/synthetic_model; do
+        cp "target/release/$b" .gpu/bin/
+    done
+    cp .gpu/tests/* .gpu/bin/
+    strip .gpu/bin/* 2>/dev/null || true
+    tar -C .gpu/bin -cJf .gpu/A/bins.tar.xz .
+    [ -f .gpu/llama_src.tgz ] && cp .gpu/llama_src.tgz .gpu/A/
+    local room=$(( 60 * 1024 * 1024 - $(du -cb .gpu/A .gpu/common | tail -n 1 | cut -f1) ))
+    head -c "$room" "$model" > .gpu/A/model.part1
+    tail -c +"$(( room + 1 ))" "$model" > .gpu/B/model.part2
+    cp -r models/drafters/smollm2-135m-instruct-dflash .gpu/C/drafter
+    du -sh .gpu/common .gpu/A .gpu/B .gpu/C
+}
+
+if [ "${1:-}" = "--pack" ]; then
+    pack
+    exit 0
+fi
+
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+W="$HOME/dflash-h200"
+mkdir -p "$W"
+out="${OUT:-/tmp/h200_out}"
+mkdir -p "$out"
+log="$out/session-${1:-none}.log"
+exec > >(tee -a "$log") 2>&1
+# shellcheck source=tools/cuda_env.sh
+source "$here/cuda_env.sh"
+export DFLASH_CACHE_DIR="$W/cache" RUST_BACKTRACE=1
+MODEL="$W/SmolLM2-135M-Instruct.Q4_1.gguf"
+SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+say() { echo "== $(date +%T) $*"; }
+
+stage_a() {
+    say "machine"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap,clocks.sm,clocks.mem --format=csv
+    tar -C "$W" -xJf "$root/.gpu/A/bins.tar.xz"
+    cp "$root/.gpu/A/model.part1" "$W/"
+    if [ -f "$root/.gpu/A/llama_src.tgz" ]; then
+        say "llama.cpp build (background)"
+        mkdir -p "$W/llama" && tar -C "$W/llama" -xzf "$root/.gpu/A/llama_src.tgz"
+        cat > "$W/llama/examples/CMakeLists.txt" <<'EOF'
+find_package(Threads REQUIRED)
+llama_add_compile_flags()
+include_directories(${CMAKE_CURRENT_SOURCE_DIR})
+add_subdirectory(llama-bench)
+add_subdirectory(batched-bench)
+EOF
+        setsid nohup bash -c "cd '$W/llama' && cmake -B build -DGGML_CUDA=ON \
+            -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DLLAMA_CURL=OFF \
+            -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DCMAKE_BUILD_TYPE=Release \
+            > build.log 2>&1 && cmake --build build -j 14 --target llama-bench llama-batched-bench \
+            >> build.log 2>&1; echo \$? > build.done" > /dev/null 2>&1 < /dev/null &
+    fi
+    for t in cuda_ops cuda_fused; do
+        say "$t"
+        timeout 300 "$W/$t" --test-threads=1 2>&1 | tee "$out/$t.log" | grep -E "^test |test result|panicked|skipped|error" | head -60
+    done
+    say "microbench (smollm2 shapes)"
+    timeout 240 "$W/cuda_microbench" --shapes smollm2 --reps 30 | tee "$out/microbench_smollm2.md"
+    for t in cuda_ops cuda_fused; do
+        say "compute-sanitizer memcheck: $t (the long sweeps skipped)"
+        timeout 120 compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
+            "$W/$t" --test-threads=1 --skip attention_long_context --skip matmul_every_dtype \
+            --skip every_m_from_1 --skip cublas 2>&1 | grep -E "ERROR SUMMARY|test result|Invalid" | head
+    done
+}
+
+stage_b() {
+    cp "$root/.gpu/B/model.part2" "$W/"
+    cat "$W/model.part1" "$W/model.part2" > "$MODEL"
+    echo "$SHA  $MODEL" | sha256sum -c - || { say "model checksum FAILED"; return 1; }
+    say "parity: CPU vs GPU greedy, batched vs single"
+    timeout 300 "$W/gpu_parity" --model "$MODEL" --prompts "$root/.gpu/common/prompts.jsonl" \
+        --count 24 --max-tokens 64 | tee "$out/parity_plain.log"
+    for p in 128 512; do
+        say "dflash bench plain, prompt $p"
+        timeout 200 "$W/dflash" bench -m "$MODEL" --device cuda --no-draft -p $p -n 128 -r 5 \
+            > "$out/bench_plain_p$p.json" 2> "$out/bench_plain_p$p.err"
+        tail -n 4 "$out/bench_plain_p$p.err"
+    done
+    say "llama.cpp build: $(cat "$W/llama/build.done" 2>/dev/null || echo running)"
+    tail -n 3 "$W/llama/build.log" 2>/dev/null
+}
+
+stage_c() {
+    cp -r "$root/.gpu/C/drafter" "$W/drafter"
+    say "parity with the drafter (DFlash block 16, B = 1 and 4, on the GPU)"
+    timeout 300 "$W/gpu_parity" --model "$MODEL" --draft "$W/drafter" \
+        --prompts "$root/.gpu/common/prompts.jsonl" --count 24 --max-tokens 64 \
+        | tee "$out/parity_dflash.log" | tail -n 8
+    say "dflash bench: AR vs DFlash B=1 (block 16), then B=4 per-row/clamp/B=1"
+    timeout 200 "$W/dflash" bench -m "$MODEL" --device cuda --draft "$W/drafter" --block-size 16 \
+        -n 128 -r 3 > "$out/bench_dflash.json" 2> "$out/bench_dflash.err"
+    tail -n 3 "$out/bench_dflash.err"
+    timeout 200 "$W/dflash" bench -m "$MODEL" --device cuda --draft "$W/drafter" --block-size 16 \
+        -n 128 -r 3 --batch 4 > "$out/bench_b4.json" 2> "$out/bench_b4.err"
+    tail -n 3 "$out/bench_b4.err"
+    if [ "$(cat "$W/llama/build.done" 2>/dev/null)" = "0" ]; then
+        for r in 1 2 3; do
+            say "round $r: llama-bench, then dflash bench (prompt 512, 128 new tokens)"
+            "$W/llama/build/bin/llama-bench" -m "$MODEL" -ngl 99 -p 512 -n 128 -r 3 -o md 2>&1 \
+                | grep -E "^\|" | tee -a "$out/llama_bench.md"
+            "$W/dflash" bench -m "$MODEL" --device cuda --no-draft -p 512 -n 128 -r 3 \
+                > "$out/bench_alt_$r.json" 2> "$out/bench_alt_$r.err"
+            tail -n 2 "$out/bench_alt_$r.err"
+        done
+    else
+        say "llama.cpp build did not finish: $(tail -n 5 "$W/llama/build.log" 2>/dev/null)"
+    fi
+    say "Qwen3-4B-shaped synthetic target (Q4_0)"
+    "$W/synthetic_model" --shape qwen3-4b --dtype q4_0 --out "$W/q4b.gguf" \
+        && timeout 200 "$W/dflash" bench -m "$W/q4b.gguf" --device cuda --no-draft -p 128 -n 64 -r 3 \
+            > "$out/bench_q4b.json" 2> "$out/bench_q4b.err"
+    tail -n 3 "$out/bench_q4b.err"
+    timeout 200 "$W/cuda_microbench" --shapes qwen3-4b --formats q4_0 --reps 20 \
+        | tee "$out/microbench_q4b.md"
+}
+
+case "${1:-}" in
+    A) stage_a ;;
+    B) stage_b ;;
+    C) stage_c ;;
+    *) echo "usage: $0 --pack | A | B | C" >&2; exit 2 ;;
+esac
