@@ -112,7 +112,11 @@ fn main() -> Result<()> {
     let args = parse()?;
     let cuda = Arc::new(CudaBackend::new()?);
     // The f32 CPU path: the GPU multiplies with f32 activations too.
-    let cpu = Arc::new(CpuBackend::with_options(0, Isa::detect(), MatmulMode::Reference));
+    let cpu = Arc::new(CpuBackend::with_options(
+        0,
+        Isa::detect(),
+        MatmulMode::Reference,
+    ));
     println!(
         "GPU {} ({}), CPU x{}; model {}",
         cuda.device_name(),

@@ -176,7 +176,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     let bytes = n * dtype.row_bytes(k).expect("whole blocks");
                     let copies = (256usize << 20).div_ceil(bytes).clamp(1, 64);
                     let ws: Vec<_> = (0..copies)
-                        .map(|c| g.upload_weight(&random_weight(dtype, n, k, c as u64), WeightRole::Projection))
+                        .map(|c| {
+                            g.upload_weight(
+                                &random_weight(dtype, n, k, c as u64),
+                                WeightRole::Projection,
+                            )
+                        })
                         .collect::<Result<_, _>>()?;
                     let mut cells = Vec::new();
                     for m in [1usize, 2, 4, 8, 16] {

@@ -423,7 +423,7 @@ impl Backend for CpuBackend {
         (0..x.rows).map(|r| elementwise::argmax(x.row(r))).collect()
     }
 
-    fn embed_step(&self, table: &HostWeight, step: &CpuStep, out: &mut CpuTensor) {
+    fn embed_step(&self, table: &CpuWeight, step: &CpuStep, out: &mut CpuTensor) {
         self.embed(table, &step.ids, out);
     }
 
