@@ -6,8 +6,10 @@
 #
 #   bash tools/gpu_check.sh --build
 #
-# builds `cargo test -p dflash-runtime --features cuda --no-run`, copies the CUDA test
-# executables (cuda_ops, cuda_fused; stripped) to .gpu/tests/ and makes sure
+# builds the runtime's CUDA tests (`cargo test -p dflash-runtime --features cuda --no-run`)
+# and the engine's token-choice test (`-p dflash-engine --features cuda --test
+# cuda_token_choice`), copies the executables (cuda_ops, cuda_fused, cuda_token_choice;
+# stripped) to .gpu/tests/ and makes sure
 # .git/info/exclude ignores /.gpu/. Any other prebuilt test executable put in .gpu/tests/ is
 # run too (e.g. an engine test built with the cuda feature).
 # Then, with the device tool:
@@ -29,8 +31,12 @@ cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--build" ]; then
     set -e
     mkdir -p .gpu/tests
-    cargo test --release -p dflash-runtime --features cuda --no-run --message-format=json \
-        | python3 -c '
+    # the runtime's CUDA tests, and the engine's token-choice test
+    for args in "-p dflash-runtime --features cuda" \
+                "-p dflash-engine --features cuda --test cuda_token_choice"; do
+        # shellcheck disable=SC2086
+        cargo test --release $args --no-run --message-format=json \
+            | python3 -c '
 import json, shutil, sys
 for line in sys.stdin:
     try:
@@ -43,6 +49,7 @@ for line in sys.stdin:
         shutil.copy(m["executable"], ".gpu/tests/" + name)
         print("built", name)
 '
+    done
     strip .gpu/tests/* 2>/dev/null || true
     mkdir -p .git/info
     grep -qxF '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude

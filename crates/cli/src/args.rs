@@ -104,6 +104,7 @@ impl SamplingArgs {
             min_p: self.min_p,
             repetition_penalty: self.repetition_penalty,
             seed: self.seed,
+            keep_logits: false,
         };
         p.validate()
             .map_err(|e| anyhow::anyhow!("invalid sampling options: {e}"))?;

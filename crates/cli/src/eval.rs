@@ -219,6 +219,10 @@ impl Decoder for Tally<'_> {
         stats
     }
 
+    fn token_logits(&self, row: RowId) -> &[f32] {
+        self.inner.token_logits(row)
+    }
+
     fn live_rows(&self) -> usize {
         self.inner.live_rows()
     }

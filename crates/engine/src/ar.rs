@@ -3,48 +3,20 @@
 use std::time::Instant;
 
 use dflash_models::{LogitRows, RowStep, Target};
+use dflash_runtime::choice::SampleRow;
 use dflash_runtime::Backend;
 
+use crate::choose::{copy_rows, split, with_rows, RowSampling};
 use crate::decoder::{Decoder, EngineError, Result, RowId};
-use crate::sampling::{Sampler, SamplingParams};
+use crate::sampling::SamplingParams;
 use crate::stats::RowStats;
 
 /// Longest prompt piece prefilled in one forward (bounds activation memory).
 pub const PREFILL_CHUNK: usize = 512;
 
-/// Per-row sampling state shared by the decoders.
-pub(crate) struct RowSampling {
-    pub params: SamplingParams,
-    pub sampler: Sampler,
-    /// Prompt and generated ids (for the repetition penalty).
-    pub history: Vec<u32>,
-}
-
-impl RowSampling {
-    pub fn new(params: &SamplingParams, prompt: &[u32]) -> Self {
-        Self {
-            params: params.clone(),
-            sampler: Sampler::new(params.seed),
-            history: prompt.to_vec(),
-        }
-    }
-
-    /// Samples the next token from `logits` and records it.
-    pub fn next(&mut self, logits: &[f32], scratch: &mut Vec<f32>) -> u32 {
-        let dist = self.params.distribution(logits, &self.history, scratch);
-        let t = self.sampler.sample(&dist);
-        self.history.push(t);
-        t
-    }
-}
-
-/// Feeds `prompt` into row `row` of `target` in chunks; returns the last position's logits.
-pub(crate) fn prefill<T: Target>(
-    target: &mut T,
-    row: usize,
-    prompt: &[u32],
-    logits: &mut Vec<f32>,
-) -> Result<()> {
+/// Feeds `prompt` into row `row` of `target` in chunks; the last position's logits are left
+/// in `target.logits()`.
+pub(crate) fn prefill<T: Target>(target: &mut T, row: usize, prompt: &[u32]) -> Result<()> {
     if prompt.is_empty() {
         return Err(EngineError::Invalid("the prompt is empty".into()));
     }
@@ -61,8 +33,87 @@ pub(crate) fn prefill<T: Target>(
             },
         }])?;
     }
-    target.backend().copy_to_host(target.logits(), logits);
     Ok(())
+}
+
+/// Chooses one token for each row of `logits` (`rows[i]` for tensor row i), on the device
+/// where it can, and records it in the row's history (and, when kept, its logits).
+pub(crate) fn choose_next<B: Backend>(
+    b: &B,
+    logits: &B::Tensor,
+    rows: &mut [&mut RowSampling],
+    host: &mut HostChoice<B>,
+) -> Vec<u32> {
+    let vocab = b.shape(logits).1;
+    let batch = rows.len();
+    let us: Vec<f32> = rows.iter_mut().map(|r| r.uniform()).collect();
+    let mut out = vec![0u32; batch];
+    let (mut device, mut on_host) = split(rows.iter().map(|r| &**r));
+    if !device.is_empty() {
+        let spec: Vec<SampleRow<'_>> = device
+            .iter()
+            .map(|&i| SampleRow {
+                params: rows[i].device.expect("device row"),
+                history: &rows[i].history,
+                u: us[i],
+            })
+            .collect();
+        match with_rows(b, logits, 1, &device, batch, &mut host.tmp, |t| {
+            b.sample_rows(t, &spec)
+        }) {
+            Some(ids) => {
+                for (&i, id) in device.iter().zip(ids) {
+                    out[i] = id;
+                }
+            }
+            None => {
+                on_host.append(&mut device);
+                on_host.sort_unstable();
+            }
+        }
+    }
+    if !on_host.is_empty() {
+        copy_rows(
+            b,
+            logits,
+            1,
+            &on_host,
+            batch,
+            &mut host.tmp,
+            &mut host.logits,
+        );
+        for (k, &i) in on_host.iter().enumerate() {
+            let row = &host.logits[k * vocab..(k + 1) * vocab];
+            out[i] = rows[i].choose_host(row, us[i], &mut host.scratch);
+            if rows[i].params.keep_logits {
+                rows[i].logits.clear();
+                rows[i].logits.extend_from_slice(row);
+            }
+        }
+    }
+    for (r, &t) in rows.iter_mut().zip(&out) {
+        r.history.push(t);
+    }
+    out
+}
+
+/// Buffers of the host side of token choice, reused between steps.
+pub(crate) struct HostChoice<B: Backend> {
+    /// Logits rows copied to the host.
+    pub logits: Vec<f32>,
+    pub scratch: Vec<f32>,
+    /// Gathered rows on the device.
+    pub tmp: Option<B::Tensor>,
+}
+
+impl<B: Backend> HostChoice<B> {
+    pub fn new() -> Self {
+        Self {
+            logits: Vec::new(),
+            scratch: Vec::new(),
+            tmp: None,
+        }
+    }
 }
 
 struct ArRow {
@@ -75,8 +126,7 @@ struct ArRow {
 pub struct ArDecoder<T: Target> {
     pub target: T,
     rows: Vec<Option<ArRow>>,
-    logits: Vec<f32>,
-    scratch: Vec<f32>,
+    host: HostChoice<T::B>,
 }
 
 impl<T: Target> ArDecoder<T> {
@@ -84,8 +134,7 @@ impl<T: Target> ArDecoder<T> {
         Self {
             target,
             rows: Vec::new(),
-            logits: Vec::new(),
-            scratch: Vec::new(),
+            host: HostChoice::new(),
         }
     }
 }
@@ -100,12 +149,17 @@ impl<T: Target> Decoder for ArDecoder<T> {
         params.validate().map_err(|e| EngineError::Invalid(e.0))?;
         let t0 = Instant::now();
         let row = self.target.new_row(capacity)?;
-        if let Err(e) = prefill(&mut self.target, row, prompt, &mut self.logits) {
+        if let Err(e) = prefill(&mut self.target, row, prompt) {
             self.target.release_row(row);
             return Err(e);
         }
         let mut sampling = RowSampling::new(params, prompt);
-        let first = sampling.next(&self.logits, &mut self.scratch);
+        let first = choose_next(
+            self.target.backend(),
+            self.target.logits(),
+            &mut [&mut sampling],
+            &mut self.host,
+        )[0];
         let stats = RowStats {
             prompt_tokens: prompt.len(),
             generated_tokens: 1,
@@ -145,16 +199,17 @@ impl<T: Target> Decoder for ArDecoder<T> {
             })
             .collect();
         self.target.forward(&steps)?;
-        self.target
-            .backend()
-            .copy_to_host(self.target.logits(), &mut self.logits);
-        let vocab = self.target.vocab();
+        let mut rows: Vec<&mut ArRow> = self.rows.iter_mut().flatten().collect();
+        let mut sampling: Vec<&mut RowSampling> =
+            rows.iter_mut().map(|r| &mut r.sampling).collect();
+        let chosen = choose_next(
+            self.target.backend(),
+            self.target.logits(),
+            &mut sampling,
+            &mut self.host,
+        );
         let dt = t0.elapsed().as_secs_f64();
-        for (i, &(row, _)) in live.iter().enumerate() {
-            let r = self.rows[row].as_mut().expect("live row");
-            let t = r
-                .sampling
-                .next(&self.logits[i * vocab..(i + 1) * vocab], &mut self.scratch);
+        for ((r, &t), &(row, _)) in rows.into_iter().zip(&chosen).zip(&live) {
             r.pending = t;
             r.stats.generated_tokens += 1;
             r.stats.decode_s += dt;
@@ -170,6 +225,13 @@ impl<T: Target> Decoder for ArDecoder<T> {
             .and_then(Option::take)
             .map(|r| r.stats)
             .unwrap_or_default()
+    }
+
+    fn token_logits(&self, row: RowId) -> &[f32] {
+        self.rows
+            .get(row)
+            .and_then(Option::as_ref)
+            .map_or(&[], |r| &r.sampling.logits)
     }
 
     fn live_rows(&self) -> usize {

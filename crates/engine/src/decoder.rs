@@ -47,6 +47,11 @@ pub trait Decoder {
     /// Positions the model can hold per row.
     fn context_length(&self) -> usize;
 
+    /// For a row started with `SamplingParams::keep_logits`: the target's logits behind the
+    /// tokens the last `start_row` or `step` emitted for it, one vocabulary-wide row per token,
+    /// in order; empty for other rows.
+    fn token_logits(&self, row: RowId) -> &[f32];
+
     /// Extra positions a row needs beyond its tokens (speculative blocks overshoot).
     fn lookahead(&self) -> usize {
         0

@@ -8,13 +8,21 @@
 //! KV cache is cut back to the committed length and the drafter's context grows by the
 //! committed tokens' features. Rows never wait for each other's accept counts unless the
 //! clamp policy is chosen.
+//!
+//! Drafts and verdicts are chosen on the device when the backend offers it
+//! (`Backend::draft_rows`, `verify_rows`), else on the host by [`propose`] and [`judge`],
+//! which define them. At T > 0 a row draws `2 * (block - 1) + 1` uniforms per round, in this
+//! order and whatever happens: one per draft, one per accept test, one for the token after
+//! the accepted drafts.
 
 use std::time::Instant;
 
 use dflash_models::{Drafter, LogitRows, RowStep, Target};
+use dflash_runtime::choice::{DraftRow, Verdict, VerifyRow};
 use dflash_runtime::Backend;
 
-use crate::ar::{RowSampling, PREFILL_CHUNK};
+use crate::ar::{choose_next, HostChoice, PREFILL_CHUNK};
+use crate::choose::{copy_rows, split, with_rows, RowSampling};
 use crate::decoder::{Decoder, EngineError, Result, RowId};
 use crate::sampling::{Dist, SamplingParams};
 use crate::spec_gate::{SpecGate, SpecMode};
@@ -47,12 +55,27 @@ struct SpecRow {
     stats: RowStats,
 }
 
-/// A row's outcome in one round.
-struct Verdict {
-    /// Accepted drafts.
-    accepted: usize,
-    /// The token after the accepted drafts (the target's own choice).
-    bonus: u32,
+/// The uniforms of one row's round (all zero for a greedy row), drawn in this order.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Draws {
+    /// One per draft.
+    pub draft: Vec<f32>,
+    /// One per accept test.
+    pub accept: Vec<f32>,
+    /// For the token after the accepted drafts.
+    pub last: f32,
+}
+
+impl Draws {
+    fn new(s: &mut RowSampling, drafts: usize) -> Self {
+        let draft = s.uniforms(drafts);
+        let accept = s.uniforms(drafts);
+        Self {
+            draft,
+            accept,
+            last: s.uniform(),
+        }
+    }
 }
 
 /// DFlash decoding: a target and a drafter over the same backend.
@@ -63,9 +86,11 @@ pub struct DflashDecoder<T: Target, D: Drafter<B = T::B>> {
     policy: AcceptPolicy,
     gate: SpecGate,
     rows: Vec<Option<SpecRow>>,
-    target_logits: Vec<f32>,
-    draft_logits: Vec<f32>,
-    scratch: Vec<f32>,
+    host: HostChoice<T::B>,
+    /// The drafter's logits of the rows drafting on the host.
+    draft_host: Vec<f32>,
+    /// Gathered drafter logits of the rows verifying on the device.
+    draft_tmp: Option<<T::B as Backend>::Tensor>,
 }
 
 impl<T: Target, D: Drafter<B = T::B>> DflashDecoder<T, D> {
@@ -105,9 +130,9 @@ impl<T: Target, D: Drafter<B = T::B>> DflashDecoder<T, D> {
             policy,
             gate: SpecGate::new(SpecMode::Always),
             rows: Vec::new(),
-            target_logits: Vec::new(),
-            draft_logits: Vec::new(),
-            scratch: Vec::new(),
+            host: HostChoice::new(),
+            draft_host: Vec::new(),
+            draft_tmp: None,
         })
     }
 
@@ -125,73 +150,77 @@ impl<T: Target, D: Drafter<B = T::B>> DflashDecoder<T, D> {
     pub fn spec_mode(&self) -> SpecMode {
         self.gate.mode()
     }
+}
 
-    /// Proposes drafts for one row from its slot-1.. logits; returns tokens and their q.
-    fn propose(
-        sampling: &mut RowSampling,
-        logits: &[f32],
-        vocab: usize,
-        n: usize,
-        scratch: &mut Vec<f32>,
-    ) -> (Vec<u32>, Vec<Dist>) {
-        let mut drafts = Vec::with_capacity(n);
-        let mut qs = Vec::with_capacity(n);
-        let mut history = sampling.history.clone();
-        for i in 0..n {
-            let q = sampling.params.distribution(
-                &logits[i * vocab..(i + 1) * vocab],
-                &history,
-                scratch,
-            );
-            let d = sampling.sampler.sample(&q);
-            history.push(d);
-            drafts.push(d);
-            qs.push(q);
-        }
-        (drafts, qs)
+/// Drafts for one row from its slot-1.. logits (`u.len()` slots of `vocab` values) with
+/// uniforms `u`: slot i is drawn from its distribution given `history` and the drafts before
+/// it. Returns the tokens and the distributions q they were drawn from. The host definition of
+/// `Backend::draft_rows`.
+pub fn propose(
+    params: &SamplingParams,
+    history: &[u32],
+    logits: &[f32],
+    vocab: usize,
+    u: &[f32],
+    scratch: &mut Vec<f32>,
+) -> (Vec<u32>, Vec<Dist>) {
+    let n = u.len();
+    let mut drafts = Vec::with_capacity(n);
+    let mut qs = Vec::with_capacity(n);
+    let mut history = history.to_vec();
+    for (i, &u) in u.iter().enumerate() {
+        let q = params.distribution(&logits[i * vocab..(i + 1) * vocab], &history, scratch);
+        let d = q.pick(u);
+        history.push(d);
+        drafts.push(d);
+        qs.push(q);
     }
+    (drafts, qs)
+}
 
-    /// Verifies one row's drafts against the target's logits for its block.
-    fn judge(
-        sampling: &mut RowSampling,
-        block_logits: &[f32],
-        vocab: usize,
-        drafts: &[u32],
-        qs: &[Dist],
-        scratch: &mut Vec<f32>,
-    ) -> Verdict {
-        let params: &SamplingParams = &sampling.params;
-        let mut history = sampling.history.clone();
-        for (i, (&d, q)) in drafts.iter().zip(qs).enumerate() {
-            let p =
-                params.distribution(&block_logits[i * vocab..(i + 1) * vocab], &history, scratch);
-            let accept = if params.is_greedy() {
-                p.items[0].0 == d
+/// Verifies one row's drafts against the target's logits for its block (`drafts.len() + 1`
+/// rows of `vocab` values): greedy, the longest prefix equal to the target's argmax, then the
+/// argmax; at T > 0, draft i is accepted when `u_i * q(d) < p(d)` (p of slot i given `history`
+/// and the drafts before it); at the first rejection the token is drawn from [`residual`],
+/// after all accepted from the last slot's p, with the round's last uniform. The host
+/// definition of `Backend::verify_rows`.
+pub fn judge(
+    params: &SamplingParams,
+    history: &[u32],
+    block_logits: &[f32],
+    vocab: usize,
+    (drafts, qs): (&[u32], &[Dist]),
+    draws: &Draws,
+    scratch: &mut Vec<f32>,
+) -> Verdict {
+    let mut history = history.to_vec();
+    for (i, &d) in drafts.iter().enumerate() {
+        let p = params.distribution(&block_logits[i * vocab..(i + 1) * vocab], &history, scratch);
+        let accept = if params.is_greedy() {
+            p.items[0].0 == d
+        } else {
+            draws.accept[i] * qs[i].prob(d) < p.prob(d)
+        };
+        if !accept {
+            let token = if params.is_greedy() {
+                p.items[0].0
             } else {
-                let (pd, qd) = (p.prob(d), q.prob(d));
-                sampling.sampler.uniform() * qd < pd
+                residual(&p, &qs[i]).pick(draws.last)
             };
-            if !accept {
-                let bonus = if params.is_greedy() {
-                    p.items[0].0
-                } else {
-                    sampling.sampler.sample(&residual(&p, q))
-                };
-                return Verdict { accepted: i, bonus };
-            }
-            history.push(d);
+            return Verdict { accepted: i, token };
         }
-        let n = drafts.len();
-        let p = params.distribution(&block_logits[n * vocab..(n + 1) * vocab], &history, scratch);
-        Verdict {
-            accepted: n,
-            bonus: sampling.sampler.sample(&p),
-        }
+        history.push(d);
+    }
+    let n = drafts.len();
+    let p = params.distribution(&block_logits[n * vocab..(n + 1) * vocab], &history, scratch);
+    Verdict {
+        accepted: n,
+        token: p.pick(draws.last),
     }
 }
 
-/// `normalize(max(p - q, 0))`, or `p` when that is empty.
-fn residual(p: &Dist, q: &Dist) -> Dist {
+/// `normalize(max(p - q, 0))` in p's order (the mass an f64 sum), or `p` when that is empty.
+pub fn residual(p: &Dist, q: &Dist) -> Dist {
     // Both can cover the whole vocabulary at T > 0: look q up by id, not by search.
     let q_by_id = q.probs_by_id();
     let q_prob = |id: u32| q_by_id.get(id as usize).copied().unwrap_or(0.0);
@@ -201,12 +230,12 @@ fn residual(p: &Dist, q: &Dist) -> Dist {
         .map(|&(id, pp)| (id, (pp - q_prob(id)).max(0.0)))
         .filter(|x| x.1 > 0.0)
         .collect();
-    let mass: f32 = items.iter().map(|x| x.1).sum();
+    let mass: f64 = items.iter().map(|x| x.1 as f64).sum();
     if items.is_empty() || mass <= 0.0 {
         return p.clone();
     }
     for it in &mut items {
-        it.1 /= mass;
+        it.1 = (it.1 as f64 / mass) as f32;
     }
     Dist { items }
 }
@@ -255,11 +284,13 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
             self.drafter.release_row(drow);
             return Err(e);
         }
-        self.target
-            .backend()
-            .copy_to_host(self.target.logits(), &mut self.target_logits);
         let mut sampling = RowSampling::new(params, prompt);
-        let first = sampling.next(&self.target_logits, &mut self.scratch);
+        let first = choose_next(
+            self.target.backend(),
+            self.target.logits(),
+            &mut [&mut sampling],
+            &mut self.host,
+        )[0];
         if self.rows.len() <= trow {
             self.rows.resize_with(trow + 1, || None);
         }
@@ -309,10 +340,21 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
             ));
         }
 
+        // Every uniform of the round, drawn before anything is chosen.
+        let n = block - 1;
+        let batch = live.len();
+        let draws: Vec<Draws> = live
+            .iter()
+            .map(|&r| Draws::new(&mut self.rows[r].as_mut().expect("live").sampling, n))
+            .collect();
+
         // Draft.
         let t_draft = Instant::now();
-        let mut proposals: Vec<(Vec<u32>, Vec<Dist>)> = Vec::with_capacity(live.len());
-        if block >= 2 {
+        let mut drafts: Vec<Vec<u32>> = vec![Vec::new(); batch];
+        let mut qs: Vec<Vec<Dist>> = vec![Vec::new(); batch];
+        // Rows whose drafts were chosen on the device (they verify there too).
+        let mut drafted_on_device = vec![false; batch];
+        if n > 0 {
             let firsts: Vec<(usize, u32)> = live
                 .iter()
                 .map(|&r| {
@@ -326,23 +368,60 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
                 self.target.embedding(),
                 self.target.lm_head(),
             )?;
-            self.target
-                .backend()
-                .copy_to_host(self.drafter.logits(), &mut self.draft_logits);
-            let per_row = (block - 1) * vocab;
-            for (i, &r) in live.iter().enumerate() {
-                let row = self.rows[r].as_mut().expect("live");
-                let logits = &self.draft_logits[i * per_row..(i + 1) * per_row];
-                proposals.push(Self::propose(
-                    &mut row.sampling,
-                    logits,
-                    vocab,
-                    block - 1,
-                    &mut self.scratch,
-                ));
+            let backend = self.target.backend();
+            let dlog = self.drafter.logits();
+            let samplings: Vec<&RowSampling> = live
+                .iter()
+                .map(|&r| &self.rows[r].as_ref().expect("live").sampling)
+                .collect();
+            let (mut device, mut host) = split(samplings.iter().copied());
+            if !device.is_empty() {
+                let spec: Vec<DraftRow<'_>> = device
+                    .iter()
+                    .map(|&i| DraftRow {
+                        params: samplings[i].device.expect("device row"),
+                        history: &samplings[i].history,
+                        u: &draws[i].draft,
+                    })
+                    .collect();
+                match with_rows(backend, dlog, n, &device, batch, &mut self.host.tmp, |t| {
+                    backend.draft_rows(t, n, &spec)
+                }) {
+                    Some(ids) => {
+                        for (k, &i) in device.iter().enumerate() {
+                            drafts[i] = ids[k * n..(k + 1) * n].to_vec();
+                            drafted_on_device[i] = true;
+                        }
+                    }
+                    None => {
+                        host.append(&mut device);
+                        host.sort_unstable();
+                    }
+                }
             }
-        } else {
-            proposals.resize_with(live.len(), || (Vec::new(), Vec::new()));
+            if !host.is_empty() {
+                let per_row = n * vocab;
+                copy_rows(
+                    backend,
+                    dlog,
+                    n,
+                    &host,
+                    batch,
+                    &mut self.host.tmp,
+                    &mut self.draft_host,
+                );
+                for (k, &i) in host.iter().enumerate() {
+                    let logits = &self.draft_host[k * per_row..(k + 1) * per_row];
+                    (drafts[i], qs[i]) = propose(
+                        &samplings[i].params,
+                        &samplings[i].history,
+                        logits,
+                        vocab,
+                        &draws[i].draft,
+                        &mut self.host.scratch,
+                    );
+                }
+            }
         }
         let draft_s = t_draft.elapsed().as_secs_f64();
 
@@ -350,8 +429,8 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
         let t_verify = Instant::now();
         let blocks: Vec<Vec<u32>> = live
             .iter()
-            .zip(&proposals)
-            .map(|(&r, (drafts, _))| {
+            .zip(&drafts)
+            .map(|(&r, drafts)| {
                 let mut b = Vec::with_capacity(block);
                 b.push(self.rows[r].as_ref().expect("live").cur);
                 b.extend_from_slice(drafts);
@@ -369,33 +448,106 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
             .collect();
         let starts: Vec<usize> = live.iter().map(|&r| self.target.row_len(r)).collect();
         self.target.forward(&steps)?;
-        self.target
-            .backend()
-            .copy_to_host(self.target.logits(), &mut self.target_logits);
         let verify_s = t_verify.elapsed().as_secs_f64();
 
-        // Accept and commit.
+        // Accept (on the device where the row drafted there, or, in a plain step, where it
+        // can choose), then commit.
         let t_commit = Instant::now();
-        let mut verdicts: Vec<Verdict> = Vec::with_capacity(live.len());
-        for (i, &r) in live.iter().enumerate() {
-            let row = self.rows[r].as_mut().expect("live");
-            let logits = &self.target_logits[i * block * vocab..(i + 1) * block * vocab];
-            let (drafts, qs) = &proposals[i];
-            verdicts.push(Self::judge(
-                &mut row.sampling,
-                logits,
-                vocab,
-                drafts,
-                qs,
-                &mut self.scratch,
-            ));
+        let backend = self.target.backend();
+        let tlog = self.target.logits();
+        let samplings: Vec<&RowSampling> = live
+            .iter()
+            .map(|&r| &self.rows[r].as_ref().expect("live").sampling)
+            .collect();
+        let (mut device, mut host) = if n > 0 {
+            (0..batch).partition(|&i| drafted_on_device[i])
+        } else {
+            split(samplings.iter().copied())
+        };
+        let mut verdicts = vec![
+            Verdict {
+                accepted: 0,
+                token: 0,
+            };
+            batch
+        ];
+        if !device.is_empty() {
+            let spec: Vec<VerifyRow<'_>> = device
+                .iter()
+                .map(|&i| VerifyRow {
+                    params: samplings[i].device.expect("device row"),
+                    history: &samplings[i].history,
+                    drafts: &drafts[i],
+                    accept_u: &draws[i].accept,
+                    last_u: draws[i].last,
+                })
+                .collect();
+            let dlog = self.drafter.logits();
+            let draft_tmp = &mut self.draft_tmp;
+            let found = with_rows(
+                backend,
+                tlog,
+                block,
+                &device,
+                batch,
+                &mut self.host.tmp,
+                |t| {
+                    with_rows(backend, dlog, n, &device, batch, draft_tmp, |d| {
+                        backend.verify_rows(t, d, block, &spec)
+                    })
+                },
+            );
+            match found {
+                Some(v) => {
+                    for (&i, v) in device.iter().zip(v) {
+                        verdicts[i] = v;
+                    }
+                }
+                None if n > 0 => {
+                    return Err(EngineError::Invalid(format!(
+                        "the {} backend drafted on the device but declined to verify",
+                        backend.name()
+                    )))
+                }
+                None => {
+                    host.append(&mut device);
+                    host.sort_unstable();
+                }
+            }
+        }
+        // Where each host row's block sits in the copied logits.
+        let mut host_at = vec![None; batch];
+        if !host.is_empty() {
+            let per_row = block * vocab;
+            copy_rows(
+                backend,
+                tlog,
+                block,
+                &host,
+                batch,
+                &mut self.host.tmp,
+                &mut self.host.logits,
+            );
+            for (k, &i) in host.iter().enumerate() {
+                let logits = &self.host.logits[k * per_row..(k + 1) * per_row];
+                verdicts[i] = judge(
+                    &samplings[i].params,
+                    &samplings[i].history,
+                    logits,
+                    vocab,
+                    (&drafts[i], &qs[i]),
+                    &draws[i],
+                    &mut self.host.scratch,
+                );
+                host_at[i] = Some(k * per_row);
+            }
         }
         if self.policy == AcceptPolicy::Clamp {
             let floor = verdicts.iter().map(|v| v.accepted).min().unwrap_or(0);
-            for (v, (drafts, _)) in verdicts.iter_mut().zip(&proposals) {
+            for (v, drafts) in verdicts.iter_mut().zip(&drafts) {
                 if v.accepted > floor {
                     // The draft at the floor was accepted, so it is a valid next token.
-                    v.bonus = drafts[floor];
+                    v.token = drafts[floor];
                     v.accepted = floor;
                 }
             }
@@ -409,10 +561,16 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
             self.target.truncate_row(r, starts[i] + committed);
             extend_rows.push((row.drow, committed));
             tap_rows.extend((0..committed).map(|j| (i * block + j) as u32));
-            let mut emitted = proposals[i].0[..v.accepted].to_vec();
-            emitted.push(v.bonus);
+            let mut emitted = drafts[i][..v.accepted].to_vec();
+            emitted.push(v.token);
+            if let (true, Some(at)) = (row.sampling.params.keep_logits, host_at[i]) {
+                row.sampling.logits.clear();
+                row.sampling
+                    .logits
+                    .extend_from_slice(&self.host.logits[at..at + committed * vocab]);
+            }
             row.sampling.history.extend_from_slice(&emitted);
-            row.cur = v.bonus;
+            row.cur = v.token;
             let st = &mut row.stats;
             if block >= 2 {
                 st.rounds += 1;
@@ -452,6 +610,13 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
             }
             None => RowStats::default(),
         }
+    }
+
+    fn token_logits(&self, row: RowId) -> &[f32] {
+        self.rows
+            .get(row)
+            .and_then(Option::as_ref)
+            .map_or(&[], |r| &r.sampling.logits)
     }
 
     fn live_rows(&self) -> usize {

@@ -5,6 +5,7 @@
 //! turns a decoder's tokens into text with stop handling and statistics.
 
 pub mod ar;
+mod choose;
 pub mod decoder;
 pub mod dflash;
 pub mod sampling;

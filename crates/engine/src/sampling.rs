@@ -2,8 +2,19 @@
 //!
 //! [`SamplingParams::distribution`] gives the exact distribution a token is drawn from (also
 //! used by speculative rejection sampling, which must apply the same processing to the
-//! target's and the drafter's logits); [`Sampler`] draws from it with a seeded generator.
+//! target's and the drafter's logits); [`Dist::pick`] takes the token at a cumulative mass;
+//! [`Sampler`] draws the uniforms from a seeded generator, exactly one per sampled token.
+//!
+//! This host code is the definition the device token choice (`Backend::sample_rows` and
+//! friends) reproduces. Its sums run in f64 over f32 terms (the softmax total, the masses of
+//! top-p and of the renormalisation, the running mass of `pick`), so their rounding no longer
+//! grows with the vocabulary: a device summing in another order agrees to about 1e-7 on every
+//! cumulative mass, and a different token only where the uniform lies that close to a
+//! boundary between two tokens. The exponential is taken in f64 and rounded to f32, which is
+//! the correctly rounded value on every libm and on the GPU but for rare last-bit cases, so
+//! the probabilities and their order agree too.
 
+use dflash_runtime::choice::ChoiceParams;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
@@ -21,6 +32,10 @@ pub struct SamplingParams {
     /// Divide positive (multiply negative) logits of tokens already seen (1: off).
     pub repetition_penalty: f32,
     pub seed: u64,
+    /// Copy the logits behind every chosen token to the host, for the caller
+    /// (`Decoder::token_logits`, e.g. for log-probabilities). Such rows choose on the host.
+    #[serde(default)]
+    pub keep_logits: bool,
 }
 
 impl Default for SamplingParams {
@@ -32,6 +47,7 @@ impl Default for SamplingParams {
             min_p: 0.0,
             repetition_penalty: 1.0,
             seed: 0,
+            keep_logits: false,
         }
     }
 }
@@ -69,16 +85,23 @@ impl Dist {
         dense
     }
 
-    /// The token at cumulative mass `u` in `[0, 1)`.
+    /// The token at cumulative mass `u` in `[0, 1)`: the first item whose running mass (an
+    /// f64 sum of the f32 probabilities, in list order) exceeds `u`; when rounding leaves
+    /// the total at or below `u`, the last item of positive probability.
     pub fn pick(&self, u: f32) -> u32 {
-        let mut acc = 0f32;
+        let u = u as f64;
+        let mut acc = 0f64;
+        let mut last = None;
         for &(id, p) in &self.items {
-            acc += p;
-            if u < acc {
-                return id;
+            if p > 0.0 {
+                acc += p as f64;
+                if u < acc {
+                    return id;
+                }
+                last = Some(id);
             }
         }
-        self.items.last().map_or(0, |(id, _)| *id)
+        last.or(self.items.last().map(|x| x.0)).unwrap_or(0)
     }
 
     /// A single certain token.
@@ -137,6 +160,15 @@ impl SamplingParams {
 
     /// The distribution a token is drawn from, given raw logits and the ids seen so far.
     /// `scratch` is reused between calls. Greedy gives a point mass on the argmax.
+    ///
+    /// The definition, step by step: penalise; `e = exp((l - max) * (1 / T))` (the argument in
+    /// f32, exp in f64 rounded to f32); keep
+    /// ids with `e > 0`; `p = e / total` with `total` the f64 sum of every `e`; without a
+    /// filter, the items in id order. With one: sort by probability (descending, ties by lower
+    /// id); top-k keeps the first k; top-p keeps the shortest head whose running f64 mass
+    /// reaches `top_p` times the f64 mass of what top-k kept (at least one item); min-p keeps
+    /// items of at least `min_p` times the first; then every probability is divided by the
+    /// f64 mass of what is left.
     pub fn distribution(&self, logits: &[f32], history: &[u32], scratch: &mut Vec<f32>) -> Dist {
         scratch.clear();
         scratch.extend_from_slice(logits);
@@ -147,28 +179,40 @@ impl SamplingParams {
         let inv_t = 1.0 / self.temperature;
         let max = scratch.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let mut items: Vec<(u32, f32)> = Vec::new();
-        let mut total = 0f32;
+        let mut total = 0f64;
         for (i, &l) in scratch.iter().enumerate() {
-            let e = ((l - max) * inv_t).exp();
-            total += e;
+            // exp in f64, rounded to f32: the correctly rounded value (but for about one
+            // argument in 10^8) on any libm and on the GPU alike.
+            let e = (((l - max) * inv_t) as f64).exp() as f32;
+            total += e as f64;
             if e > 0.0 {
                 items.push((i as u32, e));
             }
         }
         for it in &mut items {
-            it.1 /= total;
+            it.1 = (it.1 as f64 / total) as f32;
         }
         if self.top_k == 0 && self.top_p >= 1.0 && self.min_p <= 0.0 {
             // No filter needs the order: keep id order and skip sorting the vocabulary.
             return Dist { items };
         }
         let by_prob = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        let top_p = self.top_p < 1.0;
+        // The mass top-p is measured against: everything top-k keeps (all when it is off).
+        let top_p_mass = if top_p && self.top_k == 0 {
+            Some(items.iter().map(|x| x.1 as f64).sum::<f64>())
+        } else {
+            None
+        };
         // Only the head of the distribution survives top-k/top-p/min-p; sort just that much.
         let keep_hint = if self.top_k > 0 { self.top_k } else { 1024 };
-        if items.len() > keep_hint && (self.top_k > 0 || self.top_p < 1.0) {
+        if items.len() > keep_hint && (self.top_k > 0 || top_p) {
             items.select_nth_unstable_by(keep_hint - 1, by_prob);
-            let head_mass: f32 = items[..keep_hint].iter().map(|x| x.1).sum();
-            if self.top_k > 0 || head_mass >= self.top_p {
+            let head_mass: f64 = items[..keep_hint].iter().map(|x| x.1 as f64).sum();
+            // (A margin far above the f64 rounding of either sum.)
+            let head_reaches =
+                top_p_mass.is_some_and(|m| head_mass >= self.top_p as f64 * m * (1.0 + 1e-9));
+            if self.top_k > 0 || head_reaches {
                 items.truncate(keep_hint);
             }
         }
@@ -176,8 +220,8 @@ impl SamplingParams {
         if self.top_k > 0 {
             items.truncate(self.top_k);
         }
-        if self.top_p < 1.0 {
-            let mass: f64 = items.iter().map(|x| x.1 as f64).sum();
+        if top_p {
+            let mass = top_p_mass.unwrap_or_else(|| items.iter().map(|x| x.1 as f64).sum());
             let mut acc = 0f64;
             let mut keep = items.len();
             for (i, it) in items.iter().enumerate() {
@@ -193,11 +237,37 @@ impl SamplingParams {
             let floor = items.first().map_or(0.0, |x| x.1) * self.min_p;
             items.retain(|x| x.1 >= floor);
         }
-        let mass: f32 = items.iter().map(|x| x.1).sum();
+        let mass: f64 = items.iter().map(|x| x.1 as f64).sum();
         for it in &mut items {
-            it.1 /= mass;
+            it.1 = (it.1 as f64 / mass) as f32;
         }
         Dist { items }
+    }
+
+    /// These parameters in the device token choice's terms; `None` when the device cannot
+    /// honour them (the row's logits are wanted on the host), so the row chooses on the host.
+    /// Every field is named here: a new sampling option must say whether the device
+    /// implements it (or return `None` when it is active).
+    pub fn device(&self) -> Option<ChoiceParams> {
+        let SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            repetition_penalty,
+            seed: _,
+            keep_logits,
+        } = self;
+        if *keep_logits {
+            return None;
+        }
+        Some(ChoiceParams {
+            temperature: *temperature,
+            top_k: u32::try_from(*top_k).unwrap_or(u32::MAX),
+            top_p: *top_p,
+            min_p: *min_p,
+            repetition_penalty: *repetition_penalty,
+        })
     }
 }
 
@@ -223,11 +293,9 @@ impl Sampler {
         self.rng.random::<f32>()
     }
 
-    /// Draws from `dist` (no randomness consumed for a point mass).
+    /// Draws from `dist` with one uniform (also for a point mass, so that every sampled token
+    /// consumes exactly one draw, wherever it is chosen).
     pub fn sample(&mut self, dist: &Dist) -> u32 {
-        if dist.items.len() == 1 {
-            return dist.items[0].0;
-        }
         let u = self.uniform();
         dist.pick(u)
     }

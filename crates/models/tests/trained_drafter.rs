@@ -22,7 +22,11 @@ fn shipped_drafter_matches_the_training_implementation() {
     .unwrap();
     // The f32 path: the fixture's target features come from transformers in f32 (the int8
     // path moves them, see golden_smollm2.rs, and with them the drafts near ties).
-    let b = Arc::new(CpuBackend::with_options(0, Isa::detect(), MatmulMode::Reference));
+    let b = Arc::new(CpuBackend::with_options(
+        0,
+        Isa::detect(),
+        MatmulMode::Reference,
+    ));
     let path = ensure_default_model(&Silent).expect("the default model must be obtainable");
     let mut target = load_model(b.clone(), &path).unwrap().model;
     let dir = root.join("../../models/drafters/smollm2-135m-instruct-dflash");

@@ -336,16 +336,22 @@ __device__ __forceinline__ void mm_warp(const MmSeg& sg, int n0, const float* __
                 for (int r = 0; r < R; r++)
 #pragma unroll
                     for (int v = 0; v < W; v++) part[q][r][v].decode(w[r][v]);
+                // Every row's x values for this step are loaded before the products (one
+                // round trip per step rather than one per row of x).
+                float4 xa4[MT], xb4[MT];
+#pragma unroll
+                for (int m = 0; m < MT; m++) {
+                    const float* xr = x + (size_t)(m0 + (m < ml ? m : 0)) * K + (size_t)g * GROUP;
+                    xa4[m] = __ldg((const float4*)(xr + xa));
+                    xb4[m] = __ldg((const float4*)(xr + xb));
+                }
 #pragma unroll
                 for (int m = 0; m < MT; m++) {
                     if (m < ml) {
-                        const float* xr = x + (size_t)(m0 + m) * K + (size_t)g * GROUP;
-                        const float4 a = __ldg((const float4*)(xr + xa));
-                        const float4 b = __ldg((const float4*)(xr + xb));
 #pragma unroll
                         for (int r = 0; r < R; r++)
 #pragma unroll
-                            for (int v = 0; v < W; v++) acc[r][v][m] = fma8(w[r][v], a, b, acc[r][v][m]);
+                            for (int v = 0; v < W; v++) acc[r][v][m] = fma8(w[r][v], xa4[m], xb4[m], acc[r][v][m]);
                     }
                 }
             }

@@ -1,4 +1,5 @@
-// dflash-rs CUDA kernels: element-wise ops, RMS norm, RoPE, row gathers, argmax, KV cache.
+// dflash-rs CUDA kernels: element-wise ops, RMS norm, RoPE, row gathers, KV cache (argmax is
+// in sample.cu).
 //
 // Each token is computed on its own, with a fixed order, so a token's result never depends on
 // the batch around it. Where the CPU reference (crates/runtime/src/cpu/ops) has a defined
@@ -228,54 +229,6 @@ extern "C" __global__ void rope_kv_f32(const RopeKvParams p) {
     for (int c = threadIdx.x; c < p.kv_dim; c += blockDim.x) {
         kd[c] = kt[c];
         vd[c] = vt[c];
-    }
-}
-
-// ---- argmax ------------------------------------------------------------------------------
-//
-// Index of the largest value of every row, the first one on ties; NaN is never chosen (every
-// comparison with it is false) and a row with no number above -inf gives 0, as
-// cpu::ops::elementwise::argmax does. Block per row.
-#define ARGMAX_THREADS 256
-extern "C" __global__ void argmax_rows_f32(const float* x, int rows, int cols, u32* out) {
-    __shared__ float sv[ARGMAX_THREADS / 32];
-    __shared__ u32 si[ARGMAX_THREADS / 32];
-    const int r = blockIdx.x;
-    if (r >= rows) return;
-    const float* xr = x + (size_t)r * cols;
-    float best = -DF_INF;
-    u32 bi = 0xffffffffu;
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        const float v = xr[i];
-        if (v > best) {
-            best = v;
-            bi = (u32)i;
-        }
-    }
-    // (value, index) pairs: larger value wins, then smaller index.
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        const float ov = __shfl_xor_sync(DF_FULL_MASK, best, off);
-        const u32 oi = __shfl_xor_sync(DF_FULL_MASK, bi, off);
-        if (ov > best || (ov == best && oi < bi)) {
-            best = ov;
-            bi = oi;
-        }
-    }
-    const int warp = threadIdx.x >> 5;
-    if ((threadIdx.x & 31) == 0) {
-        sv[warp] = best;
-        si[warp] = bi;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int k = 1; k < (int)(blockDim.x >> 5); k++) {
-            if (sv[k] > best || (sv[k] == best && si[k] < bi)) {
-                best = sv[k];
-                bi = si[k];
-            }
-        }
-        out[r] = bi == 0xffffffffu ? 0u : bi;
     }
 }
 

@@ -8,6 +8,7 @@
 
 use std::fmt;
 
+use crate::choice::{DraftRow, SampleRow, Verdict, VerifyRow};
 use crate::dtype::DType;
 use crate::error::RuntimeError;
 use crate::weight::HostWeight;
@@ -302,5 +303,42 @@ pub trait Backend: Send + Sync + 'static {
     fn graph(&self, key: GraphKey, f: &mut dyn FnMut()) {
         let _ = key;
         f()
+    }
+
+    // --- token choice on the device (see `choice`) -----------------------------------------
+    // Each op returns `None` when the backend does not choose tokens itself: the caller then
+    // copies the logits and chooses on the host, with the engine's code, which is the
+    // definition these ops reproduce. The CPU backend declines all three (its logits are
+    // already on the host).
+
+    /// One token per row of `logits` (`rows[i]` for row i).
+    fn sample_rows(&self, logits: &Self::Tensor, rows: &[SampleRow<'_>]) -> Option<Vec<u32>> {
+        let _ = (logits, rows);
+        None
+    }
+
+    /// Drafts of every row: `logits` holds `slots` rows per row; returns `rows.len() * slots`
+    /// ids, row-major.
+    fn draft_rows(
+        &self,
+        logits: &Self::Tensor,
+        slots: usize,
+        rows: &[DraftRow<'_>],
+    ) -> Option<Vec<u32>> {
+        let _ = (logits, slots, rows);
+        None
+    }
+
+    /// DFlash verification of every row: `target` holds `block` rows per row, `draft` the
+    /// drafter's `block - 1` rows per row (read only for rows sampled at T > 0).
+    fn verify_rows(
+        &self,
+        target: &Self::Tensor,
+        draft: &Self::Tensor,
+        block: usize,
+        rows: &[VerifyRow<'_>],
+    ) -> Option<Vec<Verdict>> {
+        let _ = (target, draft, block, rows);
+        None
     }
 }

@@ -5,6 +5,7 @@
 //! backend, which is the reference every other backend is tested against.
 
 pub mod backend;
+pub mod choice;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;

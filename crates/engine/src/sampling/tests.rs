@@ -149,3 +149,100 @@ fn probabilities_by_id_match_lookups() {
     };
     assert_eq!(filtered.probs_by_id(), vec![0.0, 0.25, 0.0, 0.75]);
 }
+
+#[test]
+fn a_point_mass_still_consumes_its_uniform() {
+    let mut a = Sampler::new(9);
+    assert_eq!(a.sample(&Dist::point(3)), 3);
+    let after = a.uniform();
+    let mut b = Sampler::new(9);
+    b.uniform();
+    assert_eq!(after, b.uniform(), "one uniform per sampled token");
+}
+
+#[test]
+fn pick_runs_in_f64_and_falls_back_to_the_last_positive_item() {
+    // In f32, 0.5 + 2^-25 rounds back to 0.5: the second item would be unreachable.
+    let d = Dist {
+        items: vec![
+            (4, 0.5),
+            (7, 2f32.powi(-25)),
+            (9, 0.5 - 2f32.powi(-25)),
+            (2, 0.0),
+        ],
+    };
+    assert_eq!(d.pick(0.0), 4);
+    assert_eq!(d.pick(0.5), 7, "0.5 < 0.5 + 2^-25 in f64");
+    assert_eq!(d.pick(0.75), 9);
+    // A total that rounding left below u: the last item of positive mass, not the zero one.
+    let short = Dist {
+        items: vec![(1, 0.25), (5, 0.25), (6, 0.0)],
+    };
+    assert_eq!(short.pick(0.9), 5);
+}
+
+/// The filters of `distribution` spelled out over a full sort of the unfiltered
+/// probabilities (which the same temperature gives in id order).
+fn filtered_reference(p: &SamplingParams, logits: &[f32]) -> Vec<u32> {
+    let plain = SamplingParams {
+        top_k: 0,
+        top_p: 1.0,
+        min_p: 0.0,
+        ..p.clone()
+    };
+    let mut items = plain.distribution(logits, &[], &mut Vec::new()).items;
+    items.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    if p.top_k > 0 {
+        items.truncate(p.top_k);
+    }
+    let mass: f64 = items.iter().map(|x| x.1 as f64).sum();
+    let mut acc = 0f64;
+    let keep = items
+        .iter()
+        .position(|x| {
+            acc += x.1 as f64;
+            acc >= p.top_p as f64 * mass
+        })
+        .map_or(items.len(), |i| i + 1);
+    items.truncate(keep);
+    let floor = items[0].1 * p.min_p;
+    items.retain(|x| x.1 >= floor);
+    items.into_iter().map(|x| x.0).collect()
+}
+
+#[test]
+fn filters_equal_a_full_sort_also_when_the_head_is_enough() {
+    // A peaked vocabulary: the 1024 most likely ids hold more than top-p of the mass, so
+    // only that head is sorted; the cut must still be measured against the whole mass.
+    let logits: Vec<f32> = (0..20_000)
+        .map(|i| {
+            let x = (i as f32 * 0.37).sin() * 2.0;
+            if i % 19 == 0 {
+                x + 9.0
+            } else {
+                x
+            }
+        })
+        .collect();
+    for (top_k, top_p, min_p) in [
+        (0, 0.9, 0.0),
+        (0, 0.5, 0.0),
+        (0, 0.999, 0.0),
+        (40, 0.8, 0.0),
+        (0, 1.0, 0.01),
+        (500, 0.95, 0.001),
+    ] {
+        let p = SamplingParams {
+            temperature: 0.8,
+            top_k,
+            top_p,
+            min_p,
+            ..Default::default()
+        };
+        let d = p.distribution(&logits, &[], &mut Vec::new());
+        let ids: Vec<u32> = d.items.iter().map(|x| x.0).collect();
+        assert_eq!(ids, filtered_reference(&p, &logits), "{p:?}");
+        let mass: f64 = d.items.iter().map(|x| x.1 as f64).sum();
+        assert!((mass - 1.0).abs() < 1e-6, "{p:?}: renormalised");
+    }
+}

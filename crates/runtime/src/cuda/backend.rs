@@ -14,6 +14,7 @@ use super::tensor::{CudaMeta, CudaStep, CudaTensor, CudaWeight};
 use crate::backend::{
     Activations, AttnShape, Backend, GraphKey, RopeStyle, TokenMeta, WeightPath, WeightRole,
 };
+use crate::choice::{DraftRow, SampleRow, Verdict, VerifyRow};
 use crate::dtype::DType;
 use crate::error::RuntimeError;
 use crate::weight::HostWeight;
@@ -1306,30 +1307,31 @@ impl Backend for CudaBackend {
     }
 
     fn argmax_rows(&self, x: &CudaTensor) -> Vec<u32> {
-        if x.rows == 0 {
-            return Vec::new();
-        }
-        if x.cols == 0 {
-            return vec![0; x.rows];
-        }
-        self.dev.bind();
-        let mut s = self.dev.scratch.lock().expect("scratch lock");
-        let p = ensure(&self.dev.stream, &self.dev.epoch, &mut s.argmax, x.rows);
-        self.dev.launch(
-            &self.dev.k.argmax_rows,
-            "argmax_rows",
-            (x.rows as u32, 1, 1),
-            (256, 1, 1),
-            0,
-            &[
-                Arg::Ptr(self.tptr(x)),
-                int(x.rows),
-                int(x.cols),
-                Arg::Ptr(p),
-            ],
-        );
-        let mut out = vec![0u32; x.rows];
-        self.dev.dtoh(p, &mut out);
-        out
+        super::sample::argmax_rows(&self.dev, x)
+    }
+
+    fn sample_rows(&self, logits: &CudaTensor, rows: &[SampleRow<'_>]) -> Option<Vec<u32>> {
+        Some(super::sample::sample_rows(&self.dev, logits, rows))
+    }
+
+    fn draft_rows(
+        &self,
+        logits: &CudaTensor,
+        slots: usize,
+        rows: &[DraftRow<'_>],
+    ) -> Option<Vec<u32>> {
+        Some(super::sample::draft_rows(&self.dev, logits, slots, rows))
+    }
+
+    fn verify_rows(
+        &self,
+        target: &CudaTensor,
+        draft: &CudaTensor,
+        block: usize,
+        rows: &[VerifyRow<'_>],
+    ) -> Option<Vec<Verdict>> {
+        Some(super::sample::verify_rows(
+            &self.dev, target, draft, block, rows,
+        ))
     }
 }

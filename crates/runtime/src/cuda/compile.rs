@@ -26,18 +26,19 @@ use crate::dtype::{DType, FORMATS};
 const COMMON: &str = include_str!("../../kernels/common.cu");
 const INCLUDE_COMMON: &str = "#include \"common.cu\"";
 
-/// A compiled unit: `ops.cu`, `attention.cu`, or `matmul.cu` for one format.
+/// A compiled unit: `ops.cu`, `attention.cu`, `sample.cu`, or `matmul.cu` for one format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Module {
     Ops,
     Attention,
+    Sample,
     Matmul(DType),
 }
 
 impl Module {
     /// Every unit: the shared modules, then matmul for each format.
     pub fn all() -> Vec<Module> {
-        let mut v = vec![Module::Ops, Module::Attention];
+        let mut v = vec![Module::Ops, Module::Attention, Module::Sample];
         v.extend(DType::ALL.into_iter().map(Module::Matmul));
         v
     }
@@ -46,6 +47,7 @@ impl Module {
         match self {
             Module::Ops => "ops".into(),
             Module::Attention => "attention".into(),
+            Module::Sample => "sample".into(),
             Module::Matmul(d) => format!("matmul_{}", d.info().kernel_name),
         }
     }
@@ -55,6 +57,7 @@ impl Module {
             Module::Matmul(_) => include_str!("../../kernels/matmul.cu"),
             Module::Ops => include_str!("../../kernels/ops.cu"),
             Module::Attention => include_str!("../../kernels/attention.cu"),
+            Module::Sample => include_str!("../../kernels/sample.cu"),
         }
     }
 

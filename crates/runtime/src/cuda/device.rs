@@ -159,12 +159,12 @@ pub(crate) struct Kernels {
     pub rms_norm: CudaFunction,
     pub rope: CudaFunction,
     pub rope_kv: CudaFunction,
-    pub argmax_rows: CudaFunction,
     pub kv_write: CudaFunction,
     pub kv_copy: CudaFunction,
     /// `attention_split[per index][gm index]` (None where GM * 32 * PER > ATT_MAX_GHD).
     pub attention_split: Vec<Vec<Option<CudaFunction>>>,
     pub attention_merge: CudaFunction,
+    pub sample: super::sample::SampleKernels,
 }
 
 /// The kernels of one weight format (matmul.cu compiled for it), loaded on first use.
@@ -210,8 +210,6 @@ pub(crate) fn ck<T>(r: Result<T, drv::DriverError>, what: &str) -> T {
 pub(crate) struct Scratch {
     /// Token ids (embed) and row indices (gather_rows).
     pub idx: Option<CudaSlice<u32>>,
-    /// argmax results.
-    pub argmax: Option<CudaSlice<u32>>,
     /// Dequantized weight panels for the cuBLAS path.
     pub deq: Option<CudaSlice<f32>>,
     /// Partial softmax states of the split attention.
@@ -264,6 +262,8 @@ pub(crate) struct Device {
     pub epoch: AtomicU64,
     /// Kernel timing by class (CUDA events around every launch), when turned on.
     pub profiler: Mutex<Option<Profiler>>,
+    /// Buffers of the token-choice ops.
+    pub sample: Mutex<super::sample::SampleScratch>,
 }
 
 impl Device {
@@ -404,6 +404,7 @@ impl Device {
             meta_pool: Arc::new(Mutex::new(Vec::new())),
             epoch: AtomicU64::new(0),
             profiler: Mutex::new(None),
+            sample: Mutex::new(Default::default()),
         })
     }
 
@@ -679,7 +680,8 @@ fn load_kernels(ctx: &Arc<CudaContext>, target: Target) -> Result<(Kernels, Targ
 
 fn load_kernels_for(ctx: &Arc<CudaContext>, target: Target) -> Result<Kernels, String> {
     let mut modules = Vec::new();
-    for (m, image) in compile::compile_many(&[Module::Ops, Module::Attention], target, true)? {
+    let shared = [Module::Ops, Module::Attention, Module::Sample];
+    for (m, image) in compile::compile_many(&shared, target, true)? {
         modules.push((m, load_image(ctx, m, image, target)?));
     }
     let get = |m: Module, name: &str| -> Result<CudaFunction, String> {
@@ -713,10 +715,10 @@ fn load_kernels_for(ctx: &Arc<CudaContext>, target: Target) -> Result<Kernels, S
         rms_norm: get(Module::Ops, "rms_norm_f32")?,
         rope: get(Module::Ops, "rope_f32")?,
         rope_kv: get(Module::Ops, "rope_kv_f32")?,
-        argmax_rows: get(Module::Ops, "argmax_rows_f32")?,
         kv_write: get(Module::Ops, "kv_write_f32")?,
         kv_copy: get(Module::Ops, "kv_copy_f32")?,
         attention_split,
         attention_merge: get(Module::Attention, "attention_merge")?,
+        sample: super::sample::SampleKernels::load(|name| get(Module::Sample, name))?,
     })
 }

@@ -23,7 +23,8 @@
 //!   the kernels find rows through a device table (see [`kv`]).
 //! - **Execution**: one stream, in order; cudarc's event tracking is off (it would record
 //!   events around every launch for multi-stream safety that one stream does not need).
-//!   Ops that return data to the host (`to_host`, `argmax_rows`) wait for the stream.
+//!   Ops that return data to the host (`to_host`, `argmax_rows`, token choice) wait for the
+//!   stream.
 //!   Buffers are reused by capacity (`reshape`, metadata pool, scratch), so a steady decode
 //!   loop does not allocate device memory.
 
@@ -45,7 +46,11 @@
 //!   softmax per warp (a lane scores one key; lanes then own head dimensions for the value
 //!   sum), warps merged in order. Any context length, head_dim <= 256.
 //! - **RMS norm**: sixteen lanes per group, reproducing the CPU's 16-lane sum and halving tree.
-//! - element-wise ops, RoPE, gathers, argmax and KV copies: simple grid-stride kernels.
+//! - element-wise ops, RoPE, gathers and KV copies: simple grid-stride kernels.
+//! - **token choice** (`kernels/sample.cu`, `cuda/sample.rs`): argmax in two stages (blocks
+//!   of 4,096 columns, then a merge per row); sampling, drafts and DFlash verification one
+//!   block per logits row, reproducing the engine's host definition (see the file's header
+//!   for the numbers).
 //!
 //! # Environment
 //!
@@ -61,6 +66,7 @@ mod device;
 mod graph;
 pub mod kv;
 mod profile;
+mod sample;
 mod tensor;
 
 pub use backend::CudaBackend;
