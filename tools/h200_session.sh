@@ -164,9 +164,31 @@ stage_c() {
         | tee "$out/microbench_q4b.md"
 }
 
+# D (needs no model): the CUDA tests of every crate (.gpu/D/tests.tar.xz: cuda_ops with the
+# DFlash2 grouped convolution, cuda_fused, cuda_gdn_ops, cuda_token_choice), plain and under
+# memcheck, and the Qwen 3.5 benchmark on 0.8B- and 4B-shaped random targets.
+stage_d() {
+    mkdir -p "$W/d" && tar -C "$W/d" -xJf "$root/.gpu/D/tests.tar.xz"
+    for t in "$W"/d/cuda_*; do
+        say "$(basename "$t")"
+        timeout 300 "$t" --test-threads=1 2>&1 | tee "$out/$(basename "$t").log" \
+            | grep -E "^test |test result|panicked|skipped" | head -40
+        timeout 150 compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 10 "$t" \
+            --test-threads=1 --skip attention_long_context --skip matmul_every_dtype \
+            --skip every_m_from_1 --skip cublas 2>&1 | grep -E "ERROR SUMMARY|test result" | head -3
+    done
+    for shape in "0.8b q4_0" "4b q4_0"; do
+        set -- $shape
+        say "qwen35_bench $1 $2"
+        timeout 200 "$W/d/qwen35_bench" --shape "$1" --dtype "$2" --device cuda --prompt 512 --gen 64 \
+            --reps 3 --batch 4 --block 16 --tau 2.9 2>&1 | tail -n 12 | tee -a "$out/qwen35_bench.txt"
+    done
+}
+
 case "${1:-}" in
     A) stage_a ;;
+    D) stage_d ;;
     B) stage_b ;;
     C) stage_c ;;
-    *) echo "usage: $0 --pack | A | B | C" >&2; exit 2 ;;
+    *) echo "usage: $0 --pack | A | B | C | D" >&2; exit 2 ;;
 esac

@@ -2,6 +2,10 @@
 
 The drafter is a Qwen3-style decoder stack whose width equals the target's
 hidden size; it reuses the target's token embedding and lm_head (frozen).
+A DFlash2 drafter (``conv_kernel_size`` set) adds grouped dynamic causal
+convolutions around every sublayer and a candidate selector; its config.json
+names ``DFlash2DraftModel`` and carries the DFlash2 fields in ``dflash_config``
+(the layout the Rust loader and the z-lab reference read).
 """
 
 from __future__ import annotations
@@ -67,10 +71,31 @@ class DrafterConfig:
     eos_token_id: Optional[Any] = None
     pad_token_id: Optional[int] = None
     initializer_range: float = 0.02
+    # DFlash2 (all four set, or none)
+    conv_kernel_size: Optional[int] = None
+    conv_group_size: Optional[int] = None
+    selector_rank: Optional[int] = None
+    selector_top_k: Optional[int] = None
+    # sliding-window (non-causal) layers: every layer, or those ``layer_types``
+    # marks "sliding_attention"; None = every layer full attention
+    sliding_window: Optional[int] = None
+    layer_types: Optional[List[str]] = None
 
     @property
     def num_taps(self) -> int:
         return len(self.target_layer_ids)
+
+    @property
+    def is_dflash2(self) -> bool:
+        return self.conv_kernel_size is not None
+
+    def layer_window(self, layer: int) -> Optional[int]:
+        """The attention window of ``layer`` (None: full attention)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
 
     def validate(self) -> None:
         if not 0 <= self.mask_token_id < self.vocab_size:
@@ -82,6 +107,26 @@ class DrafterConfig:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.block_size < 2:
             raise ValueError("block_size must be >= 2")
+        v2 = [self.conv_kernel_size, self.conv_group_size, self.selector_rank, self.selector_top_k]
+        if any(x is not None for x in v2):
+            if any(x is None for x in v2):
+                raise ValueError("a DFlash2 drafter needs conv_kernel_size, conv_group_size, selector_rank "
+                                 "and selector_top_k")
+            if not 1 <= self.conv_kernel_size <= self.block_size:
+                raise ValueError(f"conv_kernel_size {self.conv_kernel_size} outside 1..{self.block_size}")
+            if self.conv_group_size < 1 or self.hidden_size % self.conv_group_size:
+                raise ValueError(f"conv_group_size {self.conv_group_size} must divide {self.hidden_size}")
+            if self.selector_rank < 1:
+                raise ValueError("selector_rank must be >= 1")
+            if not 1 <= self.selector_top_k <= self.vocab_size:
+                raise ValueError(f"selector_top_k {self.selector_top_k} outside 1..{self.vocab_size}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError("sliding_window must be >= 1")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError("layer_types needs one entry per layer")
+            if set(self.layer_types) - {"full_attention", "sliding_attention"}:
+                raise ValueError(f"unsupported layer types {self.layer_types}")
 
     # ---- published config.json format -------------------------------------------------
     def to_hf_dict(self) -> Dict[str, Any]:
@@ -122,6 +167,21 @@ class DrafterConfig:
             v = getattr(self, k)
             if v is not None:
                 d[k] = v
+        if self.sliding_window is not None:
+            d["use_sliding_window"] = True
+            d["sliding_window"] = self.sliding_window
+            d["layer_types"] = ["sliding_attention" if self.layer_window(i) else "full_attention"
+                                for i in range(self.num_hidden_layers)]
+            d["is_causal"] = False
+        if self.is_dflash2:
+            d["architectures"] = ["DFlash2DraftModel"]
+            d["dflash_config"].update({
+                "block_size": self.block_size,
+                "conv_kernel_size": self.conv_kernel_size,
+                "conv_group_size": self.conv_group_size,
+                "selector_rank": self.selector_rank,
+                "selector_top_k": self.selector_top_k,
+            })
         return d
 
     @classmethod
@@ -156,7 +216,24 @@ class DrafterConfig:
             eos_token_id=d.get("eos_token_id"),
             pad_token_id=d.get("pad_token_id"),
             initializer_range=d.get("initializer_range", 0.02),
+            conv_kernel_size=dc.get("conv_kernel_size", d.get("conv_kernel_size")),
+            conv_group_size=dc.get("conv_group_size", d.get("conv_group_size")),
+            selector_rank=dc.get("selector_rank", d.get("selector_rank")),
+            selector_top_k=dc.get("selector_top_k", d.get("selector_top_k")),
+            sliding_window=(d.get("sliding_window")
+                            if "sliding_attention" in (d.get("layer_types") or []) else None),
+            # kept only when layers differ (all sliding: ``sliding_window`` says it)
+            layer_types=(list(d["layer_types"])
+                         if len(set(d.get("layer_types") or [])) > 1 else None),
         )
+        for k in ("output_multiplier", "final_logit_softcapping", "input_embedding_scale"):
+            v = dc.get(k, d.get(k))
+            if v is not None and float(v) != (1.0 if k != "final_logit_softcapping" else 0.0):
+                raise ValueError(f"{k}={v} is not supported by the training drafter")
+        if d.get("is_causal") or ((d.get("layer_types") and "sliding_attention" in d["layer_types"])
+                                  and d.get("is_causal") is None):
+            raise ValueError("only non-causal drafters (is_causal: false) are supported for training")
+        cfg.validate()
         return cfg
 
     def to_json(self) -> str:
@@ -171,11 +248,15 @@ def drafter_config_from_target(
     mask_token_id: int,
     block_size: int = 16,
     target_layer_ids: Optional[List[int]] = None,
+    dflash2: Optional[Dict[str, int]] = None,
+    sliding_window: Optional[int] = None,
 ) -> DrafterConfig:
     """Derive the drafter config from a (HF) target config object or dict.
 
     Width/heads/intermediate/eps/rope theta are copied from the target so that
-    the target's embedding and lm_head can be shared.
+    the target's embedding and lm_head can be shared.  ``dflash2`` (keys
+    conv_kernel_size, conv_group_size, selector_rank, selector_top_k) makes it
+    a DFlash2 drafter.
     """
     get = (lambda k, dflt=None: tcfg.get(k, dflt)) if isinstance(tcfg, dict) else (
         lambda k, dflt=None: getattr(tcfg, k, dflt))
@@ -208,6 +289,8 @@ def drafter_config_from_target(
         bos_token_id=get("bos_token_id"),
         eos_token_id=eos,
         pad_token_id=get("pad_token_id"),
+        sliding_window=sliding_window,
+        **(dflash2 or {}),
     )
     cfg.validate()
     return cfg

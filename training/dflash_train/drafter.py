@@ -18,6 +18,19 @@ Forward (one packed sequence set):
       the context does not go through input_layernorm and is the same for
       every layer;
   output = norm(x); logits = target lm_head(output).
+
+DFlash2 (``cfg.is_dflash2``; names as the published ``DFlash2DraftModel``):
+  every layer wraps both sublayers in a grouped dynamic causal convolution
+  (``attention_conv`` / ``mlp_conv``: ``base_kernel [2, taps, H]``,
+  ``kernel_projection.weight [2*taps*H/group, H]``) computed within each block:
+      y[t] = sum_o (base[side][o] + dyn[t, side, o, group]) * x[t - o]
+  side 0 on the normalised sublayer input, side 1 on the sublayer output, the
+  coefficients of both sides projected from the normalised input;
+  ``candidate_selector`` (``predecessor_codebook``/``successor_codebook [V, r]``,
+  ``hidden_projection.weight [r, H]``) scores a slot's top-k candidates c after
+  predecessor p as ``logit(c) + <P[p] * W_h h, S[c]>``.  Fresh modules are exact
+  no-ops (identity base taps, zero projection, zero successor codebook), as in
+  the reference trainer, so a DFlash2 drafter starts as a DFlash one.
 """
 
 from __future__ import annotations
@@ -120,6 +133,69 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class GroupedConv(nn.Module):
+    """DFlash2 grouped dynamic causal convolution, within blocks of ``block_size`` tokens."""
+
+    def __init__(self, hidden: int, taps: int, group: int, block_size: int):
+        super().__init__()
+        self.taps, self.group, self.groups, self.block = taps, group, hidden // group, block_size
+        self.base_kernel = nn.Parameter(torch.zeros(2, taps, hidden))
+        self.kernel_projection = nn.Linear(hidden, 2 * taps * self.groups, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        with torch.no_grad():
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0] = 1.0
+            self.kernel_projection.weight.zero_()
+
+    def _conv(self, x: torch.Tensor, dyn: torch.Tensor, side: int) -> torch.Tensor:
+        b, q, h = x.shape
+        n, bs = q // self.block, self.block
+        xb = x.view(b, n, bs, self.groups, self.group)
+        d = dyn.reshape(b, n, bs, self.taps, self.groups, 1)
+        base = self.base_kernel[side].to(x.dtype).view(self.taps, self.groups, self.group)
+        out = torch.zeros_like(xb)
+        for o in range(self.taps):
+            v = xb if o == 0 else F.pad(xb[:, :, :bs - o], (0, 0, 0, 0, o, 0))
+            out = out + base[o] * v + d[:, :, :, o] * v
+        return out.view(b, q, h)
+
+    def prepare(self, x: torch.Tensor):
+        dyn = self.kernel_projection(x).view(*x.shape[:-1], 2, self.taps, self.groups)
+        return self._conv(x, dyn[..., 0, :, :], 0), dyn[..., 1, :, :]
+
+    def finish(self, x: torch.Tensor, dyn: torch.Tensor) -> torch.Tensor:
+        return self._conv(x, dyn, 1)
+
+
+class CandidateSelector(nn.Module):
+    """DFlash2 candidate selector: low-rank transition scores between block slots."""
+
+    def __init__(self, hidden: int, vocab: int, rank: int, top_k: int, init_range: float):
+        super().__init__()
+        self.top_k, self.init_range = top_k, init_range
+        self.predecessor_codebook = nn.Parameter(torch.empty(vocab, rank))
+        self.successor_codebook = nn.Parameter(torch.empty(vocab, rank))
+        self.hidden_projection = nn.Linear(hidden, rank, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self, generator=None):
+        with torch.no_grad():
+            self.predecessor_codebook.copy_(
+                torch.randn(self.predecessor_codebook.shape, generator=generator) * self.init_range)
+            self.successor_codebook.zero_()
+            self.hidden_projection.weight.copy_(
+                torch.randn(self.hidden_projection.weight.shape, generator=generator) * self.init_range)
+
+    def scores(self, unary: torch.Tensor, candidates: torch.Tensor, hidden: torch.Tensor,
+               predecessors: torch.Tensor) -> torch.Tensor:
+        """unary/candidates [R, K], hidden [R, H], predecessors [R] -> path scores [R, K]."""
+        ctx = self.predecessor_codebook[predecessors] * self.hidden_projection(hidden)
+        succ = self.successor_codebook[candidates]
+        return unary + torch.einsum("nr,nkr->nk", ctx.float(), succ.float())
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -127,10 +203,23 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        if cfg.is_dflash2:
+            conv = lambda: GroupedConv(cfg.hidden_size, cfg.conv_kernel_size,  # noqa: E731
+                                       cfg.conv_group_size, cfg.block_size)
+            self.attention_conv = conv()
+            self.mlp_conv = conv()
+        else:
+            self.attention_conv = self.mlp_conv = None
 
     def forward(self, x, ctx, cos_b, sin_b, cos_c, sin_c, mask):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, cos_b, sin_b, cos_c, sin_c, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.input_layernorm(x)
+        if self.attention_conv is None:
+            x = x + self.self_attn(h, ctx, cos_b, sin_b, cos_c, sin_c, mask)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        h, dyn = self.attention_conv.prepare(h)
+        x = x + self.attention_conv.finish(self.self_attn(h, ctx, cos_b, sin_b, cos_c, sin_c, mask), dyn)
+        h, dyn = self.mlp_conv.prepare(self.post_attention_layernorm(x))
+        return x + self.mlp_conv.finish(self.mlp(h), dyn)
 
 
 class DFlashDrafter(nn.Module):
@@ -142,6 +231,9 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.candidate_selector = (
+            CandidateSelector(cfg.hidden_size, cfg.vocab_size, cfg.selector_rank, cfg.selector_top_k,
+                              cfg.initializer_range) if cfg.is_dflash2 else None)
         self.reset_parameters()
 
     def reset_parameters(self, seed: Optional[int] = None):
@@ -152,6 +244,12 @@ class DFlashDrafter(nn.Module):
                     m.weight.copy_(torch.randn(m.weight.shape, generator=g) * self.cfg.initializer_range)
             elif isinstance(m, RMSNorm):
                 nn.init.ones_(m.weight)
+        # DFlash2 parts start as exact no-ops (after the generic pass above).
+        for m in self.modules():
+            if isinstance(m, GroupedConv):
+                m.reset_parameters()
+            elif isinstance(m, CandidateSelector):
+                m.reset_parameters(g)
 
     def fuse_context(self, target_feats: torch.Tensor) -> torch.Tensor:
         """[b, S, K*H] tapped target features -> fused context [b, S, H]."""
@@ -161,13 +259,19 @@ class DFlashDrafter(nn.Module):
                 ctx_pos: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
         """block_emb [b,Q,H] (target embeddings of the block ids), block_pos [b,Q],
         target_feats [b,S,K*H], ctx_pos [b,S], mask bool [b,1,Q,S+Q] (True = attend)
-        or None (everything visible).  Returns normed hidden states [b,Q,H]."""
+        or None (everything visible; no window either).  Sliding layers further
+        restrict the mask to |query pos - key pos| < window.  Returns normed
+        hidden states [b,Q,H]."""
+        windowed = None
+        if self.cfg.sliding_window is not None and mask is not None:
+            windowed = window_mask(mask, block_pos, ctx_pos, self.cfg.sliding_window)
         ctx = self.fuse_context(target_feats)
         cos_b, sin_b = rope_cos_sin(block_pos, self.cfg.head_dim, self.cfg.rope_theta)
         cos_c, sin_c = rope_cos_sin(ctx_pos, self.cfg.head_dim, self.cfg.rope_theta)
         x = block_emb
-        for layer in self.layers:
-            x = layer(x, ctx, cos_b, sin_b, cos_c, sin_c, mask)
+        for i, layer in enumerate(self.layers):
+            m = windowed if self.cfg.layer_window(i) is not None and windowed is not None else mask
+            x = layer(x, ctx, cos_b, sin_b, cos_c, sin_c, m)
         return self.norm(x)
 
 
@@ -184,20 +288,54 @@ def dense_mask_torch(ctx_visible: torch.Tensor, block_size: int) -> torch.Tensor
     return torch.cat([ctx, own], dim=2)[:, None]
 
 
+def window_mask(mask: torch.Tensor, block_pos: torch.Tensor, ctx_pos: torch.Tensor,
+                window: int) -> torch.Tensor:
+    """Restricts a dense mask [b,1,Q,S+Q] to a non-causal sliding window: query
+    at position p sees keys at positions k with |p - k| < window (the
+    reference's non-causal sliding layers)."""
+    keys = torch.cat([ctx_pos, block_pos], dim=1)
+    dist = (block_pos[:, :, None] - keys[:, None, :]).abs()
+    return mask & (dist < window)[:, None]
+
+
 def _ce_chunk(h, w_head, labels):
     logits = F.linear(h, w_head).float()
     ce = F.cross_entropy(logits, labels, reduction="none")
     return ce, logits.argmax(-1)
 
 
+def _ce_selector_chunk(h, w_head, labels, preds, selector):
+    """Unary CE plus the selector's teacher-forced CE over the unary top-k (as the
+    reference trainer computes it): candidates = top-k of the logits; the
+    target's index among them; score = selector(predecessor = the true previous
+    token).  Rows whose target is not a candidate get no selector loss
+    (``covered`` = 0).  Returns (ce, unary argmax, selector ce, covered, selector pick)."""
+    logits = F.linear(h, w_head).float()
+    ce = F.cross_entropy(logits, labels, reduction="none")
+    unary, cand = logits.topk(selector.top_k, dim=-1)
+    match = cand.eq(labels[:, None])
+    covered = match.any(-1)
+    target = match.long().argmax(-1)
+    scores = selector.scores(unary, cand, h, preds)
+    sel_ce = F.cross_entropy(scores, target, reduction="none")
+    pick = cand.gather(1, scores.argmax(-1, keepdim=True))[:, 0]
+    return ce, logits.argmax(-1), sel_ce, covered.float(), pick
+
+
 def block_loss(drafter: DFlashDrafter, emb_w: torch.Tensor, head_w: torch.Tensor,
                target_feats: torch.Tensor, batch: dict, chunk_rows: int = 8192,
-               checkpoint_ce: bool = True):
+               checkpoint_ce: bool = True, selector_alpha: float = 1.0, stats: Optional[dict] = None):
     """Weighted block CE for a collated batch (torch tensors on the device).
 
     Returns (loss, correct [b,N,B] bool, weights [b,N,B]).  Only rows with
     weight > 0 go through the (frozen) lm_head, in checkpointed chunks so the
     [rows, vocab] logits are never all alive at once.
+
+    DFlash2: loss = (sum w*CE + selector_alpha * sum w*covered*selector_CE) / sum w,
+    the reference trainer's objective; ``correct`` then holds the selector's
+    teacher-forced pick, and ``stats`` (when given) receives the selector loss
+    (per covered weight) and the coverage (share of weight whose target is a
+    candidate).
     """
     block_ids = batch["block_ids"]
     b, n, bs = block_ids.shape
@@ -209,18 +347,39 @@ def block_loss(drafter: DFlashDrafter, emb_w: torch.Tensor, head_w: torch.Tensor
     hs = h.reshape(b * n * bs, -1).index_select(0, sel)
     lab = batch["labels"].view(-1).index_select(0, sel)
     ws = w.index_select(0, sel)
+    selector = drafter.candidate_selector
+    if selector is not None:
+        # Teacher forcing: slot k's predecessor is the true token at a + k - 1 (slot 1: the anchor).
+        s_len = batch["input_ids"].shape[1]
+        prev_pos = (batch["block_pos"] - 1).clamp(0, s_len - 1).view(b, n * bs)
+        prev_ids = batch["input_ids"].gather(1, prev_pos).view(-1).index_select(0, sel)
     tot = torch.zeros((), device=h.device, dtype=torch.float32)
+    sel_tot = torch.zeros((), device=h.device, dtype=torch.float32)
+    cov_w = torch.zeros((), device=h.device, dtype=torch.float32)
     preds = []
     for st in range(0, hs.shape[0], chunk_rows):
         hc, lc = hs[st:st + chunk_rows], lab[st:st + chunk_rows]
-        if checkpoint_ce and hc.requires_grad:
+        wc = ws[st:st + chunk_rows]
+        if selector is not None:
+            args = (hc, head_w, lc, prev_ids[st:st + chunk_rows], selector)
+            if checkpoint_ce and hc.requires_grad:
+                ce, _, sce, cov, pr = torch.utils.checkpoint.checkpoint(_ce_selector_chunk, *args,
+                                                                       use_reentrant=False)
+            else:
+                ce, _, sce, cov, pr = _ce_selector_chunk(*args)
+            sel_tot = sel_tot + (sce * wc * cov).sum()
+            cov_w = cov_w + (wc * cov).sum()
+        elif checkpoint_ce and hc.requires_grad:
             ce, pr = torch.utils.checkpoint.checkpoint(_ce_chunk, hc, head_w, lc, use_reentrant=False)
         else:
             ce, pr = _ce_chunk(hc, head_w, lc)
-        tot = tot + (ce * ws[st:st + chunk_rows]).sum()
+        tot = tot + (ce * wc).sum()
         preds.append(pr)
     wsum = ws.sum().clamp_min(1e-8)
-    loss = tot / wsum
+    loss = (tot + selector_alpha * sel_tot) / wsum
+    if stats is not None and selector is not None:
+        stats["selector_loss"] = float(sel_tot.detach() / cov_w.clamp_min(1e-8))
+        stats["selector_coverage"] = float(cov_w.detach() / wsum)
     correct = torch.zeros(b * n * bs, dtype=torch.bool, device=h.device)
     if preds:
         correct[sel] = torch.cat(preds) == lab

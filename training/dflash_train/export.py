@@ -52,6 +52,16 @@ def expected_tensor_shapes(cfg: DrafterConfig) -> Dict[str, List[int]]:
             p + "mlp.up_proj.weight": [i, h],
             p + "mlp.down_proj.weight": [h, i],
         })
+        if cfg.is_dflash2:
+            groups = h // cfg.conv_group_size
+            for conv in ("attention_conv", "mlp_conv"):
+                shapes[p + conv + ".base_kernel"] = [2, cfg.conv_kernel_size, h]
+                shapes[p + conv + ".kernel_projection.weight"] = [2 * cfg.conv_kernel_size * groups, h]
+    if cfg.is_dflash2:
+        # The published format stores the codebooks without ".weight".
+        shapes["candidate_selector.predecessor_codebook"] = [cfg.vocab_size, cfg.selector_rank]
+        shapes["candidate_selector.successor_codebook"] = [cfg.vocab_size, cfg.selector_rank]
+        shapes["candidate_selector.hidden_projection.weight"] = [cfg.selector_rank, h]
     return shapes
 
 
@@ -131,10 +141,11 @@ def load_drafter(export_dir: str, dtype: torch.dtype = torch.float32, device="cp
 
 
 def model_card(cfg: DrafterConfig, info: Dict) -> str:
+    kind, arch = ("DFlash2", "DFlash2DraftModel") if cfg.is_dflash2 else ("DFlash", "DFlashDraftModel")
     lines = [
-        f"# DFlash drafter for {info.get('target_name', 'the target model')}",
+        f"# {kind} drafter for {info.get('target_name', 'the target model')}",
         "",
-        "Block-diffusion speculative-decoding drafter (DFlash format, `DFlashDraftModel`),",
+        f"Block-diffusion speculative-decoding drafter ({kind} format, `{arch}`),",
         "trained with `dflash_train` (dflash-rs repository, `training/`).",
         "",
         "| | |",
@@ -158,6 +169,15 @@ def model_card(cfg: DrafterConfig, info: Dict) -> str:
         "Block = [last committed token, mask x (B-1)]; bidirectional inside the block;",
         "context strictly before the block start.",
     ]
+    if cfg.is_dflash2:
+        lines += [
+            f"DFlash2: {cfg.conv_kernel_size}-tap grouped dynamic convolutions (groups of "
+            f"{cfg.conv_group_size} channels) around every sublayer; a rank-{cfg.selector_rank} candidate "
+            f"selector re-ranks the top {cfg.selector_top_k} tokens of each slot given the previous slot's "
+            f"choice (trained with its teacher-forced cross entropy, weight {info.get('selector_alpha', 1.0)}).",
+        ]
+        if cfg.sliding_window is not None:
+            lines.append(f"Sliding non-causal attention window: {cfg.sliding_window} positions.")
     if info.get("extra"):
         lines += ["", str(info["extra"])]
     return "\n".join(lines) + "\n"
@@ -198,12 +218,16 @@ def check_export(out_dir: str, max_file_bytes: int = 16 * 1000 * 1000) -> Dict:
               "max_position_embeddings", "vocab_size", "tie_word_embeddings", "attention_bias"):
         if k not in d:
             problems.append(f"config.json lacks {k}")
-    if d.get("architectures") != ["DFlashDraftModel"] or d.get("model_type") != "qwen3":
+    cfg = DrafterConfig.from_hf_dict(d)
+    arch = "DFlash2DraftModel" if cfg.is_dflash2 else "DFlashDraftModel"
+    if d.get("architectures") != [arch] or d.get("model_type") != "qwen3":
         problems.append("architectures/model_type wrong")
-    for k in ("mask_token_id", "target_layer_ids"):
+    keys = ["mask_token_id", "target_layer_ids"]
+    if cfg.is_dflash2:
+        keys += ["conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"]
+    for k in keys:
         if k not in (d.get("dflash_config") or {}):
             problems.append(f"dflash_config lacks {k}")
-    cfg = DrafterConfig.from_hf_dict(d)
     exp = expected_tensor_shapes(cfg)
     files = sorted(f for f in os.listdir(out_dir) if f.endswith(".safetensors"))
     got: Dict[str, List[int]] = {}

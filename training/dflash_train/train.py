@@ -48,6 +48,15 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--gamma", type=float, default=None, help="default 7 (B=16) / 4 (B=8)")
     g.add_argument("--mask-token-id", type=int, default=None)
+    g.add_argument("--dflash2", action="store_true",
+                   help="train a DFlash2 drafter (convolutions + candidate selector)")
+    g.add_argument("--conv-kernel-size", type=int, default=2, help="DFlash2 convolution taps")
+    g.add_argument("--conv-group-size", type=int, default=16, help="DFlash2 channels per dynamic coefficient")
+    g.add_argument("--selector-rank", type=int, default=32, help="DFlash2 selector codebook width")
+    g.add_argument("--selector-top-k", type=int, default=16, help="DFlash2 candidates per slot")
+    g.add_argument("--selector-alpha", type=float, default=1.0, help="weight of the selector's CE")
+    g.add_argument("--sliding-window", type=int, default=None,
+                   help="non-causal sliding-window attention of this many positions (default: full)")
     g.add_argument("--num-anchors", type=int, default=128, help="anchors per sequence")
     g.add_argument("--batch-size", type=int, default=16, help="sequences per step")
     g.add_argument("--max-seq-len", type=int, default=1408)
@@ -163,9 +172,13 @@ class Trainer:
                 mask_id, mask_txt = a.mask_token_id, ""
             else:
                 mask_id, mask_txt = pick_mask_token_id(self.tok, emb.shape[0])
+            v2 = ({"conv_kernel_size": a.conv_kernel_size, "conv_group_size": a.conv_group_size,
+                   "selector_rank": a.selector_rank, "selector_top_k": a.selector_top_k}
+                  if a.dflash2 else None)
             cfg = drafter_config_from_target(target_hf_config(self.target), num_draft_layers=a.draft_layers,
                                              num_taps=a.num_taps, mask_token_id=mask_id,
-                                             block_size=a.block_size, target_layer_ids=taps)
+                                             block_size=a.block_size, target_layer_ids=taps,
+                                             dflash2=v2, sliding_window=a.sliding_window)
             self.state["mask_token_text"] = mask_txt
             sd = None
         if cfg.vocab_size != emb.shape[0]:
@@ -173,6 +186,7 @@ class Trainer:
         self.cfg = cfg
         self.gamma = a.gamma if a.gamma is not None else default_gamma(cfg.block_size)
         self.drafter = DFlashDrafter(cfg)
+        self.selector_stats: Dict = {}
         if sd is None:
             self.drafter.reset_parameters(seed=a.seed)
         else:
@@ -221,7 +235,9 @@ class Trainer:
                                 self.cfg.target_layer_ids)
         with self._autocast():
             loss, correct, w = block_loss(self.drafter, self.emb_w, self.head_w, feats, bt,
-                                          chunk_rows=self.args.chunk_rows, checkpoint_ce=train)
+                                          chunk_rows=self.args.chunk_rows, checkpoint_ce=train,
+                                          selector_alpha=self.args.selector_alpha,
+                                          stats=self.selector_stats)
         return loss, correct, w
 
     def progress(self, schedule_s: float) -> float:
@@ -277,6 +293,8 @@ class Trainer:
         for k in ("train_loss", "val_loss", "val_tau", "val_tau_greedy"):
             if k in self.state:
                 c[k] = self.state[k]
+        if self.cfg.is_dflash2:
+            c["selector_alpha"] = self.args.selector_alpha
         c.update(extra or {})
         return c
 
@@ -366,13 +384,17 @@ class Trainer:
                        "block_tok_s": round(win["blk"] / max(el, 1e-6)),
                        "target_tok_s": round(win["tgt"] / max(el, 1e-6)),
                        "step_s": round(el / win["n"], 4), "train_s": round(self.state["train_seconds"], 1)}
+                if self.selector_stats:
+                    rec.update({k: round(v, 4) for k, v in self.selector_stats.items()})
                 self.state["train_loss"] = rec["loss"]
                 self.log_jsonl.write(json.dumps(rec) + "\n")
                 self.log_jsonl.flush()
                 self.log(f"step {rec['step']} ep {rec['epoch']} loss {rec['loss']:.4f} lr {rec['lr']:.2e} "
                          f"gn {rec['grad_norm']} tau_tf {rec['tau_tf']} acc[1..] "
                          + ",".join(f"{x:.2f}" for x in acc) + f" | {rec['block_tok_s']} blk tok/s "
-                         f"{rec['target_tok_s']} tgt tok/s {rec['step_s'] * 1000:.0f} ms/step")
+                         f"{rec['target_tok_s']} tgt tok/s {rec['step_s'] * 1000:.0f} ms/step"
+                         + (f" | selector loss {rec['selector_loss']} coverage {rec['selector_coverage']}"
+                            if "selector_loss" in rec else ""))
                 loss_acc.zero_()
                 win.update({"loss": 0.0, "n": 0, "blk": 0, "tgt": 0, "t0": time.time()})
                 win["pos_c"].zero_(); win["pos_t"].zero_(); win["tau_sum"].zero_(); win["tau_n"].zero_()

@@ -12,12 +12,29 @@ pub struct ModelArgs {
     /// downloaded to the cache on first use).
     #[arg(short, long, env = "DFLASH_MODEL")]
     pub model: Option<PathBuf>,
-    /// Worker threads for the CPU backend (0: one per core).
+    /// Worker threads for the CPU backend (0: one per core; more than the cores is capped).
     #[arg(short, long, default_value_t = 0)]
     pub threads: usize,
     /// Device to run on: `cpu`, or `cuda` / `cuda:N` (default: cuda when available, else cpu).
     #[arg(long)]
     pub device: Option<String>,
+}
+
+impl ModelArgs {
+    /// `--threads`, capped at the cores this process may use: more threads than cores only
+    /// adds contention to a spinning pool (and thousands of them exhausted the machine).
+    pub fn cpu_threads(&self) -> usize {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        if self.threads > cores {
+            tracing::warn!(
+                "--threads {} is more than the {cores} cores available; using {cores}",
+                self.threads
+            );
+            cores
+        } else {
+            self.threads
+        }
+    }
 }
 
 /// Speculative decoding options.
@@ -90,6 +107,12 @@ pub struct SamplingArgs {
         allow_negative_numbers = true
     )]
     pub repetition_penalty: f32,
+    /// Subtract this times a token's count so far from its logit (0: off; OpenAI semantics).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub frequency_penalty: f32,
+    /// Subtract this from the logit of every token seen so far (0: off).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub presence_penalty: f32,
     /// Random seed; the same seed gives the same output.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -103,7 +126,10 @@ impl SamplingArgs {
             top_p: self.top_p,
             min_p: self.min_p,
             repetition_penalty: self.repetition_penalty,
+            frequency_penalty: self.frequency_penalty,
+            presence_penalty: self.presence_penalty,
             seed: self.seed,
+            logprobs: None,
             keep_logits: false,
         };
         p.validate()

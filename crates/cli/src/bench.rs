@@ -12,14 +12,14 @@ use clap::Args;
 use dflash_engine::dflash::AcceptPolicy;
 use dflash_engine::session::run_scheduled;
 use dflash_engine::{Decoder, Request, RowStats, SamplingParams};
-use dflash_models::chat::Message;
+use dflash_models::chat::{conversation_ids, Message};
 use dflash_models::tokenizer::TextTokenizer;
 use serde_json::{json, Value};
 
 use crate::args::{BatchAccept, DraftArgs, ModelArgs};
 #[cfg(feature = "cuda")]
 use crate::load::DeviceTarget;
-use crate::load::{chat_ids, decoder, drafter_dir, load_target, Loaded};
+use crate::load::{decoder, drafter_dir, load_target, Loaded};
 use crate::paths::paths_json;
 
 #[derive(Args, Debug)]
@@ -330,7 +330,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             .iter()
             .map(|t| {
                 Ok(Request {
-                    prompt: chat_ids(
+                    prompt: conversation_ids(
                         &plain.tokenizer,
                         plain.template.as_ref(),
                         &[Message::new("user", t)],
@@ -427,7 +427,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             p.model, p.name, p.cols, p.rows, p.path
         ));
     }
-    println!("{report}");
+    crate::output::line(&report.to_string())?;
     for line in table {
         eprintln!("{line}");
     }

@@ -438,8 +438,8 @@ pub fn run(args: EvalArgs) -> Result<()> {
         results: &results,
     };
     match args.output_format {
-        EvalFormat::Json => println!("{}", report.json()),
-        EvalFormat::Text => print!("{}", report.text()),
+        EvalFormat::Json => crate::output::line(&report.json().to_string())?,
+        EvalFormat::Text => crate::output::write(&report.text())?,
     }
     Ok(())
 }
@@ -478,6 +478,7 @@ impl Report<'_> {
                 FinishReason::Stop => "stop",
                 FinishReason::StopString => "stop_string",
                 FinishReason::Length => "length",
+                FinishReason::Cancelled => "cancelled",
             };
             *m.entry(k).or_insert(0) += 1;
         }

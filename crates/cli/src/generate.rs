@@ -1,16 +1,19 @@
 //! `dflash generate`: one prompt (argument or stdin) in, streamed answer out.
 
-use std::io::{Read, Write};
+use std::io::Read;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use dflash_engine::session::{run_batch, run_scheduled};
-use dflash_engine::{Completion, Request, RowStats};
+use dflash_engine::session::run_scheduled;
+use dflash_engine::{Batch, Completion, Event, Request, RowStats};
 use dflash_models::ProjectionPath;
 use serde_json::json;
 
+use dflash_server::validate::{batch_line, BatchLine};
+
 use crate::args::{DraftArgs, ModelArgs, OutputFormat, SamplingArgs, Speculation};
-use crate::load::load;
+use crate::load::{load, Loaded};
+use crate::output;
 use crate::paths::{paths_json, paths_summary};
 
 #[derive(Args, Debug)]
@@ -126,14 +129,6 @@ fn read_prompt(arg: &Option<String>) -> Result<String> {
     }
 }
 
-/// One line of a --batch file.
-#[derive(serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct BatchLine {
-    prompt: String,
-    max_tokens: Option<usize>,
-}
-
 fn read_batch(path: &std::path::Path) -> Result<Vec<BatchLine>> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("cannot read the batch file {}", path.display()))?;
@@ -142,23 +137,8 @@ fn read_batch(path: &std::path::Path) -> Result<Vec<BatchLine>> {
         if line.trim().is_empty() {
             continue;
         }
-        let l: BatchLine = serde_json::from_str(line).with_context(|| {
-            format!(
-                "{} line {}: expected {{\"prompt\": ..., \"max_tokens\": N}}",
-                path.display(),
-                n + 1
-            )
-        })?;
-        if l.prompt.trim().is_empty() {
-            bail!("{} line {}: the prompt is empty", path.display(), n + 1);
-        }
-        if l.max_tokens == Some(0) {
-            bail!(
-                "{} line {}: max_tokens must be at least 1",
-                path.display(),
-                n + 1
-            );
-        }
+        let l = batch_line(line)
+            .map_err(|e| anyhow::anyhow!("{} line {}: {e}", path.display(), n + 1))?;
         lines.push(l);
     }
     if lines.is_empty() {
@@ -187,6 +167,9 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         bail!("--max-batch must be at least 1");
     }
     if let Some(path) = &args.batch {
+        if args.output_format == OutputFormat::Json {
+            bail!("--output-format json prints one object; with --batch use --output-format jsonl (one object per line)");
+        }
         return run_batch_file(&args, path, params);
     }
     if args.output_format == OutputFormat::Jsonl {
@@ -205,29 +188,48 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         stop_strings: args.stop.clone(),
     };
     let text_mode = args.output_format == OutputFormat::Text;
-    let stdout = std::io::stdout();
-    let mut on_text = |_: usize, piece: &str| {
-        if text_mode {
-            let mut out = stdout.lock();
-            let _ = out.write_all(piece.as_bytes());
-            let _ = out.flush();
-        }
-    };
-    let mut results = run_batch(
-        loaded.decoder.as_mut(),
-        &loaded.tokenizer,
-        &[request],
-        &mut on_text,
-    )?;
-    let c: Completion = results.remove(0);
+    let c = decode_one(&mut loaded, &request, text_mode)?;
     if text_mode {
-        println!();
+        output::line("")?;
         eprintln!("{}", stats_line(&c.stats));
         eprintln!("matmul: {}", paths_summary(&loaded.matmul));
     } else {
-        println!("{}", result_json(&c, &loaded.matmul));
+        output::line(&result_json(&c, &loaded.matmul).to_string())?;
     }
     Ok(())
+}
+
+/// Decodes one request, streaming its text to stdout when `stream` is set; a failed write
+/// stops decoding at once.
+fn decode_one(loaded: &mut Loaded, request: &Request, stream: bool) -> Result<Completion> {
+    let decoder = loaded.decoder.as_mut();
+    let tok = &loaded.tokenizer;
+    let mut batch = Batch::new();
+    let mut events = Vec::new();
+    let mut done = None;
+    let mut result = batch.admit(decoder, tok, 0, request, &mut events);
+    loop {
+        if let Err(e) = result {
+            batch.abort(decoder);
+            return Err(e.into());
+        }
+        for e in events.drain(..) {
+            match e {
+                Event::Progress { text, .. } if stream && !text.is_empty() => {
+                    if let Err(err) = output::write(&text) {
+                        batch.abort(decoder);
+                        return Err(err);
+                    }
+                }
+                Event::Progress { .. } => {}
+                Event::Done { completion, .. } => done = Some(completion),
+            }
+        }
+        if let Some(c) = done.take() {
+            return Ok(c);
+        }
+        result = batch.step(decoder, tok, &mut events);
+    }
 }
 
 fn run_batch_file(
@@ -258,14 +260,15 @@ fn run_batch_file(
     )?;
     let wall = t0.elapsed().as_secs_f64();
     match args.output_format {
+        // (json was refused with --batch before loading)
         OutputFormat::Jsonl | OutputFormat::Json => {
             for c in &results {
-                println!("{}", result_json(c, &loaded.matmul));
+                output::line(&result_json(c, &loaded.matmul).to_string())?;
             }
         }
         OutputFormat::Text => {
             for (i, c) in results.iter().enumerate() {
-                println!("--- {} ---\n{}", i + 1, c.text);
+                output::line(&format!("--- {} ---\n{}", i + 1, c.text))?;
             }
         }
     }

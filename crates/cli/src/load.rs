@@ -8,11 +8,11 @@ use anyhow::{bail, Context, Result};
 use dflash_engine::ar::ArDecoder;
 use dflash_engine::dflash::{AcceptPolicy, DflashDecoder};
 use dflash_engine::{Decoder, SpecMode};
-use dflash_models::chat::{ChatTemplate, Message};
+use dflash_models::chat::{conversation_ids, ChatTemplate, Message};
 use dflash_models::default_model::ensure_default_model;
 use dflash_models::dflash::DrafterConfig;
-use dflash_models::llama::LlamaModel;
 use dflash_models::tokenizer::TextTokenizer;
+use dflash_models::TargetModel;
 use dflash_models::{load_model, DflashDrafter, Drafter, ProjectionPath, Target};
 use dflash_runtime::cpu::CpuBackend;
 #[cfg(feature = "cuda")]
@@ -33,9 +33,9 @@ const DEFAULT_DRAFTER: &str = "models/drafters/smollm2-135m-instruct-dflash";
 
 /// A target model on the device it was loaded for.
 pub enum DeviceTarget {
-    Cpu(Arc<CpuBackend>, Box<LlamaModel<CpuBackend>>),
+    Cpu(Arc<CpuBackend>, Box<TargetModel<CpuBackend>>),
     #[cfg(feature = "cuda")]
-    Cuda(Arc<CudaBackend>, Box<LlamaModel<CudaBackend>>),
+    Cuda(Arc<CudaBackend>, Box<TargetModel<CudaBackend>>),
 }
 
 /// A loaded target with what is needed to talk to it.
@@ -123,7 +123,7 @@ pub fn load_target(args: &ModelArgs) -> Result<Bundle> {
     let context = || format!("cannot load the model at {}", path.display());
     let (target, device, loaded_parts) = match choice {
         DeviceChoice::Cpu => {
-            let backend = Arc::new(CpuBackend::from_env(args.threads)?);
+            let backend = Arc::new(CpuBackend::from_env(args.cpu_threads())?);
             let device = format!("cpu {} x{}", backend.isa(), backend.threads());
             let m = load_model(backend.clone(), &path).with_context(context)?;
             let parts = (m.tokenizer, m.template, m.name);
@@ -161,8 +161,8 @@ pub fn load_target(args: &ModelArgs) -> Result<Bundle> {
     })
 }
 
-/// The shipped drafter for the default model, if this installation has it.
-pub fn default_drafter() -> Option<PathBuf> {
+/// Where this installation may keep the shipped drafter for the default model.
+fn default_drafter_candidates() -> Vec<PathBuf> {
     let candidates = [
         std::env::current_exe().ok().and_then(|e| {
             e.parent()?
@@ -176,10 +176,23 @@ pub fn default_drafter() -> Option<PathBuf> {
                 .join(DEFAULT_DRAFTER),
         ),
     ];
+    candidates.into_iter().flatten().collect()
+}
+
+/// The first of `candidates` that holds a drafter, or the warning to give when none does.
+pub fn find_drafter(candidates: &[PathBuf]) -> std::result::Result<PathBuf, String> {
     candidates
-        .into_iter()
-        .flatten()
+        .iter()
         .find(|p| p.join("config.json").exists())
+        .cloned()
+        .ok_or_else(|| {
+            let looked: Vec<String> = candidates.iter().map(|p| p.display().to_string()).collect();
+            format!(
+                "the shipped DFlash drafter for the default model was not found (looked in {}); \
+                 decoding without speculation. Pass --draft DIR, or --no-draft to silence this",
+                looked.join(", ")
+            )
+        })
 }
 
 /// Which drafter to use: the one named, the default one for the default model, or none.
@@ -194,7 +207,13 @@ pub fn drafter_dir(draft: &DraftArgs, bundle: &Bundle) -> Result<Option<PathBuf>
             }
             Ok(Some(d.clone()))
         }
-        None if bundle.is_default => Ok(default_drafter()),
+        None if bundle.is_default => match find_drafter(&default_drafter_candidates()) {
+            Ok(d) => Ok(Some(d)),
+            Err(warning) => {
+                tracing::warn!("{warning}");
+                Ok(None)
+            }
+        },
         None => Ok(None),
     }
 }
@@ -230,7 +249,7 @@ pub fn decoder(bundle: Bundle, drafter: Option<&Path>, draft: &DraftArgs) -> Res
 
 fn decoder_on<B: Backend>(
     backend: Arc<B>,
-    target: LlamaModel<B>,
+    target: TargetModel<B>,
     name: &str,
     drafter: Option<&Path>,
     draft: &DraftArgs,
@@ -271,32 +290,6 @@ pub fn load(args: &ModelArgs, draft: &DraftArgs) -> Result<Loaded> {
     decoder(bundle, dir.as_deref(), draft)
 }
 
-/// Token ids for a conversation: through the chat template unless `raw` (or when the model
-/// has no template, with a warning), else the last message's text alone.
-pub fn chat_ids(
-    tokenizer: &TextTokenizer,
-    template: Option<&ChatTemplate>,
-    messages: &[Message],
-    raw: bool,
-) -> Result<Vec<u32>> {
-    match (template, raw) {
-        (Some(t), false) => {
-            let text = t.render(messages, true)?;
-            // The template writes any BOS itself.
-            Ok(tokenizer.encode(&text, false)?)
-        }
-        (None, false) => {
-            tracing::warn!("the model has no chat template; using the prompt as raw text");
-            let text = messages.last().map(|m| m.content.as_str()).unwrap_or("");
-            Ok(tokenizer.encode(text, true)?)
-        }
-        (_, true) => {
-            let text = messages.last().map(|m| m.content.as_str()).unwrap_or("");
-            Ok(tokenizer.encode(text, true)?)
-        }
-    }
-}
-
 impl Loaded {
     /// Token ids for a user prompt with an optional system message.
     pub fn prompt_ids(&self, prompt: &str, system: Option<&str>, raw: bool) -> Result<Vec<u32>> {
@@ -305,6 +298,32 @@ impl Loaded {
             messages.push(Message::new("system", s));
         }
         messages.push(Message::new("user", prompt));
-        chat_ids(&self.tokenizer, self.template.as_ref(), &messages, raw)
+        Ok(conversation_ids(
+            &self.tokenizer,
+            self.template.as_ref(),
+            &messages,
+            raw,
+        )?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_shipped_drafter_gives_a_warning_naming_where_it_looked() {
+        let d = tempfile::tempdir().unwrap();
+        let missing = d.path().join("models/drafters/x");
+        let w = find_drafter(std::slice::from_ref(&missing)).unwrap_err();
+        assert!(w.contains("not found"), "{w}");
+        assert!(w.contains(&missing.display().to_string()), "{w}");
+        assert!(w.contains("--no-draft"), "{w}");
+        std::fs::create_dir_all(&missing).unwrap();
+        std::fs::write(missing.join("config.json"), "{}").unwrap();
+        assert_eq!(
+            find_drafter(&[d.path().join("nope"), missing.clone()]),
+            Ok(missing)
+        );
     }
 }

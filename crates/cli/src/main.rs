@@ -6,8 +6,10 @@ mod eval;
 mod generate;
 mod load;
 mod microbench;
+mod output;
 mod paths;
 mod progress;
+mod serve;
 
 use std::process::ExitCode;
 
@@ -34,6 +36,9 @@ enum Command {
     Eval(eval::EvalArgs),
     /// Time the CPU matmul kernels alone (int8 vs f32 paths) against the machine's peaks.
     Microbench(microbench::MicrobenchArgs),
+    /// Serve the OpenAI API (chat and completions, streaming, metrics) with continuous
+    /// batching and DFlash speculative decoding.
+    Serve(serve::ServeArgs),
 }
 
 fn init_logging(verbose: u8) {
@@ -59,9 +64,12 @@ fn main() -> ExitCode {
         Command::Bench(a) => bench::run(a),
         Command::Eval(a) => eval::run(a),
         Command::Microbench(a) => microbench::run(a),
+        Command::Serve(a) => serve::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        // The reader of our output left (`dflash generate … | head`): nothing to report.
+        Err(e) if e.is::<output::ClosedPipe>() => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE

@@ -4,7 +4,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use dflash_models::synthetic::{
-    drafter_config_for, special_id, synthetic_gguf, write_drafter_dir, SyntheticSpec,
+    dflash2_config_for, drafter_config_for, special_id, synthetic_gguf, write_drafter_dir,
+    SyntheticSpec,
 };
 
 fn dflash(args: &[&str]) -> Output {
@@ -30,6 +31,17 @@ fn setup(dir: &Path) -> (PathBuf, PathBuf) {
     std::fs::write(&model, synthetic_gguf(&SyntheticSpec::tiny())).unwrap();
     let cfg = drafter_config_for(64, 4, 2, 128, 4, 1, 4, special_id("<|mask|>"));
     let draft = dir.join("draft");
+    write_drafter_dir(&cfg, 3, &draft).unwrap();
+    (model, draft)
+}
+
+/// A tiny target and a DFlash2 drafter directory that fits it.
+fn setup2(dir: &Path) -> (PathBuf, PathBuf) {
+    let (model, _) = setup(dir);
+    let base = drafter_config_for(64, 4, 2, 128, 4, 1, 4, special_id("<|mask|>"));
+    let vocab = dflash_models::synthetic::vocab().0.len();
+    let cfg = dflash2_config_for(base, vocab, 8);
+    let draft = dir.join("draft2");
     write_drafter_dir(&cfg, 3, &draft).unwrap();
     (model, draft)
 }
@@ -64,6 +76,64 @@ fn a_fitting_random_drafter_runs() {
 }
 
 #[test]
+fn a_dflash2_drafter_is_recognised_and_runs() {
+    let d = tempfile::tempdir().unwrap();
+    let (model, draft) = setup2(d.path());
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(draft.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["architectures"][0], "DFlash2DraftModel");
+    for extra in [&[][..], &["--temperature", "0.8", "--seed", "4"][..]] {
+        let mut args = vec!["--output-format", "json"];
+        args.extend_from_slice(extra);
+        let out = generate(&model, &draft, &args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert!(v["stats"]["rounds"].as_u64().unwrap() >= 1);
+    }
+}
+
+#[test]
+fn inconsistent_dflash2_configs_are_refused() {
+    let cases: [(&str, ConfigEdit); 4] = [
+        ("lacks selector_top_k", |v| {
+            v["dflash_config"]
+                .as_object_mut()
+                .unwrap()
+                .remove("selector_top_k");
+        }),
+        ("selector covers 100", |v| {
+            v["vocab_size"] = 100.into();
+        }),
+        ("has DFlash2 fields", |v| {
+            v["architectures"] = serde_json::json!(["DFlashDraftModel"]);
+        }),
+        ("must divide the hidden size", |v| {
+            v["dflash_config"]["conv_group_size"] = 48.into();
+        }),
+    ];
+    for (needle, edit) in cases {
+        let d = tempfile::tempdir().unwrap();
+        let (model, draft) = setup2(d.path());
+        edit_config(&draft, edit);
+        fails_with(generate(&model, &draft, &[]), needle);
+    }
+    // Codebooks narrower than the config says.
+    let d = tempfile::tempdir().unwrap();
+    let (model, draft) = setup2(d.path());
+    edit_config(&draft, |v| {
+        v["dflash_config"]["selector_rank"] = 32.into();
+    });
+    fails_with(
+        generate(&model, &draft, &[]),
+        "candidate_selector.predecessor_codebook",
+    );
+}
+
+#[test]
 fn missing_or_empty_drafter_directory() {
     let d = tempfile::tempdir().unwrap();
     let (model, _) = setup(d.path());
@@ -91,7 +161,10 @@ fn edit_config(draft: &Path, f: impl FnOnce(&mut serde_json::Value)) {
 
 #[test]
 fn incompatible_configs_are_refused() {
-    let cases: [(&str, ConfigEdit); 4] = [
+    let cases: [(&str, ConfigEdit); 5] = [
+        ("block_size 1000 is outside", |v| {
+            v["block_size"] = 1000.into();
+        }),
         ("hidden size", |v| {
             v["hidden_size"] = 128.into();
         }),
@@ -192,4 +265,16 @@ fn bad_block_sizes_and_batch_files() {
         model.to_str().unwrap(),
     ]);
     fails_with(out, "cannot read the batch file");
+    // One JSON object per run: several batch results would not be one document.
+    std::fs::write(&batch, "{\"prompt\": \"hi\"}\n{\"prompt\": \"yo\"}\n").unwrap();
+    let out = dflash(&[
+        "generate",
+        "--batch",
+        batch.to_str().unwrap(),
+        "--model",
+        model.to_str().unwrap(),
+        "--output-format",
+        "json",
+    ]);
+    fails_with(out, "use --output-format jsonl");
 }

@@ -1,8 +1,9 @@
 //! Bad input to the `dflash` binary: every case ends with one clear message and a non-zero
 //! exit, never a panic.
 
+use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
 
 use dflash_models::source::gguf::MetaValue;
 use dflash_models::source::gguf_writer::GgufWriter;
@@ -191,4 +192,95 @@ fn invalid_flag_values() {
         dflash(&["bench", "--model", ms, "--repetitions", "0"]),
         "repetitions",
     );
+}
+
+#[test]
+fn threads_beyond_the_cores_are_capped() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny(dir.path());
+    // 100,000 threads used to abort (and 1,000 to hang a 2-core machine).
+    let out = dflash(&[
+        "generate",
+        "hi",
+        "--model",
+        m.to_str().unwrap(),
+        "-n",
+        "3",
+        "--threads",
+        "100000",
+        "-v",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("--threads 100000 is more than"), "{err}");
+    let cores = std::thread::available_parallelism().unwrap().get();
+    assert!(err.contains(&format!("using {cores}")), "{err}");
+}
+
+#[test]
+fn a_temperature_that_underflows_is_greedy() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny(dir.path());
+    let ms = m.to_str().unwrap();
+    let run = |t: &str| {
+        let out = dflash(&[
+            "generate",
+            "hello",
+            "--model",
+            ms,
+            "-n",
+            "12",
+            "--temperature",
+            t,
+            "--output-format",
+            "json",
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["tokens"].clone()
+    };
+    let tiny_t = run("1e-39");
+    // It used to give token 0 over and over (NaN probabilities).
+    assert_eq!(tiny_t, run("0"));
+    assert!(tiny_t.as_array().unwrap().iter().any(|t| t != 0));
+}
+
+#[test]
+fn a_closed_stdout_ends_quietly_and_a_full_disk_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny(dir.path());
+    let ms = m.to_str().unwrap();
+    // `dflash generate … | head -c 1`: the reader leaves after the first byte.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_dflash"))
+        .args(["generate", "hello", "--model", ms, "-n", "200", "--raw"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = [0u8; 1];
+    child.stdout.take().unwrap().read_exact(&mut first).unwrap();
+    // (the pipe's read end is dropped here)
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(out.status.success(), "{err}");
+
+    if Path::new("/dev/full").exists() {
+        for format in ["text", "json"] {
+            let out = Command::new(env!("CARGO_BIN_EXE_dflash"))
+                .args(["generate", "hello", "--model", ms, "-n", "4"])
+                .args(["--output-format", format])
+                .stdout(std::fs::File::create("/dev/full").unwrap())
+                .output()
+                .unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(!err.contains("panicked"), "{err}");
+            assert!(!out.status.success(), "{format}: {err}");
+            assert!(err.contains("cannot write the output"), "{format}: {err}");
+        }
+    }
 }

@@ -11,9 +11,12 @@
 //!
 //! Drafts and verdicts are chosen on the device when the backend offers it
 //! (`Backend::draft_rows`, `verify_rows`), else on the host by [`propose`] and [`judge`],
-//! which define them. At T > 0 a row draws `2 * (block - 1) + 1` uniforms per round, in this
-//! order and whatever happens: one per draft, one per accept test, one for the token after
-//! the accepted drafts.
+//! which define them. A DFlash2 drafter's proposals come from walking its candidate lattice
+//! on the host (`selector_walk`), with the selector's sparse distribution as q; those rows
+//! are judged on the host too (the device verifier would rebuild q from the drafter's
+//! logits). At T > 0 a row draws `2 * (block - 1) + 1` uniforms per round, in this order and
+//! whatever happens, DFlash or DFlash2: one per draft, one per accept test, one for the token
+//! after the accepted drafts.
 
 use std::time::Instant;
 
@@ -25,6 +28,7 @@ use crate::ar::{choose_next, HostChoice, PREFILL_CHUNK};
 use crate::choose::{copy_rows, split, with_rows, RowSampling};
 use crate::decoder::{Decoder, EngineError, Result, RowId};
 use crate::sampling::{Dist, SamplingParams};
+use crate::selector_walk::walk;
 use crate::spec_gate::{SpecGate, SpecMode};
 use crate::stats::RowStats;
 
@@ -220,6 +224,8 @@ pub fn judge(
 }
 
 /// `normalize(max(p - q, 0))` in p's order (the mass an f64 sum), or `p` when that is empty.
+/// `q` may be sparse (a DFlash2 selector's top-k candidates): every id it does not list has
+/// q = 0.
 pub fn residual(p: &Dist, q: &Dist) -> Dist {
     // Both can cover the whole vocabulary at T > 0: look q up by id, not by search.
     let q_by_id = q.probs_by_id();
@@ -374,52 +380,60 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
                 .iter()
                 .map(|&r| &self.rows[r].as_ref().expect("live").sampling)
                 .collect();
-            let (mut device, mut host) = split(samplings.iter().copied());
-            if !device.is_empty() {
-                let spec: Vec<DraftRow<'_>> = device
-                    .iter()
-                    .map(|&i| DraftRow {
-                        params: samplings[i].device.expect("device row"),
-                        history: &samplings[i].history,
-                        u: &draws[i].draft,
-                    })
-                    .collect();
-                match with_rows(backend, dlog, n, &device, batch, &mut self.host.tmp, |t| {
-                    backend.draft_rows(t, n, &spec)
-                }) {
-                    Some(ids) => {
-                        for (k, &i) in device.iter().enumerate() {
-                            drafts[i] = ids[k * n..(k + 1) * n].to_vec();
-                            drafted_on_device[i] = true;
+            if let Some(lattice) = self.drafter.lattice() {
+                // DFlash2: each row walks its candidate lattice on the host, drawing from the
+                // selector's q with the round's draft uniforms (so it verifies on the host).
+                for (i, s) in samplings.iter().enumerate() {
+                    (drafts[i], qs[i]) = walk(lattice, i, &s.params, &draws[i].draft);
+                }
+            } else {
+                let (mut device, mut host) = split(samplings.iter().copied());
+                if !device.is_empty() {
+                    let spec: Vec<DraftRow<'_>> = device
+                        .iter()
+                        .map(|&i| DraftRow {
+                            params: samplings[i].device.expect("device row"),
+                            history: &samplings[i].history,
+                            u: &draws[i].draft,
+                        })
+                        .collect();
+                    match with_rows(backend, dlog, n, &device, batch, &mut self.host.tmp, |t| {
+                        backend.draft_rows(t, n, &spec)
+                    }) {
+                        Some(ids) => {
+                            for (k, &i) in device.iter().enumerate() {
+                                drafts[i] = ids[k * n..(k + 1) * n].to_vec();
+                                drafted_on_device[i] = true;
+                            }
+                        }
+                        None => {
+                            host.append(&mut device);
+                            host.sort_unstable();
                         }
                     }
-                    None => {
-                        host.append(&mut device);
-                        host.sort_unstable();
-                    }
                 }
-            }
-            if !host.is_empty() {
-                let per_row = n * vocab;
-                copy_rows(
-                    backend,
-                    dlog,
-                    n,
-                    &host,
-                    batch,
-                    &mut self.host.tmp,
-                    &mut self.draft_host,
-                );
-                for (k, &i) in host.iter().enumerate() {
-                    let logits = &self.draft_host[k * per_row..(k + 1) * per_row];
-                    (drafts[i], qs[i]) = propose(
-                        &samplings[i].params,
-                        &samplings[i].history,
-                        logits,
-                        vocab,
-                        &draws[i].draft,
-                        &mut self.host.scratch,
+                if !host.is_empty() {
+                    let per_row = n * vocab;
+                    copy_rows(
+                        backend,
+                        dlog,
+                        n,
+                        &host,
+                        batch,
+                        &mut self.host.tmp,
+                        &mut self.draft_host,
                     );
+                    for (k, &i) in host.iter().enumerate() {
+                        let logits = &self.draft_host[k * per_row..(k + 1) * per_row];
+                        (drafts[i], qs[i]) = propose(
+                            &samplings[i].params,
+                            &samplings[i].history,
+                            logits,
+                            vocab,
+                            &draws[i].draft,
+                            &mut self.host.scratch,
+                        );
+                    }
                 }
             }
         }
@@ -558,7 +572,7 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
             let v = &verdicts[i];
             let row = self.rows[r].as_mut().expect("live");
             let committed = v.accepted + 1;
-            self.target.truncate_row(r, starts[i] + committed);
+            self.target.truncate_row(r, starts[i] + committed)?;
             extend_rows.push((row.drow, committed));
             tap_rows.extend((0..committed).map(|j| (i * block + j) as u32));
             let mut emitted = drafts[i][..v.accepted].to_vec();
@@ -629,5 +643,34 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
 
     fn lookahead(&self) -> usize {
         self.block
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn residual_treats_a_sparse_q_as_zero_elsewhere() {
+        let p = Dist {
+            items: vec![(0, 0.1), (1, 0.2), (2, 0.3), (3, 0.4)],
+        };
+        // A selector's q over two candidates, listed in candidate (not id) order.
+        let q = Dist {
+            items: vec![(3, 0.7), (1, 0.3)],
+        };
+        let r = residual(&p, &q);
+        // max(p - q, 0) = [0.1, 0, 0.3, 0] -> normalised over 0.4.
+        let want = [(0, 0.25), (2, 0.75)];
+        assert_eq!(r.items.len(), 2);
+        for (got, w) in r.items.iter().zip(want) {
+            assert_eq!(got.0, w.0);
+            assert!((got.1 - w.1).abs() < 1e-6);
+        }
+        // q covering p entirely (p <= q everywhere it is positive): falls back to p.
+        let all = Dist {
+            items: vec![(0, 0.1), (1, 0.2), (2, 0.3), (3, 0.4)],
+        };
+        assert_eq!(residual(&p, &all), p);
     }
 }

@@ -1,4 +1,5 @@
-//! Turning logits into tokens: greedy, temperature, top-k, top-p, min-p, repetition penalty.
+//! Turning logits into tokens: greedy, temperature, top-k, top-p, min-p, repetition,
+//! frequency and presence penalties.
 //!
 //! [`SamplingParams::distribution`] gives the exact distribution a token is drawn from (also
 //! used by speculative rejection sampling, which must apply the same processing to the
@@ -31,12 +32,31 @@ pub struct SamplingParams {
     pub min_p: f32,
     /// Divide positive (multiply negative) logits of tokens already seen (1: off).
     pub repetition_penalty: f32,
+    /// Subtract this times a token's count so far from its logit (0: off; OpenAI semantics,
+    /// counted over the prompt and the output).
+    #[serde(default)]
+    pub frequency_penalty: f32,
+    /// Subtract this from the logit of every token seen so far (0: off).
+    #[serde(default)]
+    pub presence_penalty: f32,
     pub seed: u64,
+    /// Report the log-probability of every generated token with this many most likely
+    /// alternatives (`None`: no log-probabilities; [`crate::Batch`] computes them from the
+    /// kept logits). Does not change which tokens are chosen.
+    #[serde(default)]
+    pub logprobs: Option<usize>,
     /// Copy the logits behind every chosen token to the host, for the caller
     /// (`Decoder::token_logits`, e.g. for log-probabilities). Such rows choose on the host.
     #[serde(default)]
     pub keep_logits: bool,
 }
+
+/// Temperatures below this are greedy decoding: `1 / t` would overflow `f32` near here (and
+/// the distribution is a point mass on the argmax long before).
+pub const MIN_TEMPERATURE: f32 = 1e-5;
+
+/// Most alternatives a token's log-probability report may list.
+pub const MAX_TOP_LOGPROBS: usize = 20;
 
 impl Default for SamplingParams {
     fn default() -> Self {
@@ -46,7 +66,10 @@ impl Default for SamplingParams {
             top_p: 1.0,
             min_p: 0.0,
             repetition_penalty: 1.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
             seed: 0,
+            logprobs: None,
             keep_logits: false,
         }
     }
@@ -117,8 +140,10 @@ impl SamplingParams {
         Self::default()
     }
 
+    /// Greedy decoding: temperature 0, or one so small that it is the argmax anyway
+    /// ([`MIN_TEMPERATURE`]).
     pub fn is_greedy(&self) -> bool {
-        self.temperature <= 0.0
+        self.temperature < MIN_TEMPERATURE
     }
 
     /// Checks ranges (negative temperature, top_p outside (0, 1], ...).
@@ -136,24 +161,41 @@ impl SamplingParams {
         if !self.repetition_penalty.is_finite() || self.repetition_penalty <= 0.0 {
             return bad("repetition penalty must be a finite number > 0");
         }
+        if !(-2.0..=2.0).contains(&self.frequency_penalty) {
+            return bad("frequency penalty must be in [-2, 2]");
+        }
+        if !(-2.0..=2.0).contains(&self.presence_penalty) {
+            return bad("presence penalty must be in [-2, 2]");
+        }
+        if self.logprobs.is_some_and(|n| n > MAX_TOP_LOGPROBS) {
+            return Err(InvalidParams(format!(
+                "at most {MAX_TOP_LOGPROBS} top log-probabilities can be reported"
+            )));
+        }
         Ok(())
     }
 
-    /// Applies the repetition penalty to `logits` in place for every id in `history`.
+    /// Applies the repetition, frequency and presence penalties to `logits` in place for the
+    /// ids in `history`.
     pub fn penalize(&self, logits: &mut [f32], history: &[u32]) {
-        if self.repetition_penalty == 1.0 {
+        let repetition = self.repetition_penalty != 1.0;
+        if !repetition && self.frequency_penalty == 0.0 && self.presence_penalty == 0.0 {
             return;
         }
-        let mut seen = std::collections::HashSet::with_capacity(history.len());
+        let mut counts = std::collections::HashMap::with_capacity(history.len());
         for &id in history {
+            *counts.entry(id).or_insert(0u32) += 1;
+        }
+        for (id, n) in counts {
             if let Some(l) = logits.get_mut(id as usize) {
-                if seen.insert(id) {
+                if repetition {
                     *l = if *l > 0.0 {
                         *l / self.repetition_penalty
                     } else {
                         *l * self.repetition_penalty
                     };
                 }
+                *l -= self.frequency_penalty * n as f32 + self.presence_penalty;
             }
         }
     }
@@ -255,14 +297,20 @@ impl SamplingParams {
             top_p,
             min_p,
             repetition_penalty,
+            frequency_penalty,
+            presence_penalty,
             seed: _,
             keep_logits,
+            // Reported from kept logits (`crate::Batch` sets `keep_logits` for them).
+            logprobs: _,
         } = self;
-        if *keep_logits {
+        // Frequency and presence penalties are host-only.
+        if *keep_logits || *frequency_penalty != 0.0 || *presence_penalty != 0.0 {
             return None;
         }
         Some(ChoiceParams {
-            temperature: *temperature,
+            // Temperatures below MIN_TEMPERATURE are greedy on the host; the same on the device.
+            temperature: if self.is_greedy() { 0.0 } else { *temperature },
             top_k: u32::try_from(*top_k).unwrap_or(u32::MAX),
             top_p: *top_p,
             min_p: *min_p,

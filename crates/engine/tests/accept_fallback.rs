@@ -8,14 +8,14 @@ use common::{ar_reference, request, sharp_tiny_path, Oracle};
 use dflash_engine::dflash::{AcceptPolicy, DflashDecoder};
 use dflash_engine::session::run_scheduled;
 use dflash_engine::SamplingParams;
-use dflash_models::llama::LlamaModel;
+use dflash_models::TargetModel;
 use dflash_models::{load_model, RowStep, Target};
 use dflash_runtime::cpu::CpuWeight;
 use dflash_runtime::cpu::{CpuBackend, CpuTensor};
 use std::sync::Arc;
 
 /// A model that reports a rectangular (shared) cache layout; everything else is delegated.
-struct RectangularCache(LlamaModel<CpuBackend>);
+struct RectangularCache(TargetModel<CpuBackend>);
 
 impl Target for RectangularCache {
     type B = CpuBackend;
@@ -44,7 +44,7 @@ impl Target for RectangularCache {
     fn row_len(&self, row: usize) -> usize {
         self.0.row_len(row)
     }
-    fn truncate_row(&mut self, row: usize, len: usize) {
+    fn truncate_row(&mut self, row: usize, len: usize) -> dflash_models::Result<()> {
         self.0.truncate_row(row, len)
     }
     fn fork_row(&mut self, src: usize, capacity: usize) -> dflash_models::Result<usize> {

@@ -8,7 +8,8 @@
 //! accepted total is exactly what its own drafts (per-row) or the round minimum (clamp) give,
 //! so the gate cannot pass by never diverging. Also: identical prompts in every row give
 //! identical outputs, a randomly initialised drafter in a batch, and continuous batching
-//! (more requests than `max_live`, rows joining as others finish).
+//! (more requests than `max_live`, rows joining as others finish). DFlash2: the oracle
+//! proposing through a candidate lattice in a ragged batch, and a random DFlash2 drafter.
 
 mod common;
 
@@ -19,9 +20,9 @@ use common::*;
 use dflash_engine::dflash::{AcceptPolicy, DflashDecoder};
 use dflash_engine::session::{run_batch, run_scheduled};
 use dflash_engine::{Completion, FinishReason, Request, SamplingParams};
-use dflash_models::llama::LlamaModel;
-use dflash_models::synthetic::{drafter_config_for, random_drafter};
+use dflash_models::synthetic::{dflash2_config_for, drafter_config_for, random_drafter};
 use dflash_models::tokenizer::TextTokenizer;
+use dflash_models::TargetModel;
 use dflash_models::{DflashDrafter, Drafter, Target};
 
 /// Tokens per row.
@@ -89,7 +90,7 @@ fn shared() -> &'static Shared {
 }
 
 impl Shared {
-    fn model(&self) -> (LlamaModel<Cpu>, TextTokenizer) {
+    fn model(&self) -> (TargetModel<Cpu>, TextTokenizer) {
         let m = default_model(&self.backend);
         (m.model, m.tokenizer)
     }
@@ -125,22 +126,25 @@ struct Case<'a> {
     policy: AcceptPolicy,
     max_live: usize,
     label: &'a str,
+    /// The oracle proposes through a DFlash2 candidate lattice.
+    selector: bool,
 }
 
 /// Runs `case` with an oracle drafter; checks every output against its B=1 reference and each
 /// row's accepted total against the oracle. Returns the outputs, the oracle and the target.
 fn oracle_case(
     sh: &Shared,
-    target: LlamaModel<Cpu>,
+    target: TargetModel<Cpu>,
     tok: &TextTokenizer,
     case: Case<'_>,
-) -> (Vec<Completion>, Oracle, LlamaModel<Cpu>) {
+) -> (Vec<Completion>, Oracle, TargetModel<Cpu>) {
     let Case {
         idx,
         max_tokens,
         policy,
         max_live,
         label,
+        selector,
     } = case;
     let t0 = Instant::now();
     // Per-row: every row errs at its own slot each round. Clamp: one row errs per round (with
@@ -150,6 +154,9 @@ fn oracle_case(
         AcceptPolicy::Clamp => Schedule::OneRowPerRound,
     };
     let mut oracle = Oracle::with_schedule(BLOCK, target.vocab(), TAPS.to_vec(), schedule);
+    if selector {
+        oracle = oracle.selector();
+    }
     let mut requests = Vec::new();
     oracle.stop_ids = tok.stop_ids.clone();
     for &i in idx {
@@ -217,6 +224,7 @@ fn batched_dflash_equals_b1_per_row_and_clamp() {
                     policy,
                     max_live: usize::MAX,
                     label: &label,
+                    selector: false,
                 };
                 let (_, oracle, t) = oracle_case(sh, target, &tok, case);
                 target = t;
@@ -242,6 +250,7 @@ fn identical_prompts_give_identical_rows() {
         policy: AcceptPolicy::PerRow,
         max_live: usize::MAX,
         label,
+        selector: false,
     };
     let (got, oracle, _) = oracle_case(sh, target, &tok, case);
     // Same prompt, same output, even though the oracle made the rows accept differently (so
@@ -267,6 +276,7 @@ fn continuous_batching_equals_b1() {
         policy: AcceptPolicy::PerRow,
         max_live: 3,
         label: "PerRow scheduled 6 requests, max_live 3",
+        selector: false,
     };
     let (_, oracle, _) = oracle_case(sh, target, &tok, case);
     assert!(oracle.rounds_with_different_accepts() > 0);
@@ -308,6 +318,56 @@ fn random_drafter_batch_equals_b1() {
     }
     eprintln!(
         "random drafter B={}: {} accepted, {:.1} s",
+        idx.len(),
+        got.iter().map(|c| c.stats.accepted).sum::<usize>(),
+        t0.elapsed().as_secs_f64()
+    );
+}
+
+#[test]
+fn dflash2_batch_equals_b1() {
+    let sh = shared();
+    let (target, tok) = sh.model();
+    // The oracle through a candidate lattice: ragged B=4, every row its own accept count.
+    let idx: Vec<usize> = (8..12).collect();
+    let case = Case {
+        idx: &idx,
+        max_tokens: &[TOKENS; 4],
+        policy: AcceptPolicy::PerRow,
+        max_live: usize::MAX,
+        label: "PerRow ragged B=4, lattice oracle",
+        selector: true,
+    };
+    let (_, oracle, target) = oracle_case(sh, target, &tok, case);
+    assert!(oracle.rounds_with_different_accepts() > 0);
+
+    // A random DFlash2 drafter (window 48: it cuts every row's context) in a ragged batch.
+    let t0 = Instant::now();
+    let cfg = dflash2_config_for(
+        drafter_config_for(576, 9, 3, 1536, 30, 2, 8, 16),
+        target.vocab(),
+        48,
+    );
+    let drafter =
+        DflashDrafter::load(sh.backend.clone(), cfg.clone(), &random_drafter(&cfg, 11)).unwrap();
+    let mut dec = DflashDecoder::new(target, drafter, 4, AcceptPolicy::PerRow).unwrap();
+    let idx = [8, 1, 15];
+    let tokens = 64;
+    let requests: Vec<Request> = idx
+        .iter()
+        .map(|&i| request(sh.entry(i).0.to_vec(), tokens, SamplingParams::greedy()))
+        .collect();
+    let got = run_batch(&mut dec, &tok, &requests, &mut |_, _| {}).unwrap();
+    for (k, (&i, c)) in idx.iter().zip(&got).enumerate() {
+        let (want, reason) = expected(sh.entry(i).1, tokens);
+        assert_eq!(
+            c.tokens, want,
+            "random DFlash2 drafter: row {k} (pool entry {i})"
+        );
+        assert_eq!(c.finish_reason, reason);
+    }
+    eprintln!(
+        "random DFlash2 drafter B={}: {} accepted, {:.1} s",
         idx.len(),
         got.iter().map(|c| c.stats.accepted).sum::<usize>(),
         t0.elapsed().as_secs_f64()

@@ -485,7 +485,7 @@ const BLOCK: usize = 4;
 fn gpu_target(
     b: &Arc<CudaBackend>,
 ) -> (
-    dflash_models::llama::LlamaModel<CudaBackend>,
+    dflash_models::TargetModel<CudaBackend>,
     dflash_models::tokenizer::TextTokenizer,
     Vec<u32>,
 ) {

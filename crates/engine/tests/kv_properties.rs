@@ -24,8 +24,8 @@ use common::{ar_reference, request, sharp_tiny_path, Oracle, Schedule};
 use dflash_engine::dflash::{AcceptPolicy, DflashDecoder};
 use dflash_engine::session::run_scheduled;
 use dflash_engine::{FinishReason, SamplingParams};
-use dflash_models::llama::LlamaModel;
 use dflash_models::tokenizer::TextTokenizer;
+use dflash_models::TargetModel;
 use dflash_models::{load_model, Target};
 use dflash_runtime::backend::{AttnShape, TokenMeta};
 use dflash_runtime::cpu::{CpuBackend, CpuKv, CpuTensor};
@@ -406,7 +406,7 @@ proptest! {
 
 // --- session level ------------------------------------------------------------------------
 
-fn tiny_target(b: &Arc<CpuBackend>) -> (LlamaModel<CpuBackend>, TextTokenizer) {
+fn tiny_target(b: &Arc<CpuBackend>) -> (TargetModel<CpuBackend>, TextTokenizer) {
     let m = load_model(b.clone(), sharp_tiny_path()).unwrap();
     (m.model, m.tokenizer)
 }
@@ -448,7 +448,7 @@ fn batch() -> impl Strategy<Value = Batch> {
 #[test]
 fn session_per_row_and_clamp_equal_b1_with_exact_accepts() {
     let b = Arc::new(CpuBackend::new(1));
-    let slot: RefCell<Option<(LlamaModel<CpuBackend>, TextTokenizer)>> = RefCell::new(None);
+    let slot: RefCell<Option<(TargetModel<CpuBackend>, TextTokenizer)>> = RefCell::new(None);
     let mut runner = TestRunner::new(Config {
         cases: 128,
         failure_persistence: None,

@@ -1,7 +1,9 @@
 //! The lossless gate: greedy DFlash output equals greedy autoregressive output, token for
 //! token, on 20 prompts x 128 tokens of the default model — with an oracle drafter that forces
 //! every accept count 0..B-1 and full accepts, with a randomly initialised drafter, and with the
-//! trained drafter shipped for the default model.
+//! trained drafter shipped for the default model; and for DFlash2, with the oracle proposing
+//! through a candidate lattice (every accept count again) and with a randomly initialised
+//! DFlash2 drafter (convolutions, sliding windows, selector).
 
 mod common;
 
@@ -9,7 +11,7 @@ use common::*;
 use dflash_engine::dflash::{AcceptPolicy, DflashDecoder};
 use dflash_engine::session::run_batch;
 use dflash_engine::SamplingParams;
-use dflash_models::synthetic::{drafter_config_for, random_drafter};
+use dflash_models::synthetic::{dflash2_config_for, drafter_config_for, random_drafter};
 use dflash_models::{DflashDrafter, Target};
 
 const TOKENS: usize = 128;
@@ -66,6 +68,51 @@ fn greedy_dflash_equals_greedy_ar() {
             .remove(0);
         let want: Vec<u32> = reference[i].tokens.iter().take(TOKENS).copied().collect();
         assert_eq!(got.tokens, want, "random drafter, prompt {i}");
+    }
+
+    // (d) DFlash2: the oracle proposing through a candidate lattice, every accept count.
+    let target = dec.target;
+    let mut oracle = Oracle::new(BLOCK, target.vocab(), taps.clone()).selector();
+    oracle.queue.extend(sequences(&prompts, &reference));
+    let mut dec = DflashDecoder::new(target, oracle, BLOCK, AcceptPolicy::PerRow).unwrap();
+    for (i, p) in prompts.iter().enumerate() {
+        let r = request(p.clone(), TOKENS, SamplingParams::greedy());
+        let got = run_batch(&mut dec, &tok, &[r], &mut |_, _| {})
+            .unwrap()
+            .remove(0);
+        let want: Vec<u32> = reference[i].tokens.iter().take(TOKENS).copied().collect();
+        assert_eq!(got.tokens, want, "lattice oracle, prompt {i}");
+    }
+    let seen: std::collections::BTreeSet<usize> = dec
+        .drafter
+        .expected_accepts
+        .iter()
+        .flatten()
+        .copied()
+        .collect();
+    assert_eq!(
+        seen,
+        (0..BLOCK).collect(),
+        "lattice oracle: every accept count"
+    );
+
+    // (e) A randomly initialised DFlash2 drafter (windows of 64 positions: they cut the
+    // context of every prompt before the end).
+    let target = dec.target;
+    let cfg = dflash2_config_for(
+        drafter_config_for(576, 9, 3, 1536, 30, 2, BLOCK, 16),
+        target.vocab(),
+        64,
+    );
+    let drafter = DflashDrafter::load(b.clone(), cfg.clone(), &random_drafter(&cfg, 9)).unwrap();
+    let mut dec = DflashDecoder::new(target, drafter, BLOCK, AcceptPolicy::PerRow).unwrap();
+    for (i, p) in prompts.iter().enumerate().take(8) {
+        let r = request(p.clone(), TOKENS, SamplingParams::greedy());
+        let got = run_batch(&mut dec, &tok, &[r], &mut |_, _| {})
+            .unwrap()
+            .remove(0);
+        let want: Vec<u32> = reference[i].tokens.iter().take(TOKENS).copied().collect();
+        assert_eq!(got.tokens, want, "random DFlash2 drafter, prompt {i}");
     }
 
     // (c) The trained drafter shipped for the default model, at its trained block size.

@@ -11,6 +11,11 @@
 //! distribution (many drafts accepted: the p/q path; and min(p, q) is not proportional to p,
 //! so a residual other than max(p - q, 0) would show).
 //!
+//! The same holds for DFlash2 drafters, whose q is the selector's sparse distribution over its
+//! top-k candidates (q = 0 elsewhere): a randomly initialised DFlash2 drafter, and the peeking
+//! drafter proposing through a candidate lattice (its top 8 sharpened logits as candidates,
+//! random transition scores that depend on the predecessor chosen).
+//!
 //! Controls: the same statistic rejects plain sampling at T = 1 against T = 1.3 (the order of
 //! error a sampler that skipped the p/q test would make) with a tiny p-value, so the test has
 //! power, and does not reject two plain samples with different seeds. The chi-square tail is
@@ -31,10 +36,15 @@ use dflash_engine::ar::ArDecoder;
 use dflash_engine::dflash::{AcceptPolicy, DflashDecoder};
 use dflash_engine::session::run_scheduled;
 use dflash_engine::{Completion, Decoder, SamplingParams};
-use dflash_models::llama::LlamaModel;
-use dflash_models::synthetic::{drafter_config_for, random_drafter, special_id};
+use dflash_models::selector::top_k_indices;
+use dflash_models::synthetic::{
+    dflash2_config_for, drafter_config_for, random_drafter, special_id,
+};
 use dflash_models::tokenizer::TextTokenizer;
-use dflash_models::{load_model, DflashDrafter, Drafter, LogitRows, RowStep, Target};
+use dflash_models::TargetModel;
+use dflash_models::{
+    load_model, CandidateLattice, DflashDrafter, Drafter, LogitRows, RowStep, Target,
+};
 use dflash_runtime::cpu::CpuWeight;
 use dflash_runtime::cpu::{CpuBackend, CpuTensor};
 use dflash_runtime::Backend;
@@ -74,7 +84,7 @@ fn setup() -> Setup {
 
 impl Setup {
     /// A fresh copy of the tiny target.
-    fn target(&self) -> LlamaModel<Cpu> {
+    fn target(&self) -> TargetModel<Cpu> {
         load_model(self.backend.clone(), sharp_tiny_path())
             .unwrap()
             .model
@@ -94,12 +104,23 @@ fn random(s: &Setup) -> DflashDrafter<Cpu> {
     DflashDrafter::load(s.backend.clone(), cfg.clone(), &random_drafter(&cfg, 3)).unwrap()
 }
 
+/// A randomly initialised DFlash2 drafter shaped for the tiny target.
+fn random2(s: &Setup) -> DflashDrafter<Cpu> {
+    let mask = special_id("<|mask|>");
+    let base = drafter_config_for(64, 4, 2, 128, 4, 1, BLOCK, mask);
+    let cfg = dflash2_config_for(base, s.target().vocab(), 8);
+    DflashDrafter::load(s.backend.clone(), cfg.clone(), &random_drafter(&cfg, 5)).unwrap()
+}
+
+/// Candidates per slot of the peeking drafter's lattice.
+const PEEK_TOP_K: usize = 8;
+
 /// A test drafter that runs its own copy of the target: slot i's logits are the target's
 /// logits after the row's context, `cur` and the greedy guesses for slots 1..i, scaled by
 /// `sharpen`, plus uniform noise. It knows a row's context while every round commits a single token (the prompt is
 /// shared by all runs); otherwise it proposes from flat logits.
 struct Peek {
-    model: LlamaModel<Cpu>,
+    model: TargetModel<Cpu>,
     prompt: Vec<u32>,
     taps: Vec<usize>,
     /// Per row: committed length and, when known, the committed tokens.
@@ -112,6 +133,8 @@ struct Peek {
     /// Logit scale: above 1 makes q sharper than p, so that min(p, q) is not proportional to
     /// p and a wrong residual shows.
     sharpen: f32,
+    /// Propose through a candidate lattice (DFlash2) built from the logits.
+    lattice: Option<CandidateLattice>,
 }
 
 impl Peek {
@@ -126,7 +149,15 @@ impl Peek {
             rng: rand::rngs::StdRng::seed_from_u64(11),
             noise,
             sharpen,
+            lattice: None,
         }
+    }
+
+    /// Proposes through a lattice: each slot's top 8 logits as candidates and unary scores,
+    /// plus a random transition score for every (predecessor, candidate) pair.
+    fn with_lattice(mut self) -> Self {
+        self.lattice = Some(CandidateLattice::new(PEEK_TOP_K, BLOCK - 1));
+        self
     }
 }
 
@@ -243,11 +274,34 @@ impl Drafter for Peek {
         for row in mrows {
             self.model.release_row(row);
         }
+        if let Some(l) = &mut self.lattice {
+            let k = PEEK_TOP_K;
+            l.reset(k, block - 1);
+            let mut order = Vec::new();
+            for i in 0..rows.len() {
+                let (ids, scores) = l.push_row_mut();
+                for j in 0..block - 1 {
+                    let x = self.logits.row(i * (block - 1) + j);
+                    top_k_indices(x, k, &mut order);
+                    ids[j * k..(j + 1) * k].copy_from_slice(&order);
+                    for prev in 0..k {
+                        for (c, &id) in order.iter().enumerate() {
+                            scores[(j * k + prev) * k + c] =
+                                x[id as usize] + self.rng.random_range(-1.0f32..1.0);
+                        }
+                    }
+                }
+            }
+        }
         Ok(())
     }
 
     fn logits(&self) -> &CpuTensor {
         &self.logits
+    }
+
+    fn lattice(&self) -> Option<&CandidateLattice> {
+        self.lattice.as_ref()
     }
 }
 
@@ -472,6 +526,15 @@ fn dflash_sampling_follows_the_target_distribution() {
         AcceptPolicy::PerRow,
     )
     .unwrap();
+    let mut with_random2 =
+        DflashDecoder::new(s.target(), random2(&s), BLOCK, AcceptPolicy::PerRow).unwrap();
+    let mut with_peek2 = DflashDecoder::new(
+        s.target(),
+        Peek::new(&s, SHARPEN, 0.5).with_lattice(),
+        BLOCK,
+        AcceptPolicy::PerRow,
+    )
+    .unwrap();
     let configs = [
         ("T=1", params(1.0, 1.0, 0)),
         ("T=1 top-p 0.8", params(1.0, 0.8, 0)),
@@ -480,9 +543,11 @@ fn dflash_sampling_follows_the_target_distribution() {
     let mut failures = Vec::new();
     for (label, p) in &configs {
         let plain = sample(&mut ar, &s, p, 0);
-        let arms: [(&str, &mut dyn Decoder, u64); 2] = [
+        let arms: [(&str, &mut dyn Decoder, u64); 4] = [
             ("random drafter", &mut with_random, 1_000_000),
             ("peeking drafter", &mut with_peek, 2_000_000),
+            ("random DFlash2 drafter", &mut with_random2, 3_000_000),
+            ("peeking lattice drafter", &mut with_peek2, 4_000_000),
         ];
         for (name, dec, first) in arms {
             let drafted = sample(dec, &s, p, first);

@@ -9,6 +9,7 @@ use minijinja::{context, Environment, Error, ErrorKind};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{ModelError, Result};
+use crate::tokenizer::TextTokenizer;
 
 /// One chat message.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -83,6 +84,29 @@ impl ChatTemplate {
             eos_token => &self.eos_token,
         })
         .map_err(|e| ModelError::Template(format!("cannot render: {e}")))
+    }
+}
+
+/// Token ids for a conversation: through the chat template unless `raw` (or when the model
+/// has no template, with a warning), else the last message's text alone.
+pub fn conversation_ids(
+    tokenizer: &TextTokenizer,
+    template: Option<&ChatTemplate>,
+    messages: &[Message],
+    raw: bool,
+) -> Result<Vec<u32>> {
+    let last = || messages.last().map(|m| m.content.as_str()).unwrap_or("");
+    match (template, raw) {
+        (Some(t), false) => {
+            let text = t.render(messages, true)?;
+            // The template writes any BOS itself.
+            tokenizer.encode(&text, false)
+        }
+        (None, false) => {
+            tracing::warn!("the model has no chat template; using the prompt as raw text");
+            tokenizer.encode(last(), true)
+        }
+        (_, true) => tokenizer.encode(last(), true),
     }
 }
 

@@ -1,204 +1,29 @@
-//! The DFlash drafter (published z-lab format): Qwen3-style layers whose keys and values are
-//! extended with the fused target features of every committed token, drafting a whole block
-//! in one bidirectional forward pass.
+//! The DFlash and DFlash2 drafters (published z-lab formats): Qwen3-style layers whose keys
+//! and values are extended with the fused target features of every committed token, drafting
+//! a whole block in one forward pass. A DFlash2 drafter (`config.kind()`) adds the grouped
+//! dynamic convolutions around every sublayer and the candidate selector (`dflash2.rs`), and
+//! may window its layers' attention; its draft leaves a [`CandidateLattice`] next to the
+//! logits.
 
 use std::path::Path;
 use std::sync::Arc;
 
 use dflash_runtime::backend::{AttnShape, GraphKey, RopeStyle, TokenMeta, WeightRole};
 use dflash_runtime::Backend;
-use serde_json::Value;
 
 use crate::config::rope_inv_freq;
+use crate::dflash2::{LayerConvs, Selector};
 use crate::drafter::Drafter;
+pub use crate::drafter_config::{
+    build_target_layer_ids, Dflash2Params, DrafterConfig, DrafterKind, LayerAttention,
+};
 use crate::error::{ModelError, Result};
 use crate::llama::{load_matrix, load_vector};
 use crate::paths::{path_of, ProjectionPath};
 use crate::rows::RowTable;
+use crate::selector::CandidateLattice;
 use crate::source::safetensors_dir::SafetensorsDir;
 use crate::source::TensorSource;
-
-/// Drafter hyper-parameters from its `config.json`.
-#[derive(Clone, Debug, PartialEq)]
-pub struct DrafterConfig {
-    pub block_size: usize,
-    pub mask_token_id: u32,
-    pub target_layer_ids: Vec<usize>,
-    pub num_target_layers: Option<usize>,
-    pub hidden: usize,
-    pub intermediate: usize,
-    pub layers: usize,
-    pub heads: usize,
-    pub kv_heads: usize,
-    pub head_dim: usize,
-    pub rms_eps: f32,
-    pub rope_theta: f32,
-}
-
-/// The published default for which target layers to tap: one in the middle for a single
-/// draft layer, else `n` points evenly spaced from 1 to `n_target - 3`, rounded half to even
-/// (Python's `round`).
-pub fn build_target_layer_ids(n_target: usize, n: usize) -> Vec<usize> {
-    if n <= 1 {
-        return vec![n_target / 2];
-    }
-    let (start, end) = (1.0f64, n_target as f64 - 3.0);
-    (0..n)
-        .map(|i| {
-            let x = start + (end - start) * i as f64 / (n - 1) as f64;
-            let r = x.round();
-            // Ties go to the even neighbour.
-            let r = if (x - x.trunc()).abs() == 0.5 && r % 2.0 != 0.0 {
-                r - 1.0
-            } else {
-                r
-            };
-            r as usize
-        })
-        .collect()
-}
-
-fn cfg_err(m: impl Into<String>) -> ModelError {
-    ModelError::IncompatibleDrafter(m.into())
-}
-
-impl DrafterConfig {
-    /// Reads `config.json` of a drafter directory.
-    pub fn read(dir: &Path) -> Result<Self> {
-        let cfg_path = dir.join("config.json");
-        let text = std::fs::read_to_string(&cfg_path).map_err(|e| ModelError::io(&cfg_path, e))?;
-        let v: Value = serde_json::from_str(&text)
-            .map_err(|e| cfg_err(format!("{} is not valid JSON: {e}", cfg_path.display())))?;
-        Self::from_json(&v)
-    }
-
-    pub fn from_json(v: &Value) -> Result<Self> {
-        let dc = v.get("dflash_config");
-        let num = |k: &str| v.get(k).and_then(Value::as_u64).map(|x| x as usize);
-        let req = |k: &str| num(k).ok_or_else(|| cfg_err(format!("config.json: `{k}` is missing")));
-        let hidden = req("hidden_size")?;
-        let heads = req("num_attention_heads")?;
-        let layers = req("num_hidden_layers")?;
-        let num_target_layers = num("num_target_layers");
-        let block_size = num("block_size")
-            .or_else(|| {
-                dc.and_then(|d| d.get("block_size"))
-                    .and_then(Value::as_u64)
-                    .map(|x| x as usize)
-            })
-            .unwrap_or(16);
-        let mask_token_id = dc
-            .and_then(|d| d.get("mask_token_id"))
-            .and_then(Value::as_u64)
-            .ok_or_else(|| cfg_err("config.json: `dflash_config.mask_token_id` is missing"))?
-            as u32;
-        let target_layer_ids = match dc.and_then(|d| d.get("target_layer_ids")) {
-            Some(Value::Array(a)) => a
-                .iter()
-                .map(|x| x.as_u64().map(|x| x as usize))
-                .collect::<Option<Vec<_>>>()
-                .ok_or_else(|| cfg_err("`dflash_config.target_layer_ids` must be integers"))?,
-            Some(_) => return Err(cfg_err("`dflash_config.target_layer_ids` must be a list")),
-            None => {
-                let n_target = num_target_layers.ok_or_else(|| {
-                    cfg_err("config.json gives neither `target_layer_ids` nor `num_target_layers`")
-                })?;
-                build_target_layer_ids(n_target, layers)
-            }
-        };
-        if target_layer_ids.is_empty() {
-            return Err(cfg_err("`target_layer_ids` is empty"));
-        }
-        if v.get("attention_bias").and_then(Value::as_bool) == Some(true) {
-            return Err(cfg_err("drafters with attention biases are not supported"));
-        }
-        let scaling = v.get("rope_scaling").filter(|s| !s.is_null());
-        if let Some(s) = scaling {
-            let kind = s
-                .get("rope_type")
-                .or_else(|| s.get("type"))
-                .and_then(Value::as_str);
-            if kind != Some("default") {
-                return Err(cfg_err(format!(
-                    "drafter RoPE scaling {s} is not supported"
-                )));
-            }
-        }
-        if let Some(Value::Array(types)) = v.get("layer_types") {
-            if types
-                .iter()
-                .any(|t| t.as_str() == Some("sliding_attention"))
-            {
-                tracing::warn!(
-                    "drafter has sliding-window layers; they attend to the whole context, as the \
-                     reference implementation does"
-                );
-            }
-        }
-        let rope_theta = v
-            .get("rope_theta")
-            .or_else(|| v.get("rope_parameters").and_then(|p| p.get("rope_theta")))
-            .and_then(Value::as_f64)
-            .unwrap_or(10000.0) as f32;
-        let cfg = DrafterConfig {
-            block_size,
-            mask_token_id,
-            target_layer_ids,
-            num_target_layers,
-            hidden,
-            intermediate: req("intermediate_size")?,
-            layers,
-            heads,
-            kv_heads: num("num_key_value_heads").unwrap_or(heads),
-            head_dim: num("head_dim").unwrap_or(hidden.checked_div(heads).unwrap_or(0)),
-            rms_eps: v
-                .get("rms_norm_eps")
-                .and_then(Value::as_f64)
-                .unwrap_or(1e-6) as f32,
-            rope_theta,
-        };
-        if cfg.block_size < 2 {
-            return Err(cfg_err(format!("block size {} is below 2", cfg.block_size)));
-        }
-        if cfg.heads == 0
-            || cfg.kv_heads == 0
-            || !cfg.heads.is_multiple_of(cfg.kv_heads)
-            || cfg.layers == 0
-        {
-            return Err(cfg_err("drafter head counts are inconsistent"));
-        }
-        Ok(cfg)
-    }
-
-    /// Checks the drafter fits a target of the given shape.
-    pub fn check_target(&self, hidden: usize, layers: usize, vocab: usize) -> Result<()> {
-        if self.hidden != hidden {
-            return Err(cfg_err(format!(
-                "the drafter's hidden size is {} but the target's is {hidden}",
-                self.hidden
-            )));
-        }
-        if let Some(bad) = self.target_layer_ids.iter().find(|&&l| l >= layers) {
-            return Err(cfg_err(format!(
-                "the drafter taps target layer {bad}, but the target has {layers} layers"
-            )));
-        }
-        if let Some(n) = self.num_target_layers {
-            if n != layers {
-                return Err(cfg_err(format!(
-                    "the drafter was made for a target with {n} layers; this one has {layers}"
-                )));
-            }
-        }
-        if self.mask_token_id as usize >= vocab {
-            return Err(cfg_err(format!(
-                "mask token {} is outside the target vocabulary of {vocab}",
-                self.mask_token_id
-            )));
-        }
-        Ok(())
-    }
-}
 
 struct DraftLayer<B: Backend> {
     input_norm: B::Tensor,
@@ -212,6 +37,7 @@ struct DraftLayer<B: Backend> {
     w_gate: B::Weight,
     w_up: B::Weight,
     w_down: B::Weight,
+    conv: Option<LayerConvs<B>>,
 }
 
 struct Workspace<B: Backend> {
@@ -228,9 +54,13 @@ struct Workspace<B: Backend> {
     up: B::Tensor,
     sel: B::Tensor,
     logits: B::Tensor,
+    /// DFlash2: convolution coefficients and output, projected hidden states.
+    dynamic: B::Tensor,
+    conv: B::Tensor,
+    hproj: B::Tensor,
 }
 
-/// A DFlash drafter on backend `B`.
+/// A DFlash or DFlash2 drafter on backend `B`.
 pub struct DflashDrafter<B: Backend> {
     backend: Arc<B>,
     pub cfg: DrafterConfig,
@@ -248,8 +78,18 @@ pub struct DflashDrafter<B: Backend> {
     /// Step inputs of `extend` and `draft` (each keeps its own device buffer).
     ctx_step: B::Step,
     draft_step: B::Step,
+    /// Step inputs of the drafting layers' other attention patterns (DFlash2 windows and
+    /// causality): `patterns[i + 1]`'s token metadata, at fixed device addresses.
+    pattern_steps: Vec<B::Step>,
     /// Names of this drafter's captured graphs (context extension, drafting).
     graph_owner: [u64; 2],
+    /// Distinct layer attention patterns and, per layer, which one it uses.
+    patterns: Vec<LayerAttention>,
+    layer_pattern: Vec<usize>,
+    selector: Option<Selector<B>>,
+    lattice: CandidateLattice,
+    host_logits: Vec<f32>,
+    anchors: Vec<u32>,
 }
 
 /// Longest context extension replayed from a captured graph (a round commits at most a
@@ -314,6 +154,7 @@ impl<B: Backend> DflashDrafter<B> {
 
     /// Builds the drafter from tensors in `src`.
     pub fn load(backend: Arc<B>, cfg: DrafterConfig, src: &dyn TensorSource) -> Result<Self> {
+        cfg.validate()?;
         let b = &*backend;
         let (h, hd) = (cfg.hidden, cfg.head_dim);
         let (qd, kvd) = (cfg.heads * hd, cfg.kv_heads * hd);
@@ -337,6 +178,10 @@ impl<B: Backend> DflashDrafter<B> {
                 w_gate: w(&n("mlp.gate_proj.weight"), cfg.intermediate, h)?,
                 w_up: w(&n("mlp.up_proj.weight"), cfg.intermediate, h)?,
                 w_down: w(&n("mlp.down_proj.weight"), h, cfg.intermediate)?,
+                conv: match cfg.dflash2 {
+                    Some(_) => Some(LayerConvs::load(b, src, i, &cfg)?),
+                    None => None,
+                },
             });
         }
         let inv = rope_inv_freq(cfg.rope_theta, hd, None);
@@ -354,7 +199,26 @@ impl<B: Backend> DflashDrafter<B> {
             up: b.tensor(0, cfg.intermediate),
             sel: b.tensor(0, h),
             logits: b.tensor(0, 0),
+            dynamic: b.tensor(0, 0),
+            conv: b.tensor(0, h),
+            hproj: b.tensor(0, 0),
         };
+        let selector = match cfg.dflash2 {
+            Some(_) => Some(Selector::load(b, src, &cfg)?),
+            None => None,
+        };
+        let mut patterns: Vec<LayerAttention> = Vec::new();
+        let layer_pattern = cfg
+            .attention
+            .iter()
+            .map(|a| match patterns.iter().position(|p| p == a) {
+                Some(i) => i,
+                None => {
+                    patterns.push(*a);
+                    patterns.len() - 1
+                }
+            })
+            .collect();
         Ok(Self {
             fc: w("fc.weight", h, taps * h)?,
             hidden_norm: vec("hidden_norm.weight", h)?,
@@ -369,7 +233,14 @@ impl<B: Backend> DflashDrafter<B> {
             sel_rows: Vec::new(),
             ctx_step: b.step_new(),
             draft_step: b.step_new(),
+            pattern_steps: (1..patterns.len()).map(|_| b.step_new()).collect(),
             graph_owner: [b.graph_owner(), b.graph_owner()],
+            patterns,
+            layer_pattern,
+            selector,
+            lattice: CandidateLattice::default(),
+            host_logits: Vec::new(),
+            anchors: Vec::new(),
             backend,
             cfg,
         })
@@ -517,24 +388,31 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
             )));
         }
         self.ids.clear();
-        self.meta.clear();
         self.sel_rows.clear();
+        self.anchors.clear();
+        let mut metas: Vec<Vec<TokenMeta>> = vec![Vec::new(); self.patterns.len()];
         for &(row, first) in rows {
             let start = self.rows.len_of(row)?;
             self.ensure_capacity(row, start + block);
+            self.anchors.push(first);
             for j in 0..block {
                 self.ids.push(if j == 0 {
                     first
                 } else {
                     self.cfg.mask_token_id
                 });
-                // Bidirectional inside the block: every slot sees the context and the whole block.
-                self.meta.push(TokenMeta {
-                    row: row as u32,
-                    pos: (start + j) as u32,
-                    kv_start: 0,
-                    kv_end: (start + block) as u32,
-                });
+                // Every slot sees the committed context (within a layer's window) and, unless
+                // the layer is causal, the whole block.
+                let pos = start + j;
+                for (m, pattern) in metas.iter_mut().zip(&self.patterns) {
+                    let (lo, hi) = pattern.visible(pos, start + block);
+                    m.push(TokenMeta {
+                        row: row as u32,
+                        pos: pos as u32,
+                        kv_start: lo as u32,
+                        kv_end: hi as u32,
+                    });
+                }
                 if j > 0 {
                     self.sel_rows.push((self.ids.len() - 1) as u32);
                 }
@@ -542,13 +420,19 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
         }
         let backend = self.backend.clone();
         let b = &*backend;
-        b.step_upload(&mut self.draft_step, &self.meta, &self.ids, &self.sel_rows);
+        // Pattern 0's metadata also gives the positions (RoPE, KV slots, convolution taps).
+        b.step_upload(&mut self.draft_step, &metas[0], &self.ids, &self.sel_rows);
+        for (step, m) in self.pattern_steps.iter_mut().zip(&metas[1..]) {
+            b.step_upload(step, m, &self.ids, &self.sel_rows);
+        }
         let shape = self.shape();
         let eps = self.cfg.rms_eps;
         let hd = self.cfg.head_dim;
         let cfg = &self.cfg;
         let (t, s) = (self.ids.len(), self.sel_rows.len());
         let (h, qd, kvd) = (cfg.hidden, cfg.heads * hd, cfg.kv_heads * hd);
+        let embed_scale = cfg.input_embedding_scale;
+        let hidden_proj = self.selector.as_ref().map(|s| &s.hidden_proj);
         // The graph holds the embedding and head weights it was captured with: the key names
         // them (a drafter drafts for one target, whose weights stay where they are).
         let variant = (embed as *const B::Weight as usize as u64)
@@ -560,6 +444,10 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
             variant,
         };
         let vocab = b.shape(&self.ws.logits).1;
+        // The DFlash2 forward (convolutions, windowed layers, the selector's projection) is
+        // device work reading its per-step inputs from the step buffers, so it is captured
+        // like the v1 forward; the selector's lattice needs the logits on the host and is built
+        // after the graph, outside it.
         b.run(|| {
             let ws = &mut self.ws;
             for (x, cols) in [
@@ -576,6 +464,12 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
                 b.reshape(x, t, cols);
             }
             b.reshape(&mut ws.sel, s, h);
+            if let Some(p) = &cfg.dflash2 {
+                let groups = h / p.conv_group_size;
+                b.reshape(&mut ws.dynamic, t, 2 * p.conv_kernel_size * groups);
+                b.reshape(&mut ws.conv, t, h);
+                b.reshape(&mut ws.hproj, s, p.selector_rank);
+            }
             // The head's width is known once it has run; a first call shapes it itself.
             if vocab > 0 {
                 b.reshape(&mut ws.logits, s, vocab);
@@ -584,10 +478,26 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
                 let ws = &mut self.ws;
                 let meta = b.step_meta(&self.draft_step);
                 b.embed_step(embed, &self.draft_step, &mut ws.x);
+                if embed_scale != 1.0 {
+                    b.scale(&mut ws.x, embed_scale);
+                }
                 for (li, layer) in self.layers.iter().enumerate() {
+                    let attn_meta = match self.layer_pattern[li] {
+                        0 => meta,
+                        p => b.step_meta(&self.pattern_steps[p - 1]),
+                    };
                     b.rms_norm(&mut ws.x, &layer.input_norm, eps, false, Some(&mut ws.h));
+                    if let Some(c) = &layer.conv {
+                        c.attn
+                            .prepare(b, &ws.h, meta, &mut ws.dynamic, &mut ws.conv);
+                    }
+                    let attn_in = if layer.conv.is_some() {
+                        &ws.conv
+                    } else {
+                        &ws.h
+                    };
                     b.matmul_many(
-                        &ws.h,
+                        attn_in,
                         &[&layer.wq, &layer.wk, &layer.wv],
                         &mut [&mut ws.q, &mut ws.k, &mut ws.v],
                     );
@@ -606,15 +516,42 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
                         hd,
                         RopeStyle::Neox,
                     );
-                    b.attention(&ws.q, &self.kv, li, meta, shape, &mut ws.att);
-                    b.matmul_add(&ws.att, &layer.wo, &mut ws.x, &mut ws.o);
+                    b.attention(&ws.q, &self.kv, li, attn_meta, shape, &mut ws.att);
+                    // A convolution sits between the output projection and the residual add,
+                    // so only a plain layer fuses the add into the product.
+                    match &layer.conv {
+                        Some(c) => {
+                            b.matmul(&ws.att, &layer.wo, &mut ws.o);
+                            c.attn.finish(b, &ws.o, meta, &ws.dynamic, &mut ws.conv);
+                            b.add(&mut ws.x, &ws.conv);
+                        }
+                        None => b.matmul_add(&ws.att, &layer.wo, &mut ws.x, &mut ws.o),
+                    }
                     b.rms_norm(&mut ws.x, &layer.post_norm, eps, false, Some(&mut ws.h));
-                    b.matmul_swiglu(&ws.h, &layer.w_gate, &layer.w_up, &mut ws.gate, &mut ws.up);
-                    b.matmul_add(&ws.gate, &layer.w_down, &mut ws.x, &mut ws.o);
+                    if let Some(c) = &layer.conv {
+                        c.mlp.prepare(b, &ws.h, meta, &mut ws.dynamic, &mut ws.conv);
+                    }
+                    let mlp_in = if layer.conv.is_some() {
+                        &ws.conv
+                    } else {
+                        &ws.h
+                    };
+                    b.matmul_swiglu(mlp_in, &layer.w_gate, &layer.w_up, &mut ws.gate, &mut ws.up);
+                    match &layer.conv {
+                        Some(c) => {
+                            b.matmul(&ws.gate, &layer.w_down, &mut ws.o);
+                            c.mlp.finish(b, &ws.o, meta, &ws.dynamic, &mut ws.conv);
+                            b.add(&mut ws.x, &ws.conv);
+                        }
+                        None => b.matmul_add(&ws.gate, &layer.w_down, &mut ws.x, &mut ws.o),
+                    }
                 }
                 b.gather_step(&ws.x, &self.draft_step, &mut ws.sel);
                 b.rms_norm(&mut ws.sel, &self.norm, eps, false, None);
                 b.matmul(&ws.sel, lm_head, &mut ws.logits);
+                if let Some(w) = hidden_proj {
+                    b.matmul(&ws.sel, w, &mut ws.hproj);
+                }
             };
             if t <= GRAPH_MAX_TOKENS {
                 b.graph(key, &mut work);
@@ -622,47 +559,21 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
                 work();
             }
         });
+        if let Some(sel) = self.selector.as_mut() {
+            let vocab = b.shape(&self.ws.logits).1;
+            b.copy_to_host(&self.ws.logits, &mut self.host_logits);
+            let (logits, hproj, anchors) = (&self.host_logits, &self.ws.hproj, &self.anchors);
+            let lattice = &mut self.lattice;
+            b.run(|| sel.build(b, logits, vocab, hproj, anchors, lattice))?;
+        }
         Ok(())
     }
 
     fn logits(&self) -> &B::Tensor {
         &self.ws.logits
     }
-}
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn default_tap_rule_matches_published_examples() {
-        assert_eq!(build_target_layer_ids(36, 5), vec![1, 9, 17, 25, 33]);
-        assert_eq!(build_target_layer_ids(64, 5), vec![1, 16, 31, 46, 61]);
-        assert_eq!(build_target_layer_ids(40, 5), vec![1, 10, 19, 28, 37]);
-        // 30 layers: 7.5 -> 8 and 20.5 -> 20 (half to even).
-        assert_eq!(build_target_layer_ids(30, 5), vec![1, 8, 14, 20, 27]);
-        assert_eq!(build_target_layer_ids(30, 1), vec![15]);
-    }
-
-    #[test]
-    fn config_errors_are_specific() {
-        let base = serde_json::json!({
-            "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "num_hidden_layers": 1, "intermediate_size": 128, "block_size": 8,
-            "dflash_config": {"mask_token_id": 5, "target_layer_ids": [1, 2]}
-        });
-        let cfg = DrafterConfig::from_json(&base).unwrap();
-        assert_eq!(cfg.head_dim, 16);
-        assert!(cfg.check_target(64, 4, 100).is_ok());
-        let msg = |r: Result<()>| r.unwrap_err().to_string();
-        assert!(msg(cfg.check_target(96, 4, 100)).contains("hidden size"));
-        assert!(msg(cfg.check_target(64, 2, 100)).contains("taps target layer 2"));
-        assert!(msg(cfg.check_target(64, 4, 5)).contains("mask token"));
-        let mut no_mask = base.clone();
-        no_mask["dflash_config"] = serde_json::json!({"target_layer_ids": [1]});
-        assert!(DrafterConfig::from_json(&no_mask)
-            .unwrap_err()
-            .to_string()
-            .contains("mask_token_id"));
+    fn lattice(&self) -> Option<&CandidateLattice> {
+        self.selector.as_ref().map(|_| &self.lattice)
     }
 }

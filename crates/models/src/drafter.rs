@@ -3,6 +3,7 @@
 use dflash_runtime::Backend;
 
 use crate::error::Result;
+use crate::selector::CandidateLattice;
 
 /// A drafter that proposes a block of tokens per row in one forward pass, conditioned on
 /// features tapped from the target.
@@ -40,4 +41,9 @@ pub trait Drafter: Send {
         lm_head: &<Self::B as Backend>::Weight,
     ) -> Result<()>;
     fn logits(&self) -> &<Self::B as Backend>::Tensor;
+    /// After [`Drafter::draft`], a drafter with a candidate selector (DFlash2) gives the
+    /// lattice its proposals are walked from; the engine then ignores [`Drafter::logits`].
+    fn lattice(&self) -> Option<&CandidateLattice> {
+        None
+    }
 }

@@ -452,8 +452,9 @@ impl<B: Backend> Target for LlamaModel<B> {
         self.rows.len(row)
     }
 
-    fn truncate_row(&mut self, row: usize, len: usize) {
+    fn truncate_row(&mut self, row: usize, len: usize) -> Result<()> {
         self.rows.truncate(row, len);
+        Ok(())
     }
 
     fn fork_row(&mut self, src: usize, capacity: usize) -> Result<usize> {

@@ -6,17 +6,19 @@ use std::sync::Arc;
 
 use dflash_runtime::Backend;
 
+use crate::any_target::TargetModel;
 use crate::chat::ChatTemplate;
 use crate::config::LlamaConfig;
 use crate::error::{ModelError, Result};
 use crate::llama::{LlamaModel, Naming};
+use crate::qwen35::{self, Qwen35Config, Qwen35Model};
 use crate::source::gguf::GgufFile;
 use crate::source::safetensors_dir::SafetensorsDir;
 use crate::tokenizer::TextTokenizer;
 
 /// A target model ready to run, with what is needed to talk to it.
 pub struct LoadedModel<B: Backend> {
-    pub model: LlamaModel<B>,
+    pub model: TargetModel<B>,
     pub tokenizer: TextTokenizer,
     pub template: Option<ChatTemplate>,
     /// A short name for logs and the API (`general.name`, or the file/dir name).
@@ -47,7 +49,6 @@ fn token_text(tok: &TextTokenizer, id: Option<u32>) -> String {
 
 fn load_gguf<B: Backend>(backend: Arc<B>, path: &Path) -> Result<LoadedModel<B>> {
     let file = GgufFile::open(path)?;
-    let cfg = LlamaConfig::from_gguf(&file)?;
     let tokenizer = TextTokenizer::from_gguf(&file)?;
     let template = match file.get("tokenizer.chat_template").and_then(|v| v.as_str()) {
         Some(src) => Some(ChatTemplate::new(
@@ -62,7 +63,18 @@ fn load_gguf<B: Backend>(backend: Arc<B>, path: &Path) -> Result<LoadedModel<B>>
         .and_then(|v| v.as_str())
         .map(str::to_string)
         .unwrap_or_else(|| file_stem(path));
-    let model = LlamaModel::load(backend, cfg, &file, Naming::Gguf)?;
+    let model = if file.get("general.architecture").and_then(|v| v.as_str()) == Some("qwen35") {
+        let cfg = Qwen35Config::from_gguf(&file)?;
+        TargetModel::Qwen35(Qwen35Model::load(
+            backend,
+            cfg,
+            &file,
+            qwen35::Naming::Gguf,
+        )?)
+    } else {
+        let cfg = LlamaConfig::from_gguf(&file)?;
+        TargetModel::Llama(LlamaModel::load(backend, cfg, &file, Naming::Gguf)?)
+    };
     Ok(LoadedModel {
         model,
         tokenizer,
@@ -113,7 +125,7 @@ fn load_hf_dir<B: Backend>(backend: Arc<B>, dir: &Path) -> Result<LoadedModel<B>
             dir.display()
         )));
     }
-    let cfg = LlamaConfig::from_hf_json(&read_json(&cfg_path)?)?;
+    let json = read_json(&cfg_path)?;
     let tokenizer = TextTokenizer::from_hf_dir(dir)?;
     let template = match hf_template_source(dir)? {
         Some(src) => Some(ChatTemplate::new(
@@ -124,7 +136,19 @@ fn load_hf_dir<B: Backend>(backend: Arc<B>, dir: &Path) -> Result<LoadedModel<B>
         None => None,
     };
     let tensors = SafetensorsDir::open(dir)?;
-    let model = LlamaModel::load(backend, cfg, &tensors, Naming::HuggingFace)?;
+    let model = if qwen35::config::is_qwen35_json(&json) {
+        let cfg = Qwen35Config::from_hf_json(&json)?;
+        let naming = qwen35::Naming::detect_hf(&tensors);
+        TargetModel::Qwen35(Qwen35Model::load(backend, cfg, &tensors, naming)?)
+    } else {
+        let cfg = LlamaConfig::from_hf_json(&json)?;
+        TargetModel::Llama(LlamaModel::load(
+            backend,
+            cfg,
+            &tensors,
+            Naming::HuggingFace,
+        )?)
+    };
     Ok(LoadedModel {
         model,
         tokenizer,

@@ -1,6 +1,6 @@
-//! Synthetic models: random weights of any Llama-family shape with a small byte-level BPE
-//! tokenizer and a ChatML template, written as GGUF. Used by tests (no download needed) and
-//! by benchmarks of large shapes.
+//! Synthetic models: random weights of any Llama-family or Qwen 3.5 hybrid shape with a small
+//! byte-level BPE tokenizer (padded to the model's vocabulary) and a ChatML template, written
+//! as GGUF. Used by tests (no download needed) and by benchmarks of large shapes.
 
 use dflash_runtime::quant::quantize_row;
 use dflash_runtime::DType;
@@ -310,6 +310,248 @@ pub fn synthetic_gguf(spec: &SyntheticSpec) -> Vec<u8> {
     w.to_bytes()
 }
 
+/// Shape and storage of a synthetic Qwen 3.5 hybrid (written as llama.cpp's `qwen35` GGUF).
+#[derive(Clone, Debug)]
+pub struct Qwen35Spec {
+    pub hidden: usize,
+    pub layers: usize,
+    /// Layer i is full attention iff (i + 1) % interval == 0.
+    pub full_attention_interval: usize,
+    pub intermediate: usize,
+    /// Vocabulary (the synthetic tokenizer padded with unreachable tokens up to it).
+    pub vocab: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub rot_dim: usize,
+    pub gdn: dflash_runtime::GdnShape,
+    pub context_length: usize,
+    /// Storage of the matrices (norms, conv kernels and gates stay f32).
+    pub dtype: DType,
+    pub tied_embeddings: bool,
+    pub seed: u64,
+}
+
+impl Qwen35Spec {
+    /// Qwen3.5-0.8B's shapes (notes/qwen35_gdn.md §1.3): 24 layers of width 1024, 6 of them
+    /// gated attention (8 q / 2 kv heads of 256, rotary 64), 18 GDN (16 k / 16 v heads of 128),
+    /// vocabulary 248320, tied head.
+    pub fn qwen35_0_8b(dtype: DType) -> Self {
+        Self {
+            hidden: 1024,
+            layers: 24,
+            full_attention_interval: 4,
+            intermediate: 3584,
+            vocab: 248320,
+            heads: 8,
+            kv_heads: 2,
+            head_dim: 256,
+            rot_dim: 64,
+            gdn: dflash_runtime::GdnShape {
+                k_heads: 16,
+                v_heads: 16,
+                k_dim: 128,
+                v_dim: 128,
+                conv_kernel: 4,
+                tiled_heads: true,
+            },
+            context_length: 4096,
+            dtype,
+            tied_embeddings: true,
+            seed: 1,
+        }
+    }
+
+    /// Qwen3.5-4B's shapes: 32 layers of width 2560 (8 attention with 16 q / 4 kv heads, 24
+    /// GDN with 16 k / 32 v heads), intermediate 9216, tied head.
+    pub fn qwen35_4b(dtype: DType) -> Self {
+        Self {
+            hidden: 2560,
+            layers: 32,
+            intermediate: 9216,
+            heads: 16,
+            kv_heads: 4,
+            gdn: dflash_runtime::GdnShape {
+                k_heads: 16,
+                v_heads: 32,
+                ..Self::qwen35_0_8b(dtype).gdn
+            },
+            ..Self::qwen35_0_8b(dtype)
+        }
+    }
+
+    /// A tiny hybrid for tests: 4 layers (3 GDN + 1 attention) of width 64.
+    pub fn tiny() -> Self {
+        Self {
+            hidden: 64,
+            layers: 4,
+            full_attention_interval: 4,
+            intermediate: 128,
+            vocab: vocab().0.len(),
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            rot_dim: 4,
+            gdn: dflash_runtime::GdnShape {
+                k_heads: 2,
+                v_heads: 4,
+                k_dim: 16,
+                v_dim: 16,
+                conv_kernel: 4,
+                tiled_heads: true,
+            },
+            context_length: 512,
+            dtype: DType::F32,
+            tied_embeddings: false,
+            seed: 1,
+        }
+    }
+}
+
+/// The GGUF bytes of a random Qwen 3.5 hybrid with `spec`'s shapes, named and laid out as
+/// llama.cpp writes `qwen35` (zero-centred norms stored as `1 + w`, `ssm_a` = -exp(A_log),
+/// v heads in tiled order).
+pub fn synthetic_qwen35_gguf(spec: &Qwen35Spec) -> Vec<u8> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(spec.seed);
+    let (mut tokens, mut types, merges) = vocab();
+    assert!(
+        spec.vocab >= tokens.len(),
+        "vocabulary below the synthetic tokenizer's"
+    );
+    for i in tokens.len()..spec.vocab {
+        tokens.push(format!("<unused{i}>"));
+        types.push(1);
+    }
+    let key = |k: &str| format!("qwen35.{k}");
+    let g = spec.gdn;
+    let u = |v: usize| MetaValue::U32(v as u32);
+    let mut w = GgufWriter::new();
+    w.meta("general.architecture", MetaValue::Str("qwen35".into()))
+        .meta("general.name", MetaValue::Str("synthetic-qwen35".into()))
+        .meta(&key("block_count"), u(spec.layers))
+        .meta(&key("context_length"), u(spec.context_length))
+        .meta(&key("embedding_length"), u(spec.hidden))
+        .meta(&key("feed_forward_length"), u(spec.intermediate))
+        .meta(&key("attention.head_count"), u(spec.heads))
+        .meta(&key("attention.head_count_kv"), u(spec.kv_heads))
+        .meta(&key("attention.key_length"), u(spec.head_dim))
+        .meta(&key("attention.value_length"), u(spec.head_dim))
+        .meta(
+            &key("attention.layer_norm_rms_epsilon"),
+            MetaValue::F32(1e-6),
+        )
+        .meta(&key("rope.freq_base"), MetaValue::F32(1e7))
+        .meta(&key("rope.dimension_count"), u(spec.rot_dim))
+        .meta(&key("ssm.conv_kernel"), u(g.conv_kernel))
+        .meta(&key("ssm.state_size"), u(g.k_dim))
+        .meta(&key("ssm.group_count"), u(g.k_heads))
+        .meta(&key("ssm.time_step_rank"), u(g.v_heads))
+        .meta(&key("ssm.inner_size"), u(g.value_dim()))
+        .meta(
+            &key("full_attention_interval"),
+            u(spec.full_attention_interval),
+        )
+        .meta("tokenizer.ggml.model", MetaValue::Str("gpt2".into()))
+        .meta("tokenizer.ggml.pre", MetaValue::Str("default".into()))
+        .meta(
+            "tokenizer.ggml.tokens",
+            MetaValue::Array(tokens.into_iter().map(MetaValue::Str).collect()),
+        )
+        .meta(
+            "tokenizer.ggml.token_type",
+            MetaValue::Array(types.into_iter().map(MetaValue::I32).collect()),
+        )
+        .meta(
+            "tokenizer.ggml.merges",
+            MetaValue::Array(merges.into_iter().map(MetaValue::Str).collect()),
+        )
+        .meta(
+            "tokenizer.ggml.eos_token_id",
+            u(special_id("<|im_end|>") as usize),
+        )
+        .meta("tokenizer.ggml.add_bos_token", MetaValue::Bool(false))
+        .meta("tokenizer.chat_template", MetaValue::Str(CHATML.into()));
+    let h = spec.hidden;
+    let qd = spec.heads * spec.head_dim;
+    let kvd = spec.kv_heads * spec.head_dim;
+    let f32_id = DType::F32.ggml_id();
+    let dt = spec.dtype;
+    let mut matrix = |w: &mut GgufWriter, name: &str, rows: usize, cols: usize| {
+        let m = random_matrix(&mut rng, rows, cols, 1.0 / (cols as f32).sqrt());
+        w.tensor(
+            name,
+            &[cols as u64, rows as u64],
+            dt.ggml_id(),
+            encode(dt, &m, cols),
+        );
+    };
+    matrix(&mut w, "token_embd.weight", spec.vocab, h);
+    if !spec.tied_embeddings {
+        matrix(&mut w, "output.weight", spec.vocab, h);
+    }
+    for i in 0..spec.layers {
+        let n = |s: &str| format!("blk.{i}.{s}");
+        if (i + 1) % spec.full_attention_interval == 0 {
+            matrix(&mut w, &n("attn_q.weight"), 2 * qd, h);
+            matrix(&mut w, &n("attn_k.weight"), kvd, h);
+            matrix(&mut w, &n("attn_v.weight"), kvd, h);
+            matrix(&mut w, &n("attn_output.weight"), h, qd);
+        } else {
+            matrix(&mut w, &n("attn_qkv.weight"), g.conv_dim(), h);
+            matrix(&mut w, &n("attn_gate.weight"), g.value_dim(), h);
+            matrix(&mut w, &n("ssm_beta.weight"), g.v_heads, h);
+            matrix(&mut w, &n("ssm_alpha.weight"), g.v_heads, h);
+            matrix(&mut w, &n("ssm_out.weight"), h, g.value_dim());
+        }
+        matrix(&mut w, &n("ffn_gate.weight"), spec.intermediate, h);
+        matrix(&mut w, &n("ffn_up.weight"), spec.intermediate, h);
+        matrix(&mut w, &n("ffn_down.weight"), h, spec.intermediate);
+    }
+    let mut rng = rand::rngs::StdRng::seed_from_u64(spec.seed ^ 0x5eed);
+    let vector = |w: &mut GgufWriter, name: &str, dims: &[u64], v: Vec<f32>| {
+        let cols = dims[0] as usize;
+        w.tensor(name, dims, f32_id, encode(DType::F32, &v, cols));
+    };
+    let mut near_one = |n: usize| -> Vec<f32> {
+        (0..n)
+            .map(|_| 1.0 + rng.random_range(-0.1f32..0.1))
+            .collect()
+    };
+    let mut norms = Vec::new();
+    for i in 0..spec.layers {
+        norms.push((format!("blk.{i}.attn_norm.weight"), h));
+        norms.push((format!("blk.{i}.post_attention_norm.weight"), h));
+        if (i + 1) % spec.full_attention_interval == 0 {
+            norms.push((format!("blk.{i}.attn_q_norm.weight"), spec.head_dim));
+            norms.push((format!("blk.{i}.attn_k_norm.weight"), spec.head_dim));
+        } else {
+            norms.push((format!("blk.{i}.ssm_norm.weight"), g.v_dim));
+        }
+    }
+    norms.push(("output_norm.weight".into(), h));
+    for (name, len) in norms {
+        let v = near_one(len);
+        vector(&mut w, &name, &[len as u64], v);
+    }
+    let mut rng = rand::rngs::StdRng::seed_from_u64(spec.seed ^ 0x9d7);
+    for i in 0..spec.layers {
+        if (i + 1) % spec.full_attention_interval == 0 {
+            continue;
+        }
+        let hv = g.v_heads;
+        let conv: Vec<f32> = (0..g.conv_dim() * g.conv_kernel)
+            .map(|_| rng.random_range(-0.5f32..0.5))
+            .collect();
+        let dims = [g.conv_kernel as u64, g.conv_dim() as u64];
+        vector(&mut w, &format!("blk.{i}.ssm_conv1d.weight"), &dims, conv);
+        let a: Vec<f32> = (0..hv).map(|_| -rng.random_range(0.05f32..1.5)).collect();
+        vector(&mut w, &format!("blk.{i}.ssm_a"), &[hv as u64], a);
+        let dtb: Vec<f32> = (0..hv).map(|_| rng.random_range(-0.5f32..0.5)).collect();
+        vector(&mut w, &format!("blk.{i}.ssm_dt.bias"), &[hv as u64], dtb);
+    }
+    w.to_bytes()
+}
+
 /// Writes a synthetic model to `path`.
 pub fn write_synthetic(spec: &SyntheticSpec, path: &std::path::Path) -> std::io::Result<()> {
     std::fs::write(path, synthetic_gguf(spec))
@@ -319,6 +561,8 @@ pub fn write_synthetic(spec: &SyntheticSpec, path: &std::path::Path) -> std::io:
 #[derive(Default)]
 pub struct MemorySource {
     pub tensors: std::collections::HashMap<String, dflash_runtime::HostWeight>,
+    /// Stored shapes of tensors of rank 3 or more (kept as `[product of leading, last]`).
+    pub dims: std::collections::HashMap<String, Vec<usize>>,
 }
 
 impl crate::source::TensorSource for MemorySource {
@@ -347,6 +591,10 @@ impl crate::source::TensorSource for MemorySource {
 
     fn has(&self, name: &str) -> bool {
         self.tensors.contains_key(name)
+    }
+
+    fn dims(&self, name: &str) -> Option<Vec<usize>> {
+        self.dims.get(name).cloned()
     }
 }
 
@@ -490,6 +738,67 @@ pub fn random_drafter(cfg: &crate::dflash::DrafterConfig, seed: u64) -> MemorySo
             false,
         );
     }
+    let mut shaped = Vec::new();
+    if let Some(p) = &cfg.dflash2 {
+        let (taps, groups) = (p.conv_kernel_size, h / p.conv_group_size);
+        for i in 0..cfg.layers {
+            for conv in ["attention_conv", "mlp_conv"] {
+                let n = format!("layers.{i}.{conv}.base_kernel");
+                // Near-identity static taps: 1 on the current token, small on the others.
+                let vals: Vec<f32> = (0..2 * taps * h)
+                    .map(|j| {
+                        let tap = (j / h) % taps;
+                        let noise = rng.random_range(-0.2f32..0.2);
+                        if tap == 0 {
+                            1.0 + noise
+                        } else {
+                            noise
+                        }
+                    })
+                    .collect();
+                let w = HostWeight::new(
+                    n.clone(),
+                    DType::F32,
+                    2 * taps,
+                    h,
+                    WeightBytes::from_vec(encode(DType::F32, &vals, h)),
+                )
+                .expect("consistent synthetic shape");
+                shaped.push((n, w, vec![2, taps, h]));
+                put(
+                    format!("layers.{i}.{conv}.kernel_projection.weight"),
+                    2 * taps * groups,
+                    h,
+                    DType::BF16,
+                    &mut rng,
+                    false,
+                );
+            }
+        }
+        let r = p.selector_rank;
+        for book in ["predecessor_codebook", "successor_codebook"] {
+            put(
+                format!("candidate_selector.{book}"),
+                p.vocab_size,
+                r,
+                DType::BF16,
+                &mut rng,
+                false,
+            );
+        }
+        put(
+            "candidate_selector.hidden_projection.weight".into(),
+            r,
+            h,
+            DType::BF16,
+            &mut rng,
+            false,
+        );
+    }
+    for (n, w, dims) in shaped {
+        src.dims.insert(n.clone(), dims);
+        src.tensors.insert(n, w);
+    }
     src
 }
 
@@ -519,6 +828,40 @@ pub fn drafter_config_for(
         head_dim: hidden / heads,
         rms_eps: 1e-6,
         rope_theta: 10000.0,
+        input_embedding_scale: 1.0,
+        attention: vec![crate::dflash::LayerAttention::FULL; draft_layers],
+        dflash2: None,
+    }
+}
+
+/// A DFlash2 drafter configuration for a target of `vocab` tokens: `base` plus two-tap
+/// convolutions over groups of 16 channels (or the hidden size when smaller), a rank-16
+/// selector over 8 candidates and non-causal sliding layers of window `window`.
+pub fn dflash2_config_for(
+    base: crate::dflash::DrafterConfig,
+    vocab: usize,
+    window: usize,
+) -> crate::dflash::DrafterConfig {
+    use crate::dflash::{Dflash2Params, LayerAttention};
+    let layers = base.layers;
+    crate::dflash::DrafterConfig {
+        attention: vec![
+            LayerAttention {
+                window: Some(window),
+                causal: false,
+            };
+            layers
+        ],
+        dflash2: Some(Dflash2Params {
+            conv_kernel_size: 2,
+            conv_group_size: 16.min(base.hidden),
+            selector_rank: 16,
+            selector_top_k: 8.min(vocab),
+            vocab_size: vocab,
+            output_multiplier: 1.0,
+            final_logit_softcapping: None,
+        }),
+        ..base
     }
 }
 
@@ -542,10 +885,10 @@ pub fn write_drafter_dir(
                 DType::F16 => Dtype::F16,
                 _ => Dtype::F32,
             };
-            let shape = if w.rows == 1 {
-                vec![w.cols]
-            } else {
-                vec![w.rows, w.cols]
+            let shape = match src.dims.get(name.as_str()) {
+                Some(d) => d.clone(),
+                None if w.rows == 1 => vec![w.cols],
+                None => vec![w.rows, w.cols],
             };
             let view = TensorView::new(dtype, shape, w.bytes.as_slice()).expect("consistent shape");
             (name.clone(), view)
@@ -555,7 +898,7 @@ pub fn write_drafter_dir(
     let bytes =
         safetensors::serialize(views, None).map_err(|e| std::io::Error::other(e.to_string()))?;
     std::fs::write(dir.join("model.safetensors"), bytes)?;
-    let config = serde_json::json!({
+    let mut config = serde_json::json!({
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
         "block_size": cfg.block_size,
@@ -573,6 +916,29 @@ pub fn write_drafter_dir(
         "rms_norm_eps": cfg.rms_eps,
         "rope_theta": cfg.rope_theta,
     });
+    if let Some(p) = &cfg.dflash2 {
+        config["architectures"] = serde_json::json!(["DFlash2DraftModel"]);
+        config["vocab_size"] = p.vocab_size.into();
+        let dc = &mut config["dflash_config"];
+        dc["conv_kernel_size"] = p.conv_kernel_size.into();
+        dc["conv_group_size"] = p.conv_group_size.into();
+        dc["selector_rank"] = p.selector_rank.into();
+        dc["selector_top_k"] = p.selector_top_k.into();
+        let window = cfg.attention.iter().find_map(|a| a.window);
+        config["layer_types"] = cfg
+            .attention
+            .iter()
+            .map(|a| {
+                if a.window.is_some() {
+                    "sliding_attention"
+                } else {
+                    "full_attention"
+                }
+            })
+            .collect();
+        config["sliding_window"] = window.into();
+        config["is_causal"] = cfg.attention.iter().any(|a| a.causal).into();
+    }
     std::fs::write(
         dir.join("config.json"),
         serde_json::to_string_pretty(&config)?,

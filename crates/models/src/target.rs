@@ -39,8 +39,10 @@ pub trait Target: Send {
     fn release_row(&mut self, row: usize);
     /// Number of positions in row `row`'s cache.
     fn row_len(&self, row: usize) -> usize;
-    /// Drops positions `len..` of row `row` (rolls back rejected tokens).
-    fn truncate_row(&mut self, row: usize, len: usize);
+    /// Drops positions `len..` of row `row` (rolls back rejected tokens). A target with
+    /// recurrent state can roll a row back only into its last forward step (an error beyond
+    /// that); KV-only targets can cut anywhere.
+    fn truncate_row(&mut self, row: usize, len: usize) -> Result<()>;
     /// Copies row `src`'s cache into a new row (shared prompt prefix).
     fn fork_row(&mut self, src: usize, capacity: usize) -> Result<usize>;
 

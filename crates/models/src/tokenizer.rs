@@ -122,8 +122,7 @@ impl TextTokenizer {
                 path.display()
             )));
         }
-        let inner = Tokenizer::from_file(&path)
-            .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", path.display())))?;
+        let inner = parse_tokenizer_file(&path)?;
         let cfg = read_json_opt(&dir.join("tokenizer_config.json"))?;
         let gen = read_json_opt(&dir.join("generation_config.json"))?;
         let model_cfg = read_json_opt(&dir.join("config.json"))?;
@@ -230,6 +229,26 @@ fn pre_tokenizer(name: &str) -> Result<PreTokenizerWrapper> {
         other => Err(ModelError::Tokenizer(format!(
             "GGUF pre-tokenizer `{other}` is not supported (supported: default, gpt2, smollm, \
              starcoder, llama-bpe, qwen2)"
+        ))),
+    }
+}
+
+/// Parses a `tokenizer.json`. The tokenizers crate panics (`expect`) on some malformed
+/// files, e.g. a `decoder` that is neither null nor an object (found by fuzzing); a user's
+/// file must give an error, so the parse runs under `catch_unwind` with the panic message
+/// silenced.
+fn parse_tokenizer_file(path: &Path) -> Result<Tokenizer> {
+    let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let parsed = std::panic::catch_unwind(|| text.parse::<Tokenizer>());
+    std::panic::set_hook(hook);
+    match parsed {
+        Ok(Ok(t)) => Ok(t),
+        Ok(Err(e)) => Err(ModelError::Tokenizer(format!("{}: {e}", path.display()))),
+        Err(_) => Err(ModelError::Tokenizer(format!(
+            "{} is malformed (the tokenizers crate cannot read it)",
+            path.display()
         ))),
     }
 }

@@ -99,3 +99,26 @@ fn qwen2_sharded_f32_with_qkv_bias() {
 fn llama3_f16_with_rope_scaling() {
     check("tiny_llama3");
 }
+
+/// Fuzzing found that the tokenizers crate panics on some malformed `tokenizer.json` files
+/// (its deserializers `expect`); they must be errors.
+#[test]
+fn a_malformed_tokenizer_json_is_an_error_not_a_panic() {
+    let src =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny_llama3/tokenizer.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src).unwrap()).unwrap();
+    for bad in [
+        serde_json::json!(5),
+        serde_json::json!("x"),
+        serde_json::json!([1]),
+    ] {
+        v["decoder"] = bad.clone();
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(d.path().join("tokenizer.json"), v.to_string()).unwrap();
+        let err = dflash_models::tokenizer::TextTokenizer::from_hf_dir(d.path())
+            .err()
+            .unwrap_or_else(|| panic!("decoder {bad} was accepted"));
+        assert!(err.to_string().contains("tokenizer.json"), "{err}");
+    }
+}

@@ -40,6 +40,37 @@ extern "C" __global__ void silu_mul_f32(float* gate, const float* up, i64 n) {
     }
 }
 
+// x[i] *= s
+extern "C" __global__ void scale_f32(float* x, float s, i64 n) {
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        x[i] = __fmul_rn(x[i], s);
+    }
+}
+
+// Grouped dynamic causal convolution (Backend::grouped_conv; CPU: cpu/ops/conv.rs), one token
+// per blockIdx.y. Tap o of token t reads token t - o only when it is the same row's position
+// pos - o; taps in order, the base product then the dynamic product, each rounded.
+extern "C" __global__ void grouped_conv_f32(const float* x, const float* base, const float* dyn,
+                                            const u32* meta, int T, int cols, int taps, int group,
+                                            int dyn_cols, int col, float* out) {
+    const int t = blockIdx.y;
+    if (t >= T) return;
+    const u32 row = meta[4 * t + META_ROW];
+    const u32 pos = meta[4 * t + META_POS];
+    const int groups = cols / group;
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x) {
+        float acc = 0.0f;
+        for (int o = 0; o < taps && o <= t; ++o) {
+            const int s = t - o;
+            if (meta[4 * s + META_ROW] != row || meta[4 * s + META_POS] + (u32)o != pos) continue;
+            const float v = x[(size_t)s * cols + c];
+            acc = __fadd_rn(acc, __fmul_rn(base[(size_t)o * cols + c], v));
+            acc = __fadd_rn(acc, __fmul_rn(dyn[(size_t)t * dyn_cols + col + o * groups + c / group], v));
+        }
+        out[(size_t)t * cols + c] = acc;
+    }
+}
+
 // out[i] = x[rows[i]] (rows of `cols` values)
 extern "C" __global__ void gather_rows_f32(const float* x, const u32* rows, int n, int cols, float* out) {
     const int i = blockIdx.y;

@@ -107,6 +107,65 @@ pub struct AttnShape {
     pub scale: f32,
 }
 
+/// Shapes of a model's Gated DeltaNet (linear-attention) layers.
+///
+/// The mixer input is `qkv = [q (k_heads x k_dim) | k (k_heads x k_dim) | v (v_heads x v_dim)]`;
+/// v head `j` reads q/k head `j / (v_heads / k_heads)` (grouped, HF checkpoints) or
+/// `j % k_heads` (tiled: llama.cpp's GGUF converter reorders the v heads so). The recurrent
+/// state of one row and
+/// layer is `v_heads` matrices of `k_dim x v_dim` f32 values, the conv state the last
+/// `conv_kernel - 1` inputs of every qkv channel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GdnShape {
+    pub k_heads: usize,
+    pub v_heads: usize,
+    pub k_dim: usize,
+    pub v_dim: usize,
+    pub conv_kernel: usize,
+    /// v heads in tiled order (see above).
+    pub tiled_heads: bool,
+}
+
+impl GdnShape {
+    /// The q/k head read by v head `h`.
+    pub fn k_head_of(&self, h: usize) -> usize {
+        if self.tiled_heads {
+            h % self.k_heads
+        } else {
+            h / (self.v_heads / self.k_heads)
+        }
+    }
+
+    pub fn key_dim(&self) -> usize {
+        self.k_heads * self.k_dim
+    }
+    pub fn value_dim(&self) -> usize {
+        self.v_heads * self.v_dim
+    }
+    /// Channels of the causal convolution: `2 * key_dim + value_dim`.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.key_dim() + self.value_dim()
+    }
+    /// f32 values of one row's recurrent state in one layer.
+    pub fn state_len(&self) -> usize {
+        self.v_heads * self.k_dim * self.v_dim
+    }
+}
+
+/// The tokens `first..first + count` of a step belong to row `row` and continue it (a row's
+/// tokens are contiguous in the step and in position order).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RowSpan {
+    pub row: u32,
+    pub first: u32,
+    pub count: u32,
+    /// Run the gated delta rule over this span in its chunked form (prefill) rather than
+    /// token by token. Both give the same result up to rounding; only the token-by-token form
+    /// is bit-identical between a block of tokens and the same tokens one at a time, so
+    /// verification always uses it.
+    pub chunked: bool,
+}
+
 /// What a captured step graph is replayed for: a model instance ([`Backend::graph_owner`])
 /// and the launch shapes of its step. Two steps with equal keys launch the same kernels with
 /// the same arguments; only device data (step inputs, KV contents) differ.
@@ -131,6 +190,11 @@ pub trait Backend: Send + Sync + 'static {
     type Kv: Send + Sync;
     /// Token metadata of one step, on the device.
     type Meta: Send + Sync;
+    /// Recurrent (Gated DeltaNet) state of every row for a number of layers: per row and
+    /// layer a conv window and a recurrent state, each kept twice (the state before the row's
+    /// last forward step and after it), plus what is needed to roll a row back into its last
+    /// step (see [`Backend::gdn_rollback`]).
+    type Gdn: Send + Sync;
     /// A model's step inputs, kept on the device at fixed addresses between steps: token
     /// metadata, token ids (for [`Backend::embed_step`]) and selected rows (for
     /// [`Backend::gather_step`]). Written once per step by [`Backend::step_upload`].
@@ -185,6 +249,75 @@ pub trait Backend: Send + Sync + 'static {
         meta: &Self::Meta,
     );
 
+    // --- recurrent (Gated DeltaNet) state ------------------------------------------------
+    /// State for `layers` GDN layers of `shape`; a row can be rolled back by at most
+    /// `history` tokens into its last step.
+    fn gdn_new(&self, layers: usize, shape: GdnShape, history: usize) -> Self::Gdn;
+    /// Gives row `row` a zero state (a new sequence).
+    fn gdn_open_row(&self, st: &mut Self::Gdn, row: usize);
+    fn gdn_release_row(&self, st: &mut Self::Gdn, row: usize);
+    /// Copies row `src`'s current state into row `dst` (which cannot roll back afterwards).
+    fn gdn_copy_row(&self, st: &mut Self::Gdn, src: usize, dst: usize);
+    /// Starts a forward step over `spans`: each row's current state becomes its checkpoint,
+    /// which the step's ops read and from which [`Backend::gdn_rollback`] replays.
+    fn gdn_begin(&self, st: &mut Self::Gdn, spans: &[RowSpan]);
+    /// Makes row `row`'s state (every layer) the state after the first `keep` tokens of its
+    /// last step: the checkpoint, the conv window moved over those tokens, and the recurrence
+    /// replayed over them with the inputs recorded during the step (the same arithmetic, so
+    /// the result is bit-identical to a step that had only those tokens).
+    fn gdn_rollback(&self, st: &mut Self::Gdn, row: usize, keep: usize)
+        -> Result<(), RuntimeError>;
+    /// Depthwise causal convolution of width `shape.conv_kernel` over the step's qkv inputs
+    /// `x` (`[T, conv_dim]`) with `weight` (`[conv_dim, conv_kernel]`, tap `conv_kernel - 1`
+    /// on the current token), continuing each row's conv window, then SiLU, into `out`.
+    /// Updates the windows.
+    #[allow(clippy::too_many_arguments)]
+    fn causal_conv(
+        &self,
+        st: &mut Self::Gdn,
+        layer: usize,
+        x: &Self::Tensor,
+        weight: &Self::Tensor,
+        spans: &[RowSpan],
+        out: &mut Self::Tensor,
+    );
+    /// Gated delta rule over the step: `qkv` is the conv output (`[T, conv_dim]`; q and k
+    /// are L2-normalised here, q scaled by `k_dim^-1/2`), `g` the log decays and `beta` the
+    /// write strengths (`[T, v_heads]` each); `out` gets `[T, value_dim]`. Continues and
+    /// updates each row's recurrent state (kept in f32).
+    #[allow(clippy::too_many_arguments)]
+    fn gated_delta(
+        &self,
+        st: &mut Self::Gdn,
+        layer: usize,
+        qkv: &Self::Tensor,
+        g: &Self::Tensor,
+        beta: &Self::Tensor,
+        spans: &[RowSpan],
+        out: &mut Self::Tensor,
+    );
+    /// GDN gates in place: `a <- a_neg * softplus(a + dt_bias)` (the log decay g, with
+    /// `a_neg = -exp(A_log)`) and `b <- sigmoid(b)` (beta); `a`, `b`: `[T, v_heads]`,
+    /// `a_neg`, `dt_bias`: `[1, v_heads]`.
+    fn gdn_gates(
+        &self,
+        a: &mut Self::Tensor,
+        b: &mut Self::Tensor,
+        a_neg: &Self::Tensor,
+        dt_bias: &Self::Tensor,
+    );
+    /// Gated RMS norm in place over groups of `weight.cols` columns:
+    /// `x <- rms_norm(x) * weight * silu(z)`.
+    fn rms_norm_gated(
+        &self,
+        x: &mut Self::Tensor,
+        z: &Self::Tensor,
+        weight: &Self::Tensor,
+        eps: f32,
+    );
+    /// `x <- x * sigmoid(gate)` (the gated attention output).
+    fn sigmoid_mul(&self, x: &mut Self::Tensor, gate: &Self::Tensor);
+
     // --- ops ------------------------------------------------------------------------------
     /// `out[t] = table[ids[t]]`, dequantized.
     fn embed(&self, table: &Self::Weight, ids: &[u32], out: &mut Self::Tensor);
@@ -228,6 +361,27 @@ pub trait Backend: Send + Sync + 'static {
     fn silu_mul(&self, gate: &mut Self::Tensor, up: &Self::Tensor);
     /// `x += y`.
     fn add(&self, x: &mut Self::Tensor, y: &Self::Tensor);
+    /// `x *= s`.
+    fn scale(&self, x: &mut Self::Tensor, s: f32);
+    /// Grouped dynamic causal convolution along each row's run of consecutive positions
+    /// (DFlash2). With `taps = base.rows`, `groups = x.cols / group` and `g = c / group`:
+    ///
+    /// `out[t][c] = Σ_{o < taps} base[o][c]·x[t−o][c] + dynamic[t][col + o·groups + g]·x[t−o][c]`
+    ///
+    /// accumulated from 0 for o = 0, 1, ... in that order, base term then dynamic term, every
+    /// product and sum rounded to f32. Tap o of token t reads token t − o only when that token
+    /// is the same row's position `pos − o` (`meta`); otherwise it adds nothing.
+    #[allow(clippy::too_many_arguments)]
+    fn grouped_conv(
+        &self,
+        x: &Self::Tensor,
+        base: &Self::Tensor,
+        dynamic: &Self::Tensor,
+        col: usize,
+        group: usize,
+        meta: &Self::Meta,
+        out: &mut Self::Tensor,
+    );
     /// `out[i] = x[rows[i]]`.
     fn gather_rows(&self, x: &Self::Tensor, rows: &[u32], out: &mut Self::Tensor);
     /// Copies `src` (`[T, c]`) into columns `col..col+c` of `dst` (`[T, C]`).

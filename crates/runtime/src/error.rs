@@ -29,6 +29,8 @@ pub enum RuntimeError {
         dtype: DType,
         backend: &'static str,
     },
+    #[error("recurrent state: {0}")]
+    State(String),
     #[error("device error: {0}")]
     Device(String),
 }

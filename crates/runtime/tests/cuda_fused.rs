@@ -6,79 +6,14 @@
 //! Every test prints "skipped: no CUDA device (<reason>)" and returns when there is none.
 #![cfg(feature = "cuda")]
 
-use std::sync::OnceLock;
+mod common;
+
+use common::{bits, gpu, random_vec, random_weight};
 
 use dflash_runtime::backend::{AttnShape, GraphKey, RopeStyle};
 use dflash_runtime::cuda::CudaBackend;
-use dflash_runtime::{Backend, DType, HostWeight, TokenMeta, WeightBytes, WeightRole};
+use dflash_runtime::{Backend, DType, TokenMeta, WeightRole};
 use rand::{Rng, SeedableRng};
-
-fn gpu() -> Option<&'static CudaBackend> {
-    static GPU: OnceLock<Result<CudaBackend, String>> = OnceLock::new();
-    let open = || {
-        let b = CudaBackend::new()?;
-        b.preload(&DType::ALL)?;
-        Ok::<_, dflash_runtime::RuntimeError>(b)
-    };
-    match GPU.get_or_init(|| open().map_err(|e| e.to_string())) {
-        Ok(b) => Some(b),
-        Err(e) => {
-            println!("skipped: no CUDA device ({e})");
-            None
-        }
-    }
-}
-
-fn random_vec(n: usize, lo: f32, hi: f32, seed: u64) -> Vec<f32> {
-    let mut r = rand::rngs::StdRng::seed_from_u64(seed);
-    (0..n).map(|_| r.random_range(lo..hi)).collect()
-}
-
-/// Random weights: random codes with small finite scales (plain floats in [-1, 1)).
-fn random_weight(dtype: DType, rows: usize, cols: usize, seed: u64) -> HostWeight {
-    let mut r = rand::rngs::StdRng::seed_from_u64(seed);
-    let row_bytes = dtype.row_bytes(cols).expect("whole blocks");
-    let mut bytes = vec![0u8; rows * row_bytes];
-    let f16 = |v: f32| half::f16::from_f32(v).to_bits().to_le_bytes();
-    match dtype {
-        DType::F32 => bytes
-            .chunks_exact_mut(4)
-            .for_each(|c| c.copy_from_slice(&r.random_range(-1.0f32..1.0).to_le_bytes())),
-        DType::F16 => bytes
-            .chunks_exact_mut(2)
-            .for_each(|c| c.copy_from_slice(&f16(r.random_range(-1.0f32..1.0)))),
-        DType::BF16 => bytes.chunks_exact_mut(2).for_each(|c| {
-            let b = half::bf16::from_f32(r.random_range(-1.0f32..1.0));
-            c.copy_from_slice(&b.to_bits().to_le_bytes())
-        }),
-        _ => {
-            r.fill(&mut bytes[..]);
-            let scales: &[usize] = match dtype {
-                DType::Q4_0 | DType::Q8_0 => &[0],
-                DType::Q4_1 | DType::Q4K => &[0, 2],
-                DType::Q6K => &[208],
-                _ => unreachable!(),
-            };
-            for blk in bytes.chunks_exact_mut(dtype.block_bytes()) {
-                for &o in scales {
-                    blk[o..o + 2].copy_from_slice(&f16(r.random_range(-0.05f32..0.05)));
-                }
-            }
-        }
-    }
-    HostWeight::new(
-        format!("w_{dtype}"),
-        dtype,
-        rows,
-        cols,
-        WeightBytes::from_vec(bytes),
-    )
-    .expect("consistent shape")
-}
-
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
 
 #[test]
 fn every_m_from_1_to_20_gives_the_bits_of_m_1() {

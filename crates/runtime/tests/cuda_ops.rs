@@ -7,97 +7,15 @@
 //! `kernels_compile_with_nvrtc` needs only NVRTC (no GPU).
 #![cfg(feature = "cuda")]
 
-use std::sync::OnceLock;
+mod common;
+
+use common::{bits, cpu, gpu, random_vec, random_weight, rng};
 
 use dflash_runtime::backend::{AttnShape, RopeStyle};
-use dflash_runtime::cpu::{CpuBackend, CpuWeight, Isa, MatmulMode};
+use dflash_runtime::cpu::{CpuBackend, CpuWeight};
 use dflash_runtime::cuda::{compile, CudaBackend, CudaOptions, PrefillGemm};
-use dflash_runtime::{Backend, DType, HostWeight, TokenMeta, WeightBytes, WeightRole};
-use rand::{Rng, SeedableRng};
-
-fn gpu() -> Option<&'static CudaBackend> {
-    static GPU: OnceLock<Result<CudaBackend, String>> = OnceLock::new();
-    let open = || {
-        let b = CudaBackend::new()?;
-        // Every format's kernels at once (in parallel) rather than one by one on first use.
-        b.preload(&DType::ALL)?;
-        Ok::<_, dflash_runtime::RuntimeError>(b)
-    };
-    match GPU.get_or_init(|| open().map_err(|e| e.to_string())) {
-        Ok(b) => Some(b),
-        Err(e) => {
-            println!("skipped: no CUDA device ({e})");
-            None
-        }
-    }
-}
-
-fn cpu() -> &'static CpuBackend {
-    static CPU: OnceLock<CpuBackend> = OnceLock::new();
-    // The f32 reference path: the GPU multiplies with f32 activations too.
-    CPU.get_or_init(|| CpuBackend::with_options(2, Isa::detect(), MatmulMode::Reference))
-}
-
-fn rng(seed: u64) -> rand::rngs::StdRng {
-    rand::rngs::StdRng::seed_from_u64(seed)
-}
-
-fn random_vec(n: usize, lo: f32, hi: f32, seed: u64) -> Vec<f32> {
-    let mut r = rng(seed);
-    (0..n).map(|_| r.random_range(lo..hi)).collect()
-}
-
-/// Random weights of `dtype`: random codes, finite moderate scales.
-fn random_weight(dtype: DType, rows: usize, cols: usize, seed: u64) -> HostWeight {
-    let mut r = rng(seed);
-    let row_bytes = dtype.row_bytes(cols).expect("whole blocks");
-    let mut bytes = vec![0u8; rows * row_bytes];
-    let f16 = |v: f32| half::f16::from_f32(v).to_bits().to_le_bytes();
-    match dtype {
-        DType::F32 => {
-            for c in bytes.chunks_exact_mut(4) {
-                c.copy_from_slice(&r.random_range(-1.0f32..1.0).to_le_bytes());
-            }
-        }
-        DType::F16 => {
-            for c in bytes.chunks_exact_mut(2) {
-                c.copy_from_slice(&f16(r.random_range(-1.0f32..1.0)));
-            }
-        }
-        DType::BF16 => {
-            for c in bytes.chunks_exact_mut(2) {
-                let b = half::bf16::from_f32(r.random_range(-1.0f32..1.0));
-                c.copy_from_slice(&b.to_bits().to_le_bytes());
-            }
-        }
-        _ => {
-            r.fill(&mut bytes[..]);
-            let scales: &[usize] = match dtype {
-                DType::Q4_0 | DType::Q8_0 => &[0],
-                DType::Q4_1 | DType::Q4K => &[0, 2],
-                DType::Q6K => &[208],
-                _ => unreachable!(),
-            };
-            for blk in bytes.chunks_exact_mut(dtype.block_bytes()) {
-                for &o in scales {
-                    blk[o..o + 2].copy_from_slice(&f16(r.random_range(-0.05f32..0.05)));
-                }
-            }
-        }
-    }
-    HostWeight::new(
-        format!("w_{dtype}"),
-        dtype,
-        rows,
-        cols,
-        WeightBytes::from_vec(bytes),
-    )
-    .expect("consistent shape")
-}
-
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
+use dflash_runtime::{Backend, DType, HostWeight, TokenMeta, WeightRole};
+use rand::Rng;
 
 /// Asserts |a - b| <= abs + rel * scale[i] element-wise.
 fn assert_close(what: &str, got: &[f32], want: &[f32], scale: &[f32], rel: f32, abs: f32) {
@@ -527,6 +445,55 @@ fn elementwise_ops_match_cpu() {
         c.copy_columns(&sc, &mut dc, col);
     }
     assert_eq!(bits(&g.to_host(&dg)), bits(&c.to_host(&dc)), "copy_columns");
+}
+
+#[test]
+fn scale_and_grouped_conv_are_bit_identical_to_cpu() {
+    let Some(g) = gpu() else { return };
+    let c = cpu();
+    let (cols, group, taps) = (96, 16, 3);
+    let groups = cols / group;
+    // Two rows' blocks of 5 and 4 tokens (row 1 first), then a lone token of row 2.
+    let meta: Vec<TokenMeta> = (0..5)
+        .map(|i| TokenMeta::causal(1, 40 + i))
+        .chain((0..4).map(|i| TokenMeta::causal(0, 7 + i)))
+        .chain(std::iter::once(TokenMeta::causal(2, 3)))
+        .collect();
+    let t = meta.len();
+    let x = random_vec(t * cols, -3.0, 3.0, 21);
+    let base = random_vec(taps * cols, -1.0, 1.0, 22);
+    let dyn_cols = 2 * taps * groups;
+    let dynamic = random_vec(t * dyn_cols, -0.5, 0.5, 23);
+    let (mg, mc) = (g.upload_meta(&meta), c.upload_meta(&meta));
+    for col in [0, taps * groups] {
+        let mut og = g.tensor(0, 0);
+        let mut oc = c.tensor(0, 0);
+        g.grouped_conv(
+            &g.upload(&x, t, cols),
+            &g.upload(&base, taps, cols),
+            &g.upload(&dynamic, t, dyn_cols),
+            col,
+            group,
+            &mg,
+            &mut og,
+        );
+        c.grouped_conv(
+            &c.upload(&x, t, cols),
+            &c.upload(&base, taps, cols),
+            &c.upload(&dynamic, t, dyn_cols),
+            col,
+            group,
+            &mc,
+            &mut oc,
+        );
+        assert_eq!(g.shape(&og), (t, cols));
+        assert_eq!(bits(&g.to_host(&og)), bits(&c.to_host(&oc)), "grouped_conv");
+    }
+    let mut xg = g.upload(&x, t, cols);
+    let mut xc = c.upload(&x, t, cols);
+    g.scale(&mut xg, 1.7);
+    c.scale(&mut xc, 1.7);
+    assert_eq!(bits(&g.to_host(&xg)), bits(&c.to_host(&xc)), "scale");
 }
 
 #[test]

@@ -151,6 +151,54 @@ fn probabilities_by_id_match_lookups() {
 }
 
 #[test]
+fn temperatures_that_underflow_are_greedy() {
+    // 1 / 1e-39 overflows f32: this used to give NaN probabilities and token 0 every time.
+    for t in [1e-39f32, 1e-30, 1e-6] {
+        let p = params(t);
+        assert!(p.validate().is_ok());
+        assert!(p.is_greedy(), "{t}");
+        let d = p.distribution(&[0.1, 3.0, 2.0], &[], &mut Vec::new());
+        assert_eq!(d, Dist::point(1), "{t}");
+    }
+    assert!(!params(MIN_TEMPERATURE).is_greedy());
+    let d = params(MIN_TEMPERATURE).distribution(&[0.1, 3.0, 2.0], &[], &mut Vec::new());
+    assert!(d.items.iter().all(|(_, p)| p.is_finite()));
+    assert_eq!(d.prob(1), 1.0);
+}
+
+#[test]
+fn frequency_and_presence_penalties_subtract_per_count() {
+    let p = SamplingParams {
+        frequency_penalty: 0.5,
+        presence_penalty: 0.25,
+        ..Default::default()
+    };
+    let mut logits = vec![1.0, 1.0, 1.0];
+    p.penalize(&mut logits, &[0, 0, 2]);
+    assert_eq!(logits, vec![1.0 - 1.0 - 0.25, 1.0, 1.0 - 0.5 - 0.25]);
+    // Token 1 was never seen, so greedy now picks it.
+    let d = p.distribution(&[1.0, 0.9, 1.0], &[0, 2], &mut Vec::new());
+    assert_eq!(d, Dist::point(1));
+    for bad in [2.5f32, -2.5, f32::NAN] {
+        let f = SamplingParams {
+            frequency_penalty: bad,
+            ..Default::default()
+        };
+        assert!(f.validate().is_err(), "{bad}");
+        let pr = SamplingParams {
+            presence_penalty: bad,
+            ..Default::default()
+        };
+        assert!(pr.validate().is_err(), "{bad}");
+    }
+    let lp = SamplingParams {
+        logprobs: Some(MAX_TOP_LOGPROBS + 1),
+        ..Default::default()
+    };
+    assert!(lp.validate().is_err());
+}
+
+#[test]
 fn a_point_mass_still_consumes_its_uniform() {
     let mut a = Sampler::new(9);
     assert_eq!(a.sample(&Dist::point(3)), 3);

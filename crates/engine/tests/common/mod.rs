@@ -11,8 +11,8 @@ use dflash_engine::session::run_batch;
 use dflash_engine::{Completion, Request, SamplingParams};
 use dflash_models::chat::Message;
 use dflash_models::default_model::{ensure_default_model, Silent};
-use dflash_models::llama::LlamaModel;
-use dflash_models::{load_model, Drafter, LoadedModel};
+use dflash_models::TargetModel;
+use dflash_models::{load_model, CandidateLattice, Drafter, LoadedModel};
 use dflash_runtime::cpu::{CpuBackend, CpuTensor};
 use dflash_runtime::Backend;
 
@@ -71,11 +71,11 @@ pub fn request(prompt: Vec<u32>, max_tokens: usize, params: SamplingParams) -> R
 
 /// Greedy autoregressive completions, one row at a time (the reference).
 pub fn ar_reference(
-    target: LlamaModel<Cpu>,
+    target: TargetModel<Cpu>,
     tok: &dflash_models::tokenizer::TextTokenizer,
     prompts: &[Vec<u32>],
     max_tokens: usize,
-) -> (Vec<Completion>, LlamaModel<Cpu>) {
+) -> (Vec<Completion>, TargetModel<Cpu>) {
     let mut dec = ArDecoder::new(target);
     let mut out = Vec::new();
     for p in prompts {
@@ -127,6 +127,9 @@ pub struct Oracle {
     pub round_rows: Vec<Vec<(usize, bool)>>,
     /// Where the errors go.
     pub schedule: Schedule,
+    /// Propose through a DFlash2-style candidate lattice instead of logits (see
+    /// [`Oracle::selector`]).
+    pub selector: Option<CandidateLattice>,
 }
 
 impl Oracle {
@@ -146,7 +149,18 @@ impl Oracle {
             expected_accepts: Vec::new(),
             round_rows: Vec::new(),
             schedule: Schedule::Rotating,
+            selector: None,
         }
+    }
+
+    /// Makes the oracle propose through a candidate lattice, the way a DFlash2 drafter does:
+    /// at every slot its intended token is a candidate that only wins through the transition
+    /// score from the intended token of the slot before (the anchor for the first slot); a
+    /// decoy has the higher unary score. So the engine proposes the oracle's tokens only if it
+    /// walks the lattice along its own choices.
+    pub fn selector(mut self) -> Self {
+        self.selector = Some(CandidateLattice::new(4, self.block - 1));
+        self
     }
 
     /// An oracle with errors where `schedule` puts them.
@@ -277,6 +291,9 @@ impl Drafter for Oracle {
     ) -> dflash_models::Result<()> {
         let v = self.vocab;
         self.logits = CpuTensor::zeros(rows.len() * (block - 1), v);
+        if let Some(l) = &mut self.selector {
+            l.reset(4, block - 1);
+        }
         let mut accepts = Vec::new();
         let mut round_rows = Vec::new();
         for (i, &(r, cur)) in rows.iter().enumerate() {
@@ -325,6 +342,30 @@ impl Drafter for Oracle {
                 (Some(w), Some(u)) => w < u,
                 (None, Some(_)) => false,
             };
+            if let Some(l) = &mut self.selector {
+                let chosen: Vec<u32> = (0..block - 1)
+                    .map(|j| {
+                        let row = self.logits.row(i * (block - 1) + j);
+                        dflash_runtime::cpu::ops::elementwise::argmax(row)
+                    })
+                    .collect();
+                let (ids, scores) = l.push_row_mut();
+                for (j, &tok) in chosen.iter().enumerate() {
+                    // Candidates: decoy, the intended token, two fillers (distinct ids).
+                    let c = [
+                        (tok + 7) % v as u32,
+                        tok,
+                        (tok + 8) % v as u32,
+                        (tok + 9) % v as u32,
+                    ];
+                    ids[j * 4..j * 4 + 4].copy_from_slice(&c);
+                    for prev in 0..4 {
+                        let bonus = if j == 0 || prev == 1 { 2.0 } else { 0.0 };
+                        let at = (j * 4 + prev) * 4;
+                        scores[at..at + 4].copy_from_slice(&[1.0, bonus, -1.0, -1.0]);
+                    }
+                }
+            }
             accepts.push(expect);
             round_rows.push((r, exact));
         }
@@ -336,6 +377,10 @@ impl Drafter for Oracle {
 
     fn logits(&self) -> &CpuTensor {
         &self.logits
+    }
+
+    fn lattice(&self) -> Option<&CandidateLattice> {
+        self.selector.as_ref()
     }
 }
 

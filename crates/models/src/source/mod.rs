@@ -15,6 +15,11 @@ pub trait TensorSource {
     /// Tensor `name` as `[rows, cols]`, checked against `expect` when given.
     fn weight(&self, name: &str, expect: Option<[usize; 2]>) -> Result<HostWeight>;
     fn has(&self, name: &str) -> bool;
+    /// The stored shape of `name` when the source keeps more than two dimensions (a
+    /// tensor of rank 3 or more is read as `[product of leading dims, last dim]`).
+    fn dims(&self, _name: &str) -> Option<Vec<usize>> {
+        None
+    }
 }
 
 impl TensorSource for gguf::GgufFile {

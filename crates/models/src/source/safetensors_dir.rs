@@ -132,9 +132,12 @@ impl TensorSource for SafetensorsDir {
                 })
             }
         };
+        // N-D tensors are read as [product of the leading dims, last dim] (a conv kernel
+        // [C, 1, K] is C rows of K), as GGUF does.
         let (rows, cols) = match e.shape.as_slice() {
             [c] => (1, *c),
             [r, c] => (*r, *c),
+            [lead @ .., c] if !lead.is_empty() => (lead.iter().product(), *c),
             other => {
                 return Err(ModelError::TensorShape {
                     name: name.to_string(),
@@ -164,5 +167,9 @@ impl TensorSource for SafetensorsDir {
 
     fn has(&self, name: &str) -> bool {
         self.entries.contains_key(name)
+    }
+
+    fn dims(&self, name: &str) -> Option<Vec<usize>> {
+        self.entries.get(name).map(|e| e.shape.clone())
     }
 }

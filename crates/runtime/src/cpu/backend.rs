@@ -4,16 +4,18 @@
 use std::cell::RefCell;
 use std::sync::Arc;
 
+use super::gdn::CpuGdn;
 use super::int8::{self, pack::PackedWeight, Int8Kernel};
 use super::kv::CpuKv;
 use super::matmul::{self, Isa};
-use super::ops::{attention, elementwise, norm, rope};
+use super::ops::{attention, conv, elementwise, gdn, norm, rope};
 use super::policy::{self, CpuPath, MatmulMode};
 use super::pool::{CpuPool, SyncPtr};
 use super::tensor::CpuTensor;
 use super::weight::{CpuWeight, Int8Weight};
 use crate::backend::{
-    Activations, AttnShape, Backend, RopeStyle, TokenMeta, WeightPath, WeightRole,
+    Activations, AttnShape, Backend, GdnShape, RopeStyle, RowSpan, TokenMeta, WeightPath,
+    WeightRole,
 };
 use crate::error::RuntimeError;
 use crate::weight::HostWeight;
@@ -112,6 +114,78 @@ pub struct CpuStep {
 
 thread_local! {
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    static GDN_SCRATCH: RefCell<GdnScratch> = RefCell::new(GdnScratch::default());
+}
+
+/// Per-thread buffers of the gated delta rule.
+#[derive(Default)]
+struct GdnScratch {
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    g: Vec<f32>,
+    beta: Vec<f32>,
+    kv: Vec<f32>,
+    out: Vec<f32>,
+    chunk: gdn::ChunkScratch,
+}
+
+/// q and k of v-head `h` of one post-conv qkv row, L2-normalised (q also scaled by
+/// `k_dim^-1/2`), into `q` and `k`; the arithmetic every path (step, chunk, replay) shares.
+fn head_qk(shape: &GdnShape, row: &[f32], h: usize, q: &mut [f32], k: &mut [f32]) {
+    let dk = shape.k_dim;
+    let kh = shape.k_head_of(h);
+    q.copy_from_slice(&row[kh * dk..(kh + 1) * dk]);
+    let k0 = shape.key_dim() + kh * dk;
+    k.copy_from_slice(&row[k0..k0 + dk]);
+    gdn::l2_normalize(q);
+    gdn::l2_normalize(k);
+    let scale = 1.0 / (dk as f32).sqrt();
+    for x in q.iter_mut() {
+        *x *= scale;
+    }
+}
+
+/// v of v-head `h` of one post-conv qkv row.
+fn head_v<'a>(shape: &GdnShape, row: &'a [f32], h: usize) -> &'a [f32] {
+    let v0 = 2 * shape.key_dim() + h * shape.v_dim;
+    &row[v0..v0 + shape.v_dim]
+}
+
+/// The recurrence of v-head `h` over `n` recorded tokens (post-conv rows `qkv`, gates `g`,
+/// `beta` with `v_heads` columns) on state `s`, token by token; outputs go to `out`
+/// (`n x v_dim`) when given.
+#[allow(clippy::too_many_arguments)]
+fn head_recurrent(
+    shape: &GdnShape,
+    s: &mut [f32],
+    qkv: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    h: usize,
+    sc: &mut GdnScratch,
+    mut out: Option<&mut [f32]>,
+) {
+    let (dk, dv, hv, cd) = (shape.k_dim, shape.v_dim, shape.v_heads, shape.conv_dim());
+    sc.q.resize(dk, 0.0);
+    sc.k.resize(dk, 0.0);
+    sc.kv.resize(dv, 0.0);
+    let n = g.len() / hv;
+    for t in 0..n {
+        let row = &qkv[t * cd..(t + 1) * cd];
+        head_qk(shape, row, h, &mut sc.q, &mut sc.k);
+        let o = out.as_deref_mut().map(|o| &mut o[t * dv..(t + 1) * dv]);
+        gdn::delta_step(
+            s,
+            &sc.q,
+            &sc.k,
+            head_v(shape, row, h),
+            g[t * hv + h],
+            beta[t * hv + h],
+            &mut sc.kv,
+            o,
+        );
+    }
 }
 
 impl Backend for CpuBackend {
@@ -119,6 +193,7 @@ impl Backend for CpuBackend {
     type Weight = CpuWeight;
     type Kv = CpuKv;
     type Meta = Vec<TokenMeta>;
+    type Gdn = CpuGdn;
     type Step = CpuStep;
 
     fn name(&self) -> &'static str {
@@ -250,6 +325,265 @@ impl Backend for CpuBackend {
             r.k[at..at + dim].copy_from_slice(k.row(t));
             r.v[at..at + dim].copy_from_slice(v.row(t));
         }
+    }
+
+    fn gdn_new(&self, layers: usize, shape: GdnShape, history: usize) -> CpuGdn {
+        assert!(
+            shape.conv_kernel >= 1
+                && shape.k_heads > 0
+                && shape.v_heads.is_multiple_of(shape.k_heads),
+            "GDN shape {shape:?}"
+        );
+        CpuGdn::new(layers, shape, history)
+    }
+
+    fn gdn_open_row(&self, st: &mut CpuGdn, row: usize) {
+        st.open(row);
+    }
+
+    fn gdn_release_row(&self, st: &mut CpuGdn, row: usize) {
+        st.release(row);
+    }
+
+    fn gdn_copy_row(&self, st: &mut CpuGdn, src: usize, dst: usize) {
+        st.copy_row(src, dst);
+    }
+
+    fn gdn_begin(&self, st: &mut CpuGdn, spans: &[RowSpan]) {
+        for s in spans {
+            st.begin(s.row as usize, s.count as usize);
+        }
+    }
+
+    fn gdn_rollback(&self, st: &mut CpuGdn, row: usize, keep: usize) -> Result<(), RuntimeError> {
+        st.check_rollback(row, keep)?;
+        let shape = st.shape;
+        let r = st.row_mut(row);
+        if keep == r.last {
+            return Ok(());
+        }
+        let (cur, prev) = (r.cur, r.prev());
+        let (cd, hist, hv, sl) = (
+            shape.conv_dim(),
+            shape.conv_kernel - 1,
+            shape.v_heads,
+            shape.k_dim * shape.v_dim,
+        );
+        let mut jobs = Vec::with_capacity(r.layers.len());
+        for l in &mut r.layers {
+            // Conv window: the last `hist` inputs of [checkpoint window, kept tokens].
+            let mut all = l.conv[prev].clone();
+            all.extend_from_slice(&l.hist_x[..keep * cd]);
+            let from = all.len() - hist * cd;
+            l.conv[cur].copy_from_slice(&all[from..]);
+            let [s0, s1] = &mut l.state;
+            let (dst, src) = if cur == 0 { (s0, &*s1) } else { (s1, &*s0) };
+            dst.copy_from_slice(src);
+            jobs.push((
+                SyncPtr(dst.as_mut_ptr()),
+                &l.hist_qkv[..keep * cd],
+                &l.hist_g[..keep * hv],
+                &l.hist_beta[..keep * hv],
+            ));
+        }
+        let jobs = &jobs;
+        self.pool.for_each(jobs.len() * hv, |task| {
+            let (ptr, qkv, g, beta) = jobs[task / hv];
+            let h = task % hv;
+            // SAFETY: each task owns head h of one layer's current state.
+            let s = unsafe { std::slice::from_raw_parts_mut(ptr.get().add(h * sl), sl) };
+            GDN_SCRATCH
+                .with(|sc| head_recurrent(&shape, s, qkv, g, beta, h, &mut sc.borrow_mut(), None));
+        });
+        r.last = keep;
+        Ok(())
+    }
+
+    fn causal_conv(
+        &self,
+        st: &mut CpuGdn,
+        layer: usize,
+        x: &CpuTensor,
+        weight: &CpuTensor,
+        spans: &[RowSpan],
+        out: &mut CpuTensor,
+    ) {
+        let shape = st.shape;
+        let (cd, k) = (shape.conv_dim(), shape.conv_kernel);
+        assert_eq!(x.cols, cd);
+        assert_eq!((weight.rows, weight.cols), (cd, k));
+        out.reshape(x.rows, cd);
+        let history = st.history;
+        for sp in spans {
+            let (first, n) = (sp.first as usize, sp.count as usize);
+            let r = st.row_mut(sp.row as usize);
+            let cur = r.cur;
+            let l = &mut r.layers[layer];
+            let [c0, c1] = &mut l.conv;
+            let (next, prev) = if cur == 0 { (c0, &*c1) } else { (c1, &*c0) };
+            gdn::conv_span(
+                prev,
+                &x.data[first * cd..(first + n) * cd],
+                &weight.data,
+                k,
+                cd,
+                &mut out.data[first * cd..(first + n) * cd],
+                next,
+            );
+            let rec = n.min(history);
+            l.hist_x
+                .extend_from_slice(&x.data[first * cd..(first + rec) * cd]);
+        }
+    }
+
+    fn gated_delta(
+        &self,
+        st: &mut CpuGdn,
+        layer: usize,
+        qkv: &CpuTensor,
+        g: &CpuTensor,
+        beta: &CpuTensor,
+        spans: &[RowSpan],
+        out: &mut CpuTensor,
+    ) {
+        let shape = st.shape;
+        let (cd, hv, dk, dv) = (shape.conv_dim(), shape.v_heads, shape.k_dim, shape.v_dim);
+        let vd = shape.value_dim();
+        let sl = dk * dv;
+        assert_eq!(qkv.cols, cd);
+        assert_eq!((g.cols, beta.cols), (hv, hv));
+        out.reshape(qkv.rows, vd);
+        let history = st.history;
+        let mut states = Vec::with_capacity(spans.len());
+        for sp in spans {
+            let r = st.row_mut(sp.row as usize);
+            let (cur, prev) = (r.cur, r.prev());
+            let l = &mut r.layers[layer];
+            let (first, n) = (sp.first as usize, sp.count as usize);
+            let rec = n.min(history);
+            l.hist_qkv
+                .extend_from_slice(&qkv.data[first * cd..(first + rec) * cd]);
+            l.hist_g
+                .extend_from_slice(&g.data[first * hv..(first + rec) * hv]);
+            l.hist_beta
+                .extend_from_slice(&beta.data[first * hv..(first + rec) * hv]);
+            let [s0, s1] = &mut l.state;
+            let (dst, src) = if cur == 0 { (s0, &*s1) } else { (s1, &*s0) };
+            let _ = prev;
+            states.push((SyncPtr(dst.as_mut_ptr()), src.as_ptr() as usize));
+        }
+        let states = &states;
+        let out_ptr = SyncPtr(out.data.as_mut_ptr());
+        self.pool.for_each(spans.len() * hv, |task| {
+            let (si, h) = (task / hv, task % hv);
+            let sp = spans[si];
+            let (first, n) = (sp.first as usize, sp.count as usize);
+            let (dst, src) = states[si];
+            // SAFETY: each task owns head h of one row's current state; the checkpoint copy is
+            // only read.
+            let s = unsafe { std::slice::from_raw_parts_mut(dst.get().add(h * sl), sl) };
+            let s0 = unsafe { std::slice::from_raw_parts((src as *const f32).add(h * sl), sl) };
+            s.copy_from_slice(s0);
+            let rows = &qkv.data[first * cd..(first + n) * cd];
+            let (gs, bs) = (
+                &g.data[first * hv..(first + n) * hv],
+                &beta.data[first * hv..(first + n) * hv],
+            );
+            GDN_SCRATCH.with(|sc| {
+                let sc = &mut *sc.borrow_mut();
+                let mut o = std::mem::take(&mut sc.out);
+                o.resize(n * dv, 0.0);
+                if sp.chunked {
+                    for v in [&mut sc.q, &mut sc.k] {
+                        v.resize(n * dk, 0.0);
+                    }
+                    sc.v.resize(n * dv, 0.0);
+                    sc.g.clear();
+                    sc.beta.clear();
+                    for t in 0..n {
+                        let row = &rows[t * cd..(t + 1) * cd];
+                        head_qk(
+                            &shape,
+                            row,
+                            h,
+                            &mut sc.q[t * dk..(t + 1) * dk],
+                            &mut sc.k[t * dk..(t + 1) * dk],
+                        );
+                        sc.v[t * dv..(t + 1) * dv].copy_from_slice(head_v(&shape, row, h));
+                        sc.g.push(gs[t * hv + h]);
+                        sc.beta.push(bs[t * hv + h]);
+                    }
+                    gdn::delta_chunked(
+                        s,
+                        &sc.q,
+                        &sc.k,
+                        &sc.v,
+                        &sc.g,
+                        &sc.beta,
+                        &mut o,
+                        dk,
+                        dv,
+                        &mut sc.chunk,
+                    );
+                } else {
+                    head_recurrent(&shape, s, rows, gs, bs, h, sc, Some(&mut o));
+                }
+                for t in 0..n {
+                    // SAFETY: each task writes head h of its own span's tokens.
+                    let dst = unsafe {
+                        std::slice::from_raw_parts_mut(
+                            out_ptr.get().add((first + t) * vd + h * dv),
+                            dv,
+                        )
+                    };
+                    dst.copy_from_slice(&o[t * dv..(t + 1) * dv]);
+                }
+                sc.out = o;
+            });
+        });
+    }
+
+    fn gdn_gates(
+        &self,
+        a: &mut CpuTensor,
+        b: &mut CpuTensor,
+        a_neg: &CpuTensor,
+        dt_bias: &CpuTensor,
+    ) {
+        let hv = a_neg.cols;
+        assert_eq!((a.cols, b.cols, dt_bias.cols), (hv, hv, hv));
+        assert_eq!(a.rows, b.rows);
+        for row in a.data.chunks_exact_mut(hv) {
+            for ((x, &an), &db) in row.iter_mut().zip(&a_neg.data).zip(&dt_bias.data) {
+                *x = an * gdn::softplus(*x + db);
+            }
+        }
+        for x in &mut b.data {
+            *x = gdn::sigmoid(*x);
+        }
+    }
+
+    fn rms_norm_gated(&self, x: &mut CpuTensor, z: &CpuTensor, weight: &CpuTensor, eps: f32) {
+        assert_eq!((x.rows, x.cols), (z.rows, z.cols));
+        let (w, dim, zs) = (&weight.data, weight.cols, &z.data);
+        assert_eq!(x.cols % dim, 0);
+        let cols = x.cols;
+        self.rows_mut(&mut x.data, cols, |r, row| {
+            let zr = &zs[r * cols..(r + 1) * cols];
+            for (xg, zg) in row.chunks_exact_mut(dim).zip(zr.chunks_exact(dim)) {
+                gdn::rms_norm_gated(xg, zg, w, eps);
+            }
+        });
+    }
+
+    fn sigmoid_mul(&self, x: &mut CpuTensor, gate: &CpuTensor) {
+        assert_eq!(x.data.len(), gate.data.len());
+        let (gs, cols) = (&gate.data, x.cols);
+        self.rows_mut(&mut x.data, cols, |r, row| {
+            for (v, &gv) in row.iter_mut().zip(&gs[r * cols..(r + 1) * cols]) {
+                *v *= gdn::sigmoid(gv);
+            }
+        });
     }
 
     fn embed(&self, table: &CpuWeight, ids: &[u32], out: &mut CpuTensor) {
@@ -400,6 +734,44 @@ impl Backend for CpuBackend {
         let (src, cols) = (&y.data, x.cols);
         self.rows_mut(&mut x.data, cols, |r, row| {
             elementwise::add(row, &src[r * cols..(r + 1) * cols])
+        });
+    }
+
+    fn scale(&self, x: &mut CpuTensor, s: f32) {
+        let cols = x.cols;
+        self.rows_mut(&mut x.data, cols, |_, row| {
+            for v in row {
+                *v *= s;
+            }
+        });
+    }
+
+    fn grouped_conv(
+        &self,
+        x: &CpuTensor,
+        base: &CpuTensor,
+        dynamic: &CpuTensor,
+        col: usize,
+        group: usize,
+        meta: &Vec<TokenMeta>,
+        out: &mut CpuTensor,
+    ) {
+        assert_eq!(x.rows, meta.len());
+        assert_eq!(base.cols, x.cols);
+        assert!(group > 0 && x.cols.is_multiple_of(group));
+        assert_eq!(dynamic.rows, x.rows);
+        assert!(col + base.rows * (x.cols / group) <= dynamic.cols);
+        out.reshape(x.rows, x.cols);
+        let shape = conv::ConvShape {
+            cols: x.cols,
+            taps: base.rows,
+            group,
+            dyn_cols: dynamic.cols,
+            col,
+        };
+        let (xs, b, d) = (&x.data, &base.data, &dynamic.data);
+        self.rows_mut(&mut out.data, shape.cols, |t, row| {
+            conv::conv_token(t, xs, b, d, meta, shape, row)
         });
     }
 

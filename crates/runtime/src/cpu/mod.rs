@@ -5,6 +5,7 @@
 //! other tokens in the batch, so a row's results do not depend on what it is batched with.
 
 mod backend;
+pub mod gdn;
 pub mod int8;
 pub mod kv;
 pub mod matmul;
@@ -16,6 +17,7 @@ pub mod tensor;
 mod weight;
 
 pub use backend::{CpuBackend, CpuStep};
+pub use gdn::CpuGdn;
 pub use kv::CpuKv;
 pub use matmul::Isa;
 pub use policy::{CpuPath, MatmulMode};

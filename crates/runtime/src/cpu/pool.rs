@@ -6,8 +6,14 @@
 //! through a decode step) and only then park on a condition variable. The calling thread
 //! always takes part in its own job. A job is published under a mutex and withdrawn under it
 //! before `for_each` returns, so no worker can touch a job after its closure is gone.
+//!
+//! A task that panics does not take the pool down: the panic is caught where the task ran
+//! (worker or caller), the job still completes and is withdrawn, and the first panic is then
+//! resumed on the calling thread. Workers keep serving later jobs.
 
+use std::any::Any;
 use std::cell::Cell;
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -49,6 +55,8 @@ struct Shared {
     next: AtomicUsize,
     done: AtomicUsize,
     shutdown: AtomicBool,
+    /// The first panic of the current job's tasks, resumed by the caller.
+    panic: Mutex<Option<Box<dyn Any + Send>>>,
 }
 
 thread_local! {
@@ -83,16 +91,25 @@ impl CpuPool {
             next: AtomicUsize::new(0),
             done: AtomicUsize::new(0),
             shutdown: AtomicBool::new(false),
+            panic: Mutex::new(None),
         });
-        let workers = (1..threads)
-            .map(|i| {
-                let s = shared.clone();
-                std::thread::Builder::new()
-                    .name(format!("dflash-cpu-{i}"))
-                    .spawn(move || worker(&s))
-                    .expect("the OS refused to start a worker thread")
-            })
-            .collect();
+        let mut workers = Vec::with_capacity(threads - 1);
+        for i in 1..threads {
+            let s = shared.clone();
+            match std::thread::Builder::new()
+                .name(format!("dflash-cpu-{i}"))
+                .spawn(move || worker(&s))
+            {
+                Ok(w) => workers.push(w),
+                Err(e) => {
+                    tracing::warn!(
+                        "the OS refused worker thread {i} ({e}); running with {i} threads"
+                    );
+                    break;
+                }
+            }
+        }
+        let threads = workers.len() + 1;
         Self {
             shared,
             workers,
@@ -146,6 +163,10 @@ impl CpuPool {
             drop(slot);
             std::hint::spin_loop();
         }
+        let panicked = s.panic.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(p) = panicked {
+            resume_unwind(p);
+        }
     }
 }
 
@@ -155,7 +176,13 @@ fn run_tasks(s: &Shared, task: Task<'_>, tasks: usize) {
         if i >= tasks {
             break;
         }
-        task(i);
+        // A panicking task still counts as done, so the job ends and is withdrawn.
+        if let Err(p) = catch_unwind(AssertUnwindSafe(|| task(i))) {
+            s.panic
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get_or_insert(p);
+        }
         s.done.fetch_add(1, Ordering::Release);
     }
 }
@@ -240,6 +267,32 @@ mod tests {
             total.fetch_add(1, Ordering::Relaxed);
         });
         assert_eq!(total.load(Ordering::Relaxed), 17);
+    }
+
+    #[test]
+    fn a_panicking_task_reaches_the_caller_and_the_pool_keeps_working() {
+        let pool = CpuPool::new(2);
+        for bad in [0usize, 5] {
+            let r = catch_unwind(AssertUnwindSafe(|| {
+                pool.for_each(8, |i| {
+                    if i == bad {
+                        panic!("task {i} fails");
+                    }
+                    // Keep the others busy long enough for a worker to take some.
+                    std::thread::sleep(Duration::from_micros(200));
+                });
+            }));
+            let msg = r.expect_err("the panic must reach the caller");
+            assert_eq!(
+                msg.downcast_ref::<String>().unwrap(),
+                &format!("task {bad} fails")
+            );
+        }
+        let total = AtomicUsize::new(0);
+        pool.for_each(16, |_| {
+            total.fetch_add(1, Ordering::Relaxed);
+        });
+        assert_eq!(total.load(Ordering::Relaxed), 16);
     }
 
     #[test]

@@ -7,12 +7,14 @@ use super::device::{
     ck, ensure, int, long, Arg, CudaOptions, Device, Epilogue, PrefillGemm, ATT_GM, ATT_MAX_GHD,
     ATT_MAX_SPLITS, ATT_PER, ATT_THREADS, MM_SEGS, MM_TILES, MM_WARPS,
 };
+use super::gdn::CudaGdn;
 use super::graph::Graphs;
 use super::kv::CudaKv;
 use super::profile::{KernelClassTime, Profiler};
 use super::tensor::{CudaMeta, CudaStep, CudaTensor, CudaWeight};
 use crate::backend::{
-    Activations, AttnShape, Backend, GraphKey, RopeStyle, TokenMeta, WeightPath, WeightRole,
+    Activations, AttnShape, Backend, GdnShape, GraphKey, RopeStyle, RowSpan, TokenMeta, WeightPath,
+    WeightRole,
 };
 use crate::choice::{DraftRow, SampleRow, Verdict, VerifyRow};
 use crate::dtype::DType;
@@ -218,6 +220,10 @@ impl CudaBackend {
     pub fn preload(&self, formats: &[DType]) -> Result<(), RuntimeError> {
         self.dev.bind();
         self.dev.preload(formats).map_err(RuntimeError::Device)
+    }
+
+    pub(crate) fn device(&self) -> &Device {
+        &self.dev
     }
 
     /// Waits for all queued work.
@@ -503,6 +509,7 @@ impl Backend for CudaBackend {
     type Weight = CudaWeight;
     type Kv = CudaKv;
     type Meta = CudaMeta;
+    type Gdn = CudaGdn;
     type Step = CudaStep;
 
     fn name(&self) -> &'static str {
@@ -614,6 +621,64 @@ impl Backend for CudaBackend {
             buf: Some(buf),
             pool,
         }
+    }
+
+    // Gated DeltaNet state and ops: cuda/gdn.rs.
+    fn gdn_new(&self, layers: usize, shape: GdnShape, history: usize) -> CudaGdn {
+        self.cuda_gdn_new(layers, shape, history)
+    }
+    fn gdn_open_row(&self, st: &mut CudaGdn, row: usize) {
+        self.cuda_gdn_open_row(st, row)
+    }
+    fn gdn_release_row(&self, st: &mut CudaGdn, row: usize) {
+        self.cuda_gdn_release_row(st, row)
+    }
+    fn gdn_copy_row(&self, st: &mut CudaGdn, src: usize, dst: usize) {
+        self.cuda_gdn_copy_row(st, src, dst)
+    }
+    fn gdn_begin(&self, st: &mut CudaGdn, spans: &[RowSpan]) {
+        self.cuda_gdn_begin(st, spans)
+    }
+    fn gdn_rollback(&self, st: &mut CudaGdn, row: usize, keep: usize) -> Result<(), RuntimeError> {
+        self.cuda_gdn_rollback(st, row, keep)
+    }
+    fn causal_conv(
+        &self,
+        st: &mut CudaGdn,
+        layer: usize,
+        x: &CudaTensor,
+        weight: &CudaTensor,
+        spans: &[RowSpan],
+        out: &mut CudaTensor,
+    ) {
+        self.cuda_causal_conv(st, layer, x, weight, spans, out)
+    }
+    fn gated_delta(
+        &self,
+        st: &mut CudaGdn,
+        layer: usize,
+        qkv: &CudaTensor,
+        g: &CudaTensor,
+        beta: &CudaTensor,
+        spans: &[RowSpan],
+        out: &mut CudaTensor,
+    ) {
+        self.cuda_gated_delta(st, layer, qkv, g, beta, spans, out)
+    }
+    fn gdn_gates(
+        &self,
+        a: &mut CudaTensor,
+        b: &mut CudaTensor,
+        a_neg: &CudaTensor,
+        dt: &CudaTensor,
+    ) {
+        self.cuda_gdn_gates(a, b, a_neg, dt)
+    }
+    fn rms_norm_gated(&self, x: &mut CudaTensor, z: &CudaTensor, w: &CudaTensor, eps: f32) {
+        self.cuda_rms_norm_gated(x, z, w, eps)
+    }
+    fn sigmoid_mul(&self, x: &mut CudaTensor, gate: &CudaTensor) {
+        self.cuda_sigmoid_mul(x, gate)
     }
 
     fn kv_new(&self, layers: usize, kv_dim: usize) -> CudaKv {
@@ -1009,6 +1074,62 @@ impl Backend for CudaBackend {
                 Arg::Ptr(self.tptr(x)),
                 Arg::Ptr(self.tptr(y)),
                 long(x.len()),
+            ],
+        );
+    }
+
+    fn scale(&self, x: &mut CudaTensor, s: f32) {
+        self.dev.bind();
+        self.elementwise(
+            &self.dev.k.scale,
+            "scale",
+            x.len(),
+            &[Arg::Ptr(self.tptr(x)), Arg::F32(s), long(x.len())],
+        );
+    }
+
+    fn grouped_conv(
+        &self,
+        x: &CudaTensor,
+        base: &CudaTensor,
+        dynamic: &CudaTensor,
+        col: usize,
+        group: usize,
+        meta: &CudaMeta,
+        out: &mut CudaTensor,
+    ) {
+        assert_eq!(
+            x.rows,
+            meta.tokens().len(),
+            "grouped_conv: one metadata entry per token"
+        );
+        assert_eq!(base.cols, x.cols);
+        assert!(group > 0 && x.cols.is_multiple_of(group));
+        assert_eq!(dynamic.rows, x.rows);
+        assert!(col + base.rows * (x.cols / group) <= dynamic.cols);
+        self.reshape(out, x.rows, x.cols);
+        if x.rows == 0 || x.cols == 0 {
+            return;
+        }
+        self.dev.bind();
+        self.dev.launch(
+            &self.dev.k.grouped_conv,
+            "grouped_conv",
+            (x.cols.div_ceil(256).min(64) as u32, x.rows as u32, 1),
+            (256, 1, 1),
+            0,
+            &[
+                Arg::Ptr(self.tptr(x)),
+                Arg::Ptr(self.tptr(base)),
+                Arg::Ptr(self.tptr(dynamic)),
+                Arg::Ptr(self.meta_ptr(meta)),
+                int(x.rows),
+                int(x.cols),
+                int(base.rows),
+                int(group),
+                int(dynamic.cols),
+                int(col),
+                Arg::Ptr(self.tptr(out)),
             ],
         );
     }

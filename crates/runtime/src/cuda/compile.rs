@@ -31,6 +31,8 @@ const INCLUDE_COMMON: &str = "#include \"common.cu\"";
 pub enum Module {
     Ops,
     Attention,
+    /// The Gated DeltaNet kernels (gdn.cu), built when a model with GDN layers first runs.
+    Gdn,
     Sample,
     Matmul(DType),
 }
@@ -38,7 +40,7 @@ pub enum Module {
 impl Module {
     /// Every unit: the shared modules, then matmul for each format.
     pub fn all() -> Vec<Module> {
-        let mut v = vec![Module::Ops, Module::Attention, Module::Sample];
+        let mut v = vec![Module::Ops, Module::Attention, Module::Sample, Module::Gdn];
         v.extend(DType::ALL.into_iter().map(Module::Matmul));
         v
     }
@@ -47,6 +49,7 @@ impl Module {
         match self {
             Module::Ops => "ops".into(),
             Module::Attention => "attention".into(),
+            Module::Gdn => "gdn".into(),
             Module::Sample => "sample".into(),
             Module::Matmul(d) => format!("matmul_{}", d.info().kernel_name),
         }
@@ -57,6 +60,7 @@ impl Module {
             Module::Matmul(_) => include_str!("../../kernels/matmul.cu"),
             Module::Ops => include_str!("../../kernels/ops.cu"),
             Module::Attention => include_str!("../../kernels/attention.cu"),
+            Module::Gdn => include_str!("../../kernels/gdn.cu"),
             Module::Sample => include_str!("../../kernels/sample.cu"),
         }
     }

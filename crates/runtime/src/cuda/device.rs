@@ -154,6 +154,8 @@ pub(crate) struct Kernels {
     pub add: CudaFunction,
     pub add_bias: CudaFunction,
     pub silu_mul: CudaFunction,
+    pub scale: CudaFunction,
+    pub grouped_conv: CudaFunction,
     pub gather_rows: CudaFunction,
     pub copy_columns: CudaFunction,
     pub rms_norm: CudaFunction,
@@ -637,7 +639,7 @@ fn keep_pool_memory(ctx: &CudaContext) {
 }
 
 /// Loads a compiled unit into the context.
-fn load_image(
+pub(crate) fn load_image(
     ctx: &Arc<CudaContext>,
     m: Module,
     image: Image,
@@ -710,6 +712,8 @@ fn load_kernels_for(ctx: &Arc<CudaContext>, target: Target) -> Result<Kernels, S
         add: get(Module::Ops, "add_f32")?,
         add_bias: get(Module::Ops, "add_bias_f32")?,
         silu_mul: get(Module::Ops, "silu_mul_f32")?,
+        scale: get(Module::Ops, "scale_f32")?,
+        grouped_conv: get(Module::Ops, "grouped_conv_f32")?,
         gather_rows: get(Module::Ops, "gather_rows_f32")?,
         copy_columns: get(Module::Ops, "copy_columns_f32")?,
         rms_norm: get(Module::Ops, "rms_norm_f32")?,

@@ -51,6 +51,9 @@
 //!   of 4,096 columns, then a merge per row); sampling, drafts and DFlash verification one
 //!   block per logits row, reproducing the engine's host definition (see the file's header
 //!   for the numbers).
+//! - Gated DeltaNet (`kernels/gdn.cu`, see [`gdn`](self::gdn)): causal conv, one thread per
+//!   channel walking its row's tokens; the gated delta rule, one block per (row, v head),
+//!   a thread per state column (k_dim values in registers) walking the tokens in order.
 //!
 //! # Environment
 //!
@@ -63,6 +66,7 @@
 mod backend;
 pub mod compile;
 mod device;
+mod gdn;
 mod graph;
 pub mod kv;
 mod profile;
@@ -71,6 +75,7 @@ mod tensor;
 
 pub use backend::CudaBackend;
 pub use device::{CudaOptions, PrefillGemm};
+pub use gdn::CudaGdn;
 pub use kv::CudaKv;
 pub use profile::KernelClassTime;
 pub use tensor::{CudaMeta, CudaStep, CudaTensor, CudaWeight};

@@ -291,7 +291,9 @@ impl GgufFile {
                             dims[0]
                         )));
                     }
-                    n_values / block * dt.block_bytes() as u64
+                    (n_values / block)
+                        .checked_mul(dt.block_bytes() as u64)
+                        .ok_or_else(|| c.corrupt(format!("tensor `{name}` size overflows")))?
                 }
                 // Unknown types: size is unknown; checked when (if) the tensor is used.
                 None => 0,

@@ -74,6 +74,19 @@ fn tensor_out_of_bounds_is_detected() {
     }
 }
 
+/// Found by fuzzing: the byte size of a tensor whose value count fits in u64 can overflow
+/// (blocks x bytes per block); it used to wrap and pass the bounds check.
+#[test]
+fn tensor_byte_size_overflow_is_an_error() {
+    let mut w = GgufWriter::new();
+    // 2^62 f32 values: 2^64 bytes.
+    w.tensor("huge", &[1 << 31, 1 << 31], 0, vec![0u8; 16]);
+    let Err(err) = parse(w.to_bytes()) else {
+        panic!("a tensor of 2^64 bytes was accepted");
+    };
+    assert!(err.to_string().contains("size overflows"), "{err}");
+}
+
 #[test]
 fn ragged_quant_rows_and_unknown_types() {
     let mut w = GgufWriter::new();

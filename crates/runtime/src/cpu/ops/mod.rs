@@ -1,10 +1,13 @@
-//! CPU ops other than matmul: normalisation, RoPE, attention and element-wise work.
+//! CPU ops other than matmul: normalisation, RoPE, attention, the DFlash2 convolution and
+//! element-wise work.
 //!
 //! Each op treats tokens independently and with a fixed summation order, so results for a
 //! token never depend on the batch around it.
 
 pub mod attention;
+pub mod conv;
 pub mod elementwise;
+pub mod gdn;
 pub mod norm;
 pub mod rope;
 

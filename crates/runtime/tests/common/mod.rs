@@ -1,0 +1,94 @@
+//! Helpers shared by the CUDA test files: the GPU (every format's kernels preloaded) or a
+//! printed skip, the CPU reference backend, seeded random inputs and weights, bit views.
+#![allow(dead_code)] // each test file uses its own subset
+
+use std::sync::OnceLock;
+
+use dflash_runtime::cpu::{CpuBackend, Isa, MatmulMode};
+use dflash_runtime::cuda::CudaBackend;
+use dflash_runtime::{DType, HostWeight, WeightBytes};
+use rand::{Rng, SeedableRng};
+
+pub fn gpu() -> Option<&'static CudaBackend> {
+    static GPU: OnceLock<Result<CudaBackend, String>> = OnceLock::new();
+    let open = || {
+        let b = CudaBackend::new()?;
+        // Every format's kernels at once (in parallel) rather than one by one on first use.
+        b.preload(&DType::ALL)?;
+        Ok::<_, dflash_runtime::RuntimeError>(b)
+    };
+    match GPU.get_or_init(|| open().map_err(|e| e.to_string())) {
+        Ok(b) => Some(b),
+        Err(e) => {
+            println!("skipped: no CUDA device ({e})");
+            None
+        }
+    }
+}
+
+pub fn cpu() -> &'static CpuBackend {
+    static CPU: OnceLock<CpuBackend> = OnceLock::new();
+    // The f32 reference path: the GPU multiplies with f32 activations too.
+    CPU.get_or_init(|| CpuBackend::with_options(2, Isa::detect(), MatmulMode::Reference))
+}
+
+pub fn rng(seed: u64) -> rand::rngs::StdRng {
+    rand::rngs::StdRng::seed_from_u64(seed)
+}
+
+pub fn random_vec(n: usize, lo: f32, hi: f32, seed: u64) -> Vec<f32> {
+    let mut r = rng(seed);
+    (0..n).map(|_| r.random_range(lo..hi)).collect()
+}
+
+/// Random weights of `dtype`: random codes, finite moderate scales.
+pub fn random_weight(dtype: DType, rows: usize, cols: usize, seed: u64) -> HostWeight {
+    let mut r = rng(seed);
+    let row_bytes = dtype.row_bytes(cols).expect("whole blocks");
+    let mut bytes = vec![0u8; rows * row_bytes];
+    let f16 = |v: f32| half::f16::from_f32(v).to_bits().to_le_bytes();
+    match dtype {
+        DType::F32 => {
+            for c in bytes.chunks_exact_mut(4) {
+                c.copy_from_slice(&r.random_range(-1.0f32..1.0).to_le_bytes());
+            }
+        }
+        DType::F16 => {
+            for c in bytes.chunks_exact_mut(2) {
+                c.copy_from_slice(&f16(r.random_range(-1.0f32..1.0)));
+            }
+        }
+        DType::BF16 => {
+            for c in bytes.chunks_exact_mut(2) {
+                let b = half::bf16::from_f32(r.random_range(-1.0f32..1.0));
+                c.copy_from_slice(&b.to_bits().to_le_bytes());
+            }
+        }
+        _ => {
+            r.fill(&mut bytes[..]);
+            let scales: &[usize] = match dtype {
+                DType::Q4_0 | DType::Q8_0 => &[0],
+                DType::Q4_1 | DType::Q4K => &[0, 2],
+                DType::Q6K => &[208],
+                _ => unreachable!(),
+            };
+            for blk in bytes.chunks_exact_mut(dtype.block_bytes()) {
+                for &o in scales {
+                    blk[o..o + 2].copy_from_slice(&f16(r.random_range(-0.05f32..0.05)));
+                }
+            }
+        }
+    }
+    HostWeight::new(
+        format!("w_{dtype}"),
+        dtype,
+        rows,
+        cols,
+        WeightBytes::from_vec(bytes),
+    )
+    .expect("consistent shape")
+}
+
+pub fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}

@@ -1,0 +1,218 @@
+"""DFlash2 in the training package: config round trip, exact no-op initialisation,
+parity with the published reference on the golden fixture, the selector objective,
+and an export the Rust loader's layout check accepts.
+
+The parity test loads ``crates/models/tests/fixtures/dflash2_ref_tiny`` (made by
+tools/make_drafter2_fixture.py from z-lab's ``DFlash2DraftModel``) into the training
+drafter and recomputes round 1 (11 context rows, block at 11..18, one sliding layer
+of window 6 and one full layer) with one packed-style forward.  The fixture's
+embedding scale, output multiplier and soft cap (inference-only knobs the training
+config does not export) are applied by the test.
+
+Skipped with a message when torch (or safetensors) is missing.
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed: skipping the torch-dependent tests")
+
+from dflash_train.config import DrafterConfig  # noqa: E402
+from dflash_train.drafter import DFlashDrafter, batch_to_torch, block_loss  # noqa: E402
+
+FIXTURE = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "crates", "models", "tests",
+                                       "fixtures", "dflash2_ref_tiny"))
+
+
+def tiny_cfg(**kw):
+    base = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, vocab_size=96, num_target_layers=6,
+                target_layer_ids=[1, 3], mask_token_id=95, block_size=4, rms_norm_eps=1e-6,
+                conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=5)
+    base.update(kw)
+    return DrafterConfig(**base)
+
+
+def test_config_round_trip_and_checks():
+    cfg = tiny_cfg(sliding_window=32)
+    d = cfg.to_hf_dict()
+    assert d["architectures"] == ["DFlash2DraftModel"]
+    assert d["dflash_config"]["selector_top_k"] == 5 and d["dflash_config"]["conv_group_size"] == 16
+    assert d["layer_types"] == ["sliding_attention"] * 2 and d["is_causal"] is False
+    back = DrafterConfig.from_hf_dict(json.loads(json.dumps(d)))
+    assert back == cfg
+    v1 = tiny_cfg(conv_kernel_size=None, conv_group_size=None, selector_rank=None, selector_top_k=None)
+    assert v1.to_hf_dict()["architectures"] == ["DFlashDraftModel"]
+    with pytest.raises(ValueError, match="conv_group_size"):
+        tiny_cfg(conv_group_size=24).validate()
+    with pytest.raises(ValueError, match="needs conv_kernel_size"):
+        tiny_cfg(selector_rank=None).validate()
+    bad = dict(d, dflash_config=dict(d["dflash_config"], final_logit_softcapping=30.0))
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        DrafterConfig.from_hf_dict(bad)
+
+
+def _batch(cfg, seed=0):
+    """A packed batch: one sequence of 20 tokens, anchors 5 and 11."""
+    rng = np.random.default_rng(seed)
+    s, bs = 20, cfg.block_size
+    ids = rng.integers(0, cfg.vocab_size - 1, size=(1, s))
+    anchors = np.array([[5, 11]])
+    pos = anchors[..., None] + np.arange(bs)
+    block_ids = np.full((1, 2, bs), cfg.mask_token_id)
+    block_ids[..., 0] = ids[0, anchors[0]]
+    labels = ids[0, np.minimum(pos, s - 1)]
+    labels[..., 0] = -100
+    w = np.ones((1, 2, bs), dtype=np.float32)
+    w[..., 0] = 0
+    return {
+        "input_ids": ids, "attention_mask": np.ones((1, s), dtype=bool), "position_ids": np.arange(s)[None],
+        "block_ids": block_ids, "block_pos": pos, "block_valid": np.ones((1, 2), dtype=bool),
+        "ctx_visible": np.arange(s)[None, None, :] < anchors[..., None],
+        "labels": labels, "weights": w,
+    }
+
+
+def test_fresh_dflash2_is_a_dflash_drafter():
+    """Identity base taps, zero projections and a zero successor codebook: the
+    same backbone weights give the same hidden states as a DFlash drafter, and
+    the selector's scores are the unary logits."""
+    cfg2 = tiny_cfg()
+    cfg1 = tiny_cfg(conv_kernel_size=None, conv_group_size=None, selector_rank=None, selector_top_k=None)
+    d2, d1 = DFlashDrafter(cfg2), DFlashDrafter(cfg1)
+    d2.reset_parameters(seed=3)
+    d1.load_state_dict({k: v for k, v in d2.state_dict().items() if k in d1.state_dict()}, strict=True)
+    bt = batch_to_torch(_batch(cfg2), "cpu")
+    g = torch.Generator().manual_seed(1)
+    emb = torch.randn(cfg2.vocab_size, 64, generator=g)
+    head = torch.randn(cfg2.vocab_size, 64, generator=g) / 8
+    feats = torch.randn(1, 20, 2 * 64, generator=g)
+    from dflash_train.drafter import dense_mask_torch
+    mask = dense_mask_torch(bt["ctx_visible"], cfg2.block_size)
+    x = torch.nn.functional.embedding(bt["block_ids"].view(1, -1), emb)
+    stats = {}
+    with torch.no_grad():
+        h2 = d2(x, bt["block_pos"].view(1, -1), feats, bt["position_ids"], mask)
+        h1 = d1(x, bt["block_pos"].view(1, -1), feats, bt["position_ids"], mask)
+        l2, c2, w = block_loss(d2, emb, head, feats, bt, checkpoint_ce=False, stats=stats)
+        l1, c1, _ = block_loss(d1, emb, head, feats, bt, checkpoint_ce=False)
+    assert torch.equal(h1, h2), "the convolutions start as the identity"
+    # Loss: unary CE + the selector's CE (a softmax over the unary top-k at first).
+    wsum = float(w.sum())
+    assert abs(float(l2) - float(l1) - stats["selector_loss"] * stats["selector_coverage"]) < 1e-5
+    assert torch.equal(c1, c2), "the selector's picks equal the unary argmax at initialisation"
+    assert wsum > 0
+    h = torch.randn(3, 64, generator=g)
+    unary = torch.randn(3, 5, generator=g)
+    cand = torch.randint(0, 96, (3, 5), generator=g)
+    s = d2.candidate_selector.scores(unary, cand, h, torch.tensor([1, 2, 3]))
+    assert torch.equal(s, unary)
+
+
+def test_selector_objective_is_teacher_forced_ce_over_the_top_k():
+    # Half the vocabulary as candidates: some targets are candidates, some are not.
+    cfg = tiny_cfg(selector_top_k=48)
+    d = DFlashDrafter(cfg)
+    d.reset_parameters(seed=5)
+    with torch.no_grad():
+        d.candidate_selector.successor_codebook.normal_()
+    g = torch.Generator().manual_seed(2)
+    emb = torch.randn(cfg.vocab_size, 64, generator=g)
+    head = torch.randn(cfg.vocab_size, 64, generator=g) / 8
+    feats = torch.randn(1, 20, 2 * 64, generator=g)
+    nb = _batch(cfg)
+    bt = batch_to_torch(nb, "cpu")
+    stats = {}
+    loss, _, w = block_loss(d, emb, head, feats, bt, checkpoint_ce=False, selector_alpha=0.5, stats=stats)
+    unary_only, _, _ = block_loss(d, emb, head, feats, bt, checkpoint_ce=False, selector_alpha=0.0)
+    # By hand: hidden states of the weighted slots, their logits, top-k, predecessor = true previous token.
+    from dflash_train.drafter import dense_mask_torch
+    with torch.no_grad():
+        x = torch.nn.functional.embedding(bt["block_ids"].view(1, -1), emb)
+        h = d(x, bt["block_pos"].view(1, -1), feats, bt["position_ids"], dense_mask_torch(bt["ctx_visible"], 4))[0]
+        wts = bt["weights"].view(-1)
+        sel_sum, cov_sum = 0.0, 0.0
+        for r in torch.nonzero(wts > 0)[:, 0].tolist():
+            label = int(bt["labels"].view(-1)[r])
+            prev = int(bt["input_ids"][0, int(bt["block_pos"].view(-1)[r]) - 1])
+            logits = h[r] @ head.T
+            unary, cand = logits.topk(cfg.selector_top_k)
+            if label not in cand.tolist():
+                continue
+            sc = d.candidate_selector.scores(unary[None], cand[None], h[r][None], torch.tensor([prev]))[0]
+            sel_sum += float(wts[r]) * float(-torch.log_softmax(sc, -1)[cand.tolist().index(label)])
+            cov_sum += float(wts[r])
+    assert 0 < cov_sum < float(wts.sum())
+    want = float(unary_only.detach()) + 0.5 * sel_sum / float(wts.sum())
+    assert abs(float(loss.detach()) - want) < 1e-4
+    assert abs(stats["selector_loss"] - sel_sum / cov_sum) < 1e-4
+    assert abs(stats["selector_coverage"] - cov_sum / float(wts.sum())) < 1e-6
+    # Gradients reach every DFlash2 parameter.
+    loss.backward()
+    for name, p in d.named_parameters():
+        if "conv" in name or "candidate_selector" in name:
+            assert p.grad is not None and float(p.grad.abs().sum()) > 0, name
+
+
+def test_export_layout_and_reload(tmp_path):
+    pytest.importorskip("safetensors", reason="safetensors is not installed")
+    from dflash_train.export import check_export, export_drafter, expected_tensor_shapes, load_drafter
+    cfg = tiny_cfg(sliding_window=16)
+    d = DFlashDrafter(cfg)
+    d.reset_parameters(seed=7)
+    exp = expected_tensor_shapes(cfg)
+    assert exp["layers.1.attention_conv.base_kernel"] == [2, 2, 64]
+    assert exp["layers.0.mlp_conv.kernel_projection.weight"] == [16, 64]
+    assert exp["candidate_selector.predecessor_codebook"] == [96, 8]
+    export_drafter(d.state_dict(), cfg, str(tmp_path), {"target_name": "tiny"})
+    report = check_export(str(tmp_path))
+    assert not report.get("problems"), report
+    back, cfg2 = load_drafter(str(tmp_path))
+    assert cfg2 == cfg
+    card = open(tmp_path / "README.md").read()
+    assert "DFlash2" in card and "selector" in card
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(FIXTURE, "io.safetensors")),
+                    reason="DFlash2 reference fixture not found")
+def test_forward_matches_the_reference_fixture():
+    pytest.importorskip("safetensors", reason="safetensors is not installed")
+    from safetensors.torch import load_file
+
+    with open(os.path.join(FIXTURE, "config.json")) as f:
+        raw = json.load(f)
+    dc = dict(raw["dflash_config"])
+    scale = dc.pop("input_embedding_scale")
+    mult = dc.pop("output_multiplier")
+    cap = dc.pop("final_logit_softcapping")
+    cfg = DrafterConfig.from_hf_dict(dict(raw, dflash_config=dc))
+    assert cfg.is_dflash2 and cfg.layer_window(0) == 6 and cfg.layer_window(1) is None
+    d = DFlashDrafter(cfg)
+    d.load_state_dict(load_file(os.path.join(FIXTURE, "model.safetensors")), strict=True)
+    io = load_file(os.path.join(FIXTURE, "io.safetensors"))
+    feats = io["round1_target_hidden"][None]
+    ids = io["round1_block_ids"]
+    pos = io["round1_block_positions"][None]
+    x = torch.nn.functional.embedding(ids, io["embed_tokens"])[None] * scale
+    s, q = feats.shape[1], ids.shape[0]
+    mask = torch.ones(1, 1, q, s + q, dtype=torch.bool)
+    with torch.no_grad():
+        h = d(x, pos, feats, torch.arange(s)[None], mask)[0, 1:]
+        raw_logits = h @ io["lm_head"].T
+    diff = float((raw_logits - io["round1_raw_logits"]).abs().max())
+    print(f"round 1 raw logits: max |diff| {diff:.2e}")
+    assert diff < 1e-4
+    # The selector's greedy walk over the transformed logits gives the reference path.
+    logits = torch.tanh(raw_logits * mult / cap) * cap
+    prev = int(ids[0])
+    path = []
+    with torch.no_grad():
+        for slot in range(q - 1):
+            unary, cand = logits[slot].topk(cfg.selector_top_k)
+            sc = d.candidate_selector.scores(unary[None], cand[None], h[slot][None], torch.tensor([prev]))[0]
+            prev = int(cand[sc.argmax()])
+            path.append(prev)
+    assert path == io["round1_greedy_path"].tolist()
