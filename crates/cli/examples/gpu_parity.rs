@@ -24,7 +24,7 @@ use dflash_engine::session::run_scheduled;
 use dflash_engine::{Completion, Request, RowStats, SamplingParams};
 use dflash_models::chat::Message;
 use dflash_models::{load_model, DflashDrafter, Drafter, LoadedModel, LogitRows, RowStep, Target};
-use dflash_runtime::cpu::CpuBackend;
+use dflash_runtime::cpu::{CpuBackend, Isa, MatmulMode};
 use dflash_runtime::cuda::CudaBackend;
 use dflash_runtime::Backend;
 
@@ -111,7 +111,12 @@ fn top2_margin(l: &[f32]) -> f32 {
 fn main() -> Result<()> {
     let args = parse()?;
     let cuda = Arc::new(CudaBackend::new()?);
-    let cpu = Arc::new(CpuBackend::new(0));
+    // The f32 CPU path: the GPU multiplies with f32 activations too.
+    let cpu = Arc::new(CpuBackend::with_options(
+        0,
+        Isa::detect(),
+        MatmulMode::Reference,
+    ));
     println!(
         "GPU {} ({}), CPU x{}; model {}",
         cuda.device_name(),

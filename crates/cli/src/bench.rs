@@ -20,6 +20,7 @@ use crate::args::{BatchAccept, DraftArgs, ModelArgs};
 #[cfg(feature = "cuda")]
 use crate::load::DeviceTarget;
 use crate::load::{decoder, drafter_dir, load_target, Loaded};
+use crate::paths::paths_json;
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -206,6 +207,15 @@ fn read_prompts(path: &Option<PathBuf>) -> Result<Vec<String>> {
     Ok(out)
 }
 
+/// Milliseconds per round (0 without rounds).
+fn per_round(seconds: f64, rounds: usize) -> f64 {
+    if rounds == 0 {
+        0.0
+    } else {
+        1e3 * seconds / rounds as f64
+    }
+}
+
 fn arm_json(name: &str, runs: &[ArmRun]) -> Value {
     let last = runs.last().cloned().unwrap_or_default();
     json!({
@@ -219,6 +229,8 @@ fn arm_json(name: &str, runs: &[ArmRun]) -> Value {
             last.stats.accepted as f64 / last.stats.rounds as f64
         } else { 0.0 },
         "acceptance_by_position": last.stats.acceptance_by_position(),
+        "draft_ms_per_round": per_round(last.stats.draft_s, last.stats.rounds),
+        "verify_ms_per_round": per_round(last.stats.verify_s, last.stats.rounds),
     })
 }
 
@@ -274,7 +286,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
         "prefill_runs": pp,
         "decode_runs": tg,
         "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "matmul_mode": std::env::var("DFLASH_MATMUL").unwrap_or_else(|_| "auto".into()),
+        "matmul": paths_json(&plain.matmul),
     });
+    let mut matmul = plain.matmul.clone();
     #[cfg(feature = "cuda")]
     if let Some(b) = &cuda {
         let split = kernel_split(plain.decoder.as_mut(), b, &prompt, args.gen_tokens)?;
@@ -333,6 +348,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
         clamp_args.batch_accept = BatchAccept::Clamp;
         let mut spec = decoder(load_target(&args.model)?, Some(&dir), &per_row_args)?;
         report["drafter"] = json!(dir);
+        report["matmul"] = paths_json(&spec.matmul);
+        matmul = spec.matmul.clone();
         report["prompts"] = json!(texts.len());
         match args.batch {
             None => {
@@ -403,6 +420,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 ));
             }
         }
+    }
+    for p in &matmul {
+        table.push(format!(
+            "| {} {} | K x N {}x{} | {} |",
+            p.model, p.name, p.cols, p.rows, p.path
+        ));
     }
     crate::output::line(&report.to_string())?;
     for line in table {

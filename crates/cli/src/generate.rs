@@ -6,6 +6,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use dflash_engine::session::run_scheduled;
 use dflash_engine::{Batch, Completion, Event, Request, RowStats};
+use dflash_models::ProjectionPath;
 use serde_json::json;
 
 use dflash_server::validate::{batch_line, BatchLine};
@@ -13,6 +14,7 @@ use dflash_server::validate::{batch_line, BatchLine};
 use crate::args::{DraftArgs, ModelArgs, OutputFormat, SamplingArgs, Speculation};
 use crate::load::{load, Loaded};
 use crate::output;
+use crate::paths::{paths_json, paths_summary};
 
 #[derive(Args, Debug)]
 pub struct GenerateArgs {
@@ -145,12 +147,14 @@ fn read_batch(path: &std::path::Path) -> Result<Vec<BatchLine>> {
     Ok(lines)
 }
 
-fn result_json(c: &Completion) -> serde_json::Value {
+fn result_json(c: &Completion, matmul: &[ProjectionPath]) -> serde_json::Value {
+    let mut stats = stats_json(&c.stats);
+    stats["matmul"] = paths_json(matmul);
     json!({
         "text": c.text,
         "tokens": c.tokens,
         "finish_reason": c.finish_reason,
-        "stats": stats_json(&c.stats),
+        "stats": stats,
     })
 }
 
@@ -188,8 +192,9 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     if text_mode {
         output::line("")?;
         eprintln!("{}", stats_line(&c.stats));
+        eprintln!("matmul: {}", paths_summary(&loaded.matmul));
     } else {
-        output::line(&result_json(&c).to_string())?;
+        output::line(&result_json(&c, &loaded.matmul).to_string())?;
     }
     Ok(())
 }
@@ -258,7 +263,7 @@ fn run_batch_file(
         // (json was refused with --batch before loading)
         OutputFormat::Jsonl | OutputFormat::Json => {
             for c in &results {
-                output::line(&result_json(c).to_string())?;
+                output::line(&result_json(c, &loaded.matmul).to_string())?;
             }
         }
         OutputFormat::Text => {
@@ -278,5 +283,6 @@ fn run_batch_file(
         tokens as f64 / wall,
         stats_line(&total)
     );
+    eprintln!("matmul: {}", paths_summary(&loaded.matmul));
     Ok(())
 }

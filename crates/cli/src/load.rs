@@ -13,7 +13,7 @@ use dflash_models::default_model::ensure_default_model;
 use dflash_models::dflash::DrafterConfig;
 use dflash_models::tokenizer::TextTokenizer;
 use dflash_models::TargetModel;
-use dflash_models::{load_model, DflashDrafter, Drafter, Target};
+use dflash_models::{load_model, DflashDrafter, Drafter, ProjectionPath, Target};
 use dflash_runtime::cpu::CpuBackend;
 #[cfg(feature = "cuda")]
 use dflash_runtime::cuda::CudaBackend;
@@ -54,6 +54,8 @@ pub struct Bundle {
 /// A model ready to generate.
 pub struct Loaded {
     pub decoder: Box<dyn Decoder>,
+    /// The numeric path of each projection of the target and the drafter.
+    pub matmul: Vec<ProjectionPath>,
     pub tokenizer: TextTokenizer,
     pub template: Option<ChatTemplate>,
     pub name: String,
@@ -121,7 +123,7 @@ pub fn load_target(args: &ModelArgs) -> Result<Bundle> {
     let context = || format!("cannot load the model at {}", path.display());
     let (target, device, loaded_parts) = match choice {
         DeviceChoice::Cpu => {
-            let backend = Arc::new(CpuBackend::new(args.cpu_threads()));
+            let backend = Arc::new(CpuBackend::from_env(args.cpu_threads())?);
             let device = format!("cpu {} x{}", backend.isa(), backend.threads());
             let m = load_model(backend.clone(), &path).with_context(context)?;
             let parts = (m.tokenizer, m.template, m.name);
@@ -227,7 +229,7 @@ pub fn decoder(bundle: Bundle, drafter: Option<&Path>, draft: &DraftArgs) -> Res
         device,
         ..
     } = bundle;
-    let decoder = match target {
+    let (decoder, matmul) = match target {
         DeviceTarget::Cpu(b, t) => {
             decoder_on(b, *t, &name, drafter, draft, Some(CPU_DEFAULT_BLOCK))?
         }
@@ -236,6 +238,7 @@ pub fn decoder(bundle: Bundle, drafter: Option<&Path>, draft: &DraftArgs) -> Res
     };
     Ok(Loaded {
         decoder,
+        matmul,
         tokenizer,
         template,
         name,
@@ -251,9 +254,10 @@ fn decoder_on<B: Backend>(
     drafter: Option<&Path>,
     draft: &DraftArgs,
     default_block_cap: Option<usize>,
-) -> Result<Box<dyn Decoder>> {
+) -> Result<(Box<dyn Decoder>, Vec<ProjectionPath>)> {
+    let mut paths = target.matmul_paths();
     let Some(dir) = drafter else {
-        return Ok(Box::new(ArDecoder::new(target)));
+        return Ok((Box::new(ArDecoder::new(target)), paths));
     };
     // The configuration is checked against the target before any weight is read.
     DrafterConfig::read(dir)
@@ -261,6 +265,7 @@ fn decoder_on<B: Backend>(
         .with_context(|| format!("the drafter at {} does not fit {name}", dir.display()))?;
     let d = DflashDrafter::open(backend, dir)
         .with_context(|| format!("cannot load the drafter at {}", dir.display()))?;
+    paths.extend(d.matmul_paths());
     let trained = d.block_size();
     let block = draft
         .block_size
@@ -275,7 +280,7 @@ fn decoder_on<B: Backend>(
             .speculation
             .map_or(SpecMode::Always, Speculation::mode),
     );
-    Ok(Box::new(dec))
+    Ok((Box::new(dec), paths))
 }
 
 /// Loads the model and, unless disabled, its drafter.

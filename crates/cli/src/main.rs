@@ -5,7 +5,9 @@ mod bench;
 mod eval;
 mod generate;
 mod load;
+mod microbench;
 mod output;
+mod paths;
 mod progress;
 mod serve;
 
@@ -32,6 +34,8 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Measure drafter acceptance (tau, acceptance by block slot) over a prompt set.
     Eval(eval::EvalArgs),
+    /// Time the CPU matmul kernels alone (int8 vs f32 paths) against the machine's peaks.
+    Microbench(microbench::MicrobenchArgs),
     /// Serve the OpenAI API (chat and completions, streaming, metrics) with continuous
     /// batching and DFlash speculative decoding.
     Serve(serve::ServeArgs),
@@ -59,6 +63,7 @@ fn main() -> ExitCode {
         Command::Generate(a) => generate::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Eval(a) => eval::run(a),
+        Command::Microbench(a) => microbench::run(a),
         Command::Serve(a) => serve::run(a),
     };
     match result {

@@ -10,8 +10,8 @@ use dflash_engine::session::run_scheduled;
 use dflash_engine::SamplingParams;
 use dflash_models::TargetModel;
 use dflash_models::{load_model, RowStep, Target};
+use dflash_runtime::cpu::CpuWeight;
 use dflash_runtime::cpu::{CpuBackend, CpuTensor};
-use dflash_runtime::HostWeight;
 use std::sync::Arc;
 
 /// A model that reports a rectangular (shared) cache layout; everything else is delegated.
@@ -62,10 +62,10 @@ impl Target for RectangularCache {
     fn taps(&self) -> &CpuTensor {
         self.0.taps()
     }
-    fn embedding(&self) -> &HostWeight {
+    fn embedding(&self) -> &CpuWeight {
         self.0.embedding()
     }
-    fn lm_head(&self) -> &HostWeight {
+    fn lm_head(&self) -> &CpuWeight {
         self.0.lm_head()
     }
     fn per_row_commit(&self) -> bool {

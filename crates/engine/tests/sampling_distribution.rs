@@ -45,8 +45,9 @@ use dflash_models::TargetModel;
 use dflash_models::{
     load_model, CandidateLattice, DflashDrafter, Drafter, LogitRows, RowStep, Target,
 };
+use dflash_runtime::cpu::CpuWeight;
 use dflash_runtime::cpu::{CpuBackend, CpuTensor};
-use dflash_runtime::{Backend, HostWeight};
+use dflash_runtime::Backend;
 use rand::{Rng, SeedableRng};
 
 /// Runs per arm.
@@ -226,8 +227,8 @@ impl Drafter for Peek {
         &mut self,
         rows: &[(usize, u32)],
         block: usize,
-        _embed: &HostWeight,
-        _lm_head: &HostWeight,
+        _embed: &CpuWeight,
+        _lm_head: &CpuWeight,
     ) -> dflash_models::Result<()> {
         let v = self.model.vocab();
         self.logits = CpuTensor::zeros(rows.len() * (block - 1), v);

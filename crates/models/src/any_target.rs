@@ -30,6 +30,11 @@ impl<B: Backend> TargetModel<B> {
             TargetModel::Qwen35(_) => "qwen35",
         }
     }
+
+    /// The numeric path of each projection (see `paths`).
+    pub fn matmul_paths(&self) -> Vec<crate::paths::ProjectionPath> {
+        each!(self, m => m.matmul_paths())
+    }
 }
 
 impl<B: Backend> Target for TargetModel<B> {

@@ -8,7 +8,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use dflash_runtime::backend::{AttnShape, GraphKey, RopeStyle, TokenMeta};
+use dflash_runtime::backend::{AttnShape, GraphKey, RopeStyle, TokenMeta, WeightRole};
 use dflash_runtime::Backend;
 
 use crate::config::rope_inv_freq;
@@ -19,6 +19,7 @@ pub use crate::drafter_config::{
 };
 use crate::error::{ModelError, Result};
 use crate::llama::{load_matrix, load_vector};
+use crate::paths::{path_of, ProjectionPath};
 use crate::rows::RowTable;
 use crate::selector::CandidateLattice;
 use crate::source::safetensors_dir::SafetensorsDir;
@@ -115,6 +116,35 @@ fn resolve(src: &dyn TensorSource, name: &str) -> String {
 }
 
 impl<B: Backend> DflashDrafter<B> {
+    /// The numeric path of each of the drafter's own projections (layer 0 stands for every
+    /// layer; the vocabulary projection is the target's, reported with the target).
+    pub fn matmul_paths(&self) -> Vec<ProjectionPath> {
+        let b = &*self.backend;
+        let c = &self.cfg;
+        let (h, qd, kvd, ff) = (
+            c.hidden,
+            c.heads * c.head_dim,
+            c.kv_heads * c.head_dim,
+            c.intermediate,
+        );
+        let taps = c.target_layer_ids.len();
+        let mut v = vec![path_of(b, "draft", "fc", &self.fc, h, taps * h)];
+        if let Some(l) = self.layers.first() {
+            for (name, w, rows, cols) in [
+                ("q", &l.wq, qd, h),
+                ("k", &l.wk, kvd, h),
+                ("v", &l.wv, kvd, h),
+                ("o", &l.wo, h, qd),
+                ("gate", &l.w_gate, ff, h),
+                ("up", &l.w_up, ff, h),
+                ("down", &l.w_down, h, ff),
+            ] {
+                v.push(path_of(b, "draft", name, w, rows, cols));
+            }
+        }
+        v
+    }
+
     /// Loads a drafter directory (`config.json` + safetensors).
     pub fn open(backend: Arc<B>, dir: &Path) -> Result<Self> {
         let cfg = DrafterConfig::read(dir)?;
@@ -129,7 +159,9 @@ impl<B: Backend> DflashDrafter<B> {
         let (h, hd) = (cfg.hidden, cfg.head_dim);
         let (qd, kvd) = (cfg.heads * hd, cfg.kv_heads * hd);
         let taps = cfg.target_layer_ids.len();
-        let w = |n: &str, r: usize, c: usize| load_matrix(b, src, &resolve(src, n), r, c);
+        let w = |n: &str, r: usize, c: usize| {
+            load_matrix(b, src, &resolve(src, n), [r, c], WeightRole::Draft)
+        };
         let vec = |n: &str, len: usize| load_vector(b, src, &resolve(src, n), len);
         let mut layers = Vec::with_capacity(cfg.layers);
         for i in 0..cfg.layers {

@@ -8,6 +8,7 @@
 //! per-channel `base_kernel[side]`. Only block tokens are convolved, and only within their own
 //! block (the context K/V never pass through it).
 
+use dflash_runtime::backend::WeightRole;
 use dflash_runtime::Backend;
 
 use crate::drafter_config::{Dflash2Params, DrafterConfig};
@@ -59,8 +60,8 @@ impl<B: Backend> Conv<B> {
                 b,
                 src,
                 &format!("{prefix}.kernel_projection.weight"),
-                2 * taps * groups,
-                h,
+                [2 * taps * groups, h],
+                WeightRole::Draft,
             )?,
             taps,
             group,
@@ -139,7 +140,7 @@ fn codebook<B: Backend>(
     } else {
         with_suffix
     };
-    load_matrix(b, src, &n, rows, cols)
+    load_matrix(b, src, &n, [rows, cols], WeightRole::Draft)
 }
 
 impl<B: Backend> Selector<B> {
@@ -153,8 +154,8 @@ impl<B: Backend> Selector<B> {
                 b,
                 src,
                 "candidate_selector.hidden_projection.weight",
-                r,
-                cfg.hidden,
+                [r, cfg.hidden],
+                WeightRole::Draft,
             )?,
             params: p,
             rank: r,

@@ -1,11 +1,12 @@
 //! Llama-family decoder (Llama, SmolLM2, Qwen2 with qkv bias, Qwen3 with q/k norm) on any
 //! backend, batched over rows with their own positions and KV lengths.
 
-use dflash_runtime::backend::{AttnShape, GraphKey, TokenMeta};
+use dflash_runtime::backend::{AttnShape, GraphKey, TokenMeta, WeightRole};
 use dflash_runtime::Backend;
 
 use crate::config::LlamaConfig;
 use crate::error::{ModelError, Result};
+use crate::paths::{path_of, ProjectionPath};
 use crate::rows::RowTable;
 use crate::source::TensorSource;
 use crate::target::{LogitRows, RowStep, Target};
@@ -72,15 +73,16 @@ pub(crate) fn load_vector<B: Backend>(
     Ok(b.upload(&w.to_f32(), 1, len))
 }
 
+/// Loads a `rows x cols` weight for `role` (which picks its numeric path on the backend).
 pub(crate) fn load_matrix<B: Backend>(
     b: &B,
     src: &dyn TensorSource,
     name: &str,
-    rows: usize,
-    cols: usize,
+    [rows, cols]: [usize; 2],
+    role: WeightRole,
 ) -> Result<B::Weight> {
     let w = src.weight(name, Some([rows, cols]))?;
-    Ok(b.upload_weight(&w)?)
+    Ok(b.upload_weight(&w, role)?)
 }
 
 struct Layer<B: Backend> {
@@ -138,6 +140,29 @@ pub struct LlamaModel<B: Backend> {
 }
 
 impl<B: Backend> LlamaModel<B> {
+    /// The numeric path of each projection (layer 0 stands for every layer) and the head.
+    pub fn matmul_paths(&self) -> Vec<ProjectionPath> {
+        let b = &*self.backend;
+        let c = &self.cfg;
+        let (h, qd, kvd, ff) = (c.hidden, c.heads * c.head_dim, c.kv_dim(), c.intermediate);
+        let mut v = Vec::new();
+        if let Some(l) = self.layers.first() {
+            for (name, w, rows, cols) in [
+                ("q", &l.wq, qd, h),
+                ("k", &l.wk, kvd, h),
+                ("v", &l.wv, kvd, h),
+                ("o", &l.wo, h, qd),
+                ("gate", &l.w_gate, ff, h),
+                ("up", &l.w_up, ff, h),
+                ("down", &l.w_down, h, ff),
+            ] {
+                v.push(path_of(b, "target", name, w, rows, cols));
+            }
+        }
+        v.push(path_of(b, "target", "lm_head", &self.lm_head, c.vocab, h));
+        v
+    }
+
     /// Builds the model from `src` (named per `naming`) with shapes from `cfg`.
     pub fn load(
         backend: std::sync::Arc<B>,
@@ -149,11 +174,15 @@ impl<B: Backend> LlamaModel<B> {
         let (h, kvd, hd) = (cfg.hidden, cfg.kv_dim(), cfg.head_dim);
         let qd = cfg.heads * hd;
         let embed_w = src.weight(naming.global("embed"), Some([cfg.vocab, h]))?;
-        let embed = b.upload_weight(&embed_w)?;
+        let embed = b.upload_weight(&embed_w, WeightRole::Embedding)?;
         let lm_head = if src.has(naming.global("lm_head")) {
-            load_matrix(b, src, naming.global("lm_head"), cfg.vocab, h)?
+            let name = naming.global("lm_head");
+            load_matrix(b, src, name, [cfg.vocab, h], WeightRole::Vocab)?
         } else {
-            b.upload_weight(&embed_w)?
+            b.upload_weight(&embed_w, WeightRole::Vocab)?
+        };
+        let proj = |name: &str, rows, cols| {
+            load_matrix(b, src, name, [rows, cols], WeightRole::Projection)
         };
         let mut layers = Vec::with_capacity(cfg.layers);
         for i in 0..cfg.layers {
@@ -177,16 +206,16 @@ impl<B: Backend> LlamaModel<B> {
             };
             layers.push(Layer {
                 attn_norm: load_vector(b, src, &n("attn_norm"), h)?,
-                wq: load_matrix(b, src, &n("q"), qd, h)?,
-                wk: load_matrix(b, src, &n("k"), kvd, h)?,
-                wv: load_matrix(b, src, &n("v"), kvd, h)?,
+                wq: proj(&n("q"), qd, h)?,
+                wk: proj(&n("k"), kvd, h)?,
+                wv: proj(&n("v"), kvd, h)?,
                 bias,
                 qk_norm,
-                wo: load_matrix(b, src, &n("o"), h, qd)?,
+                wo: proj(&n("o"), h, qd)?,
                 ffn_norm: load_vector(b, src, &n("ffn_norm"), h)?,
-                w_gate: load_matrix(b, src, &n("gate"), cfg.intermediate, h)?,
-                w_up: load_matrix(b, src, &n("up"), cfg.intermediate, h)?,
-                w_down: load_matrix(b, src, &n("down"), h, cfg.intermediate)?,
+                w_gate: proj(&n("gate"), cfg.intermediate, h)?,
+                w_up: proj(&n("up"), cfg.intermediate, h)?,
+                w_down: proj(&n("down"), h, cfg.intermediate)?,
             });
         }
         let norm = load_vector(b, src, naming.global("norm"), h)?;

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use dflash_models::{DflashDrafter, Drafter};
-use dflash_runtime::cpu::CpuBackend;
+use dflash_runtime::cpu::{CpuBackend, CpuWeight};
 use dflash_runtime::{Backend, HostWeight};
 
 fn tensor(st: &safetensors::SafeTensors<'_>, name: &str) -> (Vec<usize>, Vec<f32>) {
@@ -40,8 +40,8 @@ fn drafter_matches_the_reference_over_two_rounds() {
     let io = safetensors::SafeTensors::deserialize(&io_bytes).unwrap();
     let (es, e) = tensor(&io, "embed_tokens");
     let (ls, l) = tensor(&io, "lm_head");
-    let embed = HostWeight::from_f32("embed", es[0], es[1], &e);
-    let lm_head = HostWeight::from_f32("lm_head", ls[0], ls[1], &l);
+    let embed = CpuWeight::f32(HostWeight::from_f32("embed", es[0], es[1], &e));
+    let lm_head = CpuWeight::f32(HostWeight::from_f32("lm_head", ls[0], ls[1], &l));
     let row = drafter.new_row(64).unwrap();
     let mut worst = 0f32;
     for round in ["round1", "round2"] {

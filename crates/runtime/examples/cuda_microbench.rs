@@ -16,7 +16,7 @@
 
 use dflash_runtime::backend::{AttnShape, GraphKey};
 use dflash_runtime::cuda::CudaBackend;
-use dflash_runtime::{Backend, DType, HostWeight, TokenMeta, WeightBytes};
+use dflash_runtime::{Backend, DType, HostWeight, TokenMeta, WeightBytes, WeightRole};
 use rand::{Rng, SeedableRng};
 
 struct Shapes {
@@ -176,7 +176,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     let bytes = n * dtype.row_bytes(k).expect("whole blocks");
                     let copies = (256usize << 20).div_ceil(bytes).clamp(1, 64);
                     let ws: Vec<_> = (0..copies)
-                        .map(|c| g.upload_weight(&random_weight(dtype, n, k, c as u64)))
+                        .map(|c| {
+                            g.upload_weight(
+                                &random_weight(dtype, n, k, c as u64),
+                                WeightRole::Projection,
+                            )
+                        })
                         .collect::<Result<_, _>>()?;
                     let mut cells = Vec::new();
                     for m in [1usize, 2, 4, 8, 16] {

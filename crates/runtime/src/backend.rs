@@ -6,9 +6,63 @@
 //! [`TokenMeta`] says, for each token, which row it belongs to, its logical position and which
 //! slice of its row's KV cache it may attend to.
 
+use std::fmt;
+
 use crate::choice::{DraftRow, SampleRow, Verdict, VerifyRow};
+use crate::dtype::DType;
 use crate::error::RuntimeError;
 use crate::weight::HostWeight;
+
+/// What a weight matrix is used for. A backend may give each use its own numeric path (the
+/// CPU multiplies target projections with int8 activations and keeps the vocabulary
+/// projection and the drafter on f32 activations).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WeightRole {
+    /// A projection inside the target's layers (q, k, v, o, gate, up, down).
+    Projection,
+    /// The output head (vocabulary projection), used by the target and by drafters.
+    Vocab,
+    /// A drafter's own weight.
+    Draft,
+    /// A token-embedding table (read by row, never multiplied).
+    Embedding,
+}
+
+/// The activation type a product is computed with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Activations {
+    F32,
+    /// Int8 codes per row and 32-value block, with an f32 scale per block.
+    Int8,
+}
+
+impl fmt::Display for Activations {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Activations::F32 => "f32",
+            Activations::Int8 => "int8",
+        })
+    }
+}
+
+/// The numeric path of one uploaded weight: its format, the activation type it is multiplied
+/// with and the kernel family that does it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct WeightPath {
+    pub format: DType,
+    pub activations: Activations,
+    pub kernel: String,
+}
+
+impl fmt::Display for WeightPath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} x {} ({})",
+            self.format, self.activations, self.kernel
+        )
+    }
+}
 
 /// Per-token metadata for one forward step.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -152,7 +206,11 @@ pub trait Backend: Send + Sync + 'static {
     fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R;
 
     // --- memory -------------------------------------------------------------------------
-    fn upload_weight(&self, w: &HostWeight) -> Result<Self::Weight, RuntimeError>;
+    /// Puts `w` on the device for `role` (which may pick its numeric path).
+    fn upload_weight(&self, w: &HostWeight, role: WeightRole)
+        -> Result<Self::Weight, RuntimeError>;
+    /// The numeric path products with `w` take.
+    fn weight_path(&self, w: &Self::Weight) -> WeightPath;
     /// A zeroed `rows x cols` tensor.
     fn tensor(&self, rows: usize, cols: usize) -> Self::Tensor;
     /// Reshapes `t` to `rows x cols`, reusing its storage when large enough (contents undefined).

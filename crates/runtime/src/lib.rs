@@ -14,7 +14,7 @@ pub mod error;
 pub mod quant;
 pub mod weight;
 
-pub use backend::{Backend, GdnShape, RowSpan, TokenMeta};
+pub use backend::{Activations, Backend, GdnShape, RowSpan, TokenMeta, WeightPath, WeightRole};
 pub use dtype::DType;
 pub use error::RuntimeError;
 pub use weight::{HostWeight, WeightBytes};

@@ -12,7 +12,7 @@ use common::{bits, gpu, random_vec, random_weight};
 
 use dflash_runtime::backend::{AttnShape, GraphKey, RopeStyle};
 use dflash_runtime::cuda::CudaBackend;
-use dflash_runtime::{Backend, DType, TokenMeta};
+use dflash_runtime::{Backend, DType, TokenMeta, WeightRole};
 use rand::{Rng, SeedableRng};
 
 #[test]
@@ -24,7 +24,10 @@ fn every_m_from_1_to_20_gives_the_bits_of_m_1() {
         for dtype in DType::ALL {
             let k = if dtype.block_len() == 256 { 1536 } else { k };
             let w = g
-                .upload_weight(&random_weight(dtype, n, k, 7 + k as u64))
+                .upload_weight(
+                    &random_weight(dtype, n, k, 7 + k as u64),
+                    WeightRole::Projection,
+                )
                 .unwrap();
             let x = random_vec(20 * k, -1.0, 1.0, 9);
             let mut alone = Vec::new();
@@ -57,9 +60,15 @@ fn fused_matmuls_equal_the_ops_they_replace() {
         DType::Q6K,
     ] {
         let (k, n) = (512usize, 300usize);
-        let wa = g.upload_weight(&random_weight(dtype, n, k, 1)).unwrap();
-        let wb = g.upload_weight(&random_weight(dtype, n, k, 2)).unwrap();
-        let wc = g.upload_weight(&random_weight(dtype, 77, k, 3)).unwrap();
+        let wa = g
+            .upload_weight(&random_weight(dtype, n, k, 1), WeightRole::Projection)
+            .unwrap();
+        let wb = g
+            .upload_weight(&random_weight(dtype, n, k, 2), WeightRole::Projection)
+            .unwrap();
+        let wc = g
+            .upload_weight(&random_weight(dtype, 77, k, 3), WeightRole::Projection)
+            .unwrap();
         for m in [1usize, 3, 8, 16, 40] {
             let x = g.upload(&random_vec(m * k, -1.0, 1.0, 4 + m as u64), m, k);
             let base = random_vec(m * n, -3.0, 3.0, 5);
@@ -218,7 +227,10 @@ fn rope_kv_write_equals_rope_rope_kv_write_and_verify_equals_decode() {
 fn step_inputs_feed_embed_and_gather() {
     let Some(g) = gpu() else { return };
     let table = g
-        .upload_weight(&random_weight(DType::Q8_0, 1000, 64, 11))
+        .upload_weight(
+            &random_weight(DType::Q8_0, 1000, 64, 11),
+            WeightRole::Embedding,
+        )
         .unwrap();
     let mut step = g.step_new();
     for (t, seed) in [(3usize, 1u64), (40, 2), (1, 3), (600, 4)] {
@@ -252,13 +264,22 @@ fn graph_replays_equal_eager_steps() {
     let Some(g) = gpu() else { return };
     let (hidden, vocab) = (128usize, 500usize);
     let table = g
-        .upload_weight(&random_weight(DType::Q4_1, vocab, hidden, 21))
+        .upload_weight(
+            &random_weight(DType::Q4_1, vocab, hidden, 21),
+            WeightRole::Embedding,
+        )
         .unwrap();
     let w = g
-        .upload_weight(&random_weight(DType::Q4_0, hidden, hidden, 22))
+        .upload_weight(
+            &random_weight(DType::Q4_0, hidden, hidden, 22),
+            WeightRole::Projection,
+        )
         .unwrap();
     let head = g
-        .upload_weight(&random_weight(DType::Q8_0, vocab, hidden, 23))
+        .upload_weight(
+            &random_weight(DType::Q8_0, vocab, hidden, 23),
+            WeightRole::Vocab,
+        )
         .unwrap();
     let norm = g.upload(&random_vec(hidden, 0.5, 1.5, 24), 1, hidden);
     let owner = g.graph_owner();

@@ -12,9 +12,9 @@ mod common;
 use common::{bits, cpu, gpu, random_vec, random_weight, rng};
 
 use dflash_runtime::backend::{AttnShape, RopeStyle};
-use dflash_runtime::cpu::CpuBackend;
+use dflash_runtime::cpu::{CpuBackend, CpuWeight};
 use dflash_runtime::cuda::{compile, CudaBackend, CudaOptions, PrefillGemm};
-use dflash_runtime::{Backend, DType, HostWeight, TokenMeta};
+use dflash_runtime::{Backend, DType, HostWeight, TokenMeta, WeightRole};
 use rand::Rng;
 
 /// Asserts |a - b| <= abs + rel * scale[i] element-wise.
@@ -129,7 +129,10 @@ fn embed_every_dtype_bit_exact() {
         let cols = if dtype.block_len() == 256 { 512 } else { 96 };
         let w = random_weight(dtype, 50, cols, 100 + i as u64);
         let ids: Vec<u32> = vec![0, 49, 7, 7, 23, 1];
-        let (wg, wc) = (g.upload_weight(&w).unwrap(), c.upload_weight(&w).unwrap());
+        let (wg, wc) = (
+            g.upload_weight(&w, WeightRole::Embedding).unwrap(),
+            c.upload_weight(&w, WeightRole::Embedding).unwrap(),
+        );
         let mut og = g.tensor(0, cols);
         let mut oc = c.tensor(0, cols);
         g.embed(&wg, &ids, &mut og);
@@ -147,8 +150,12 @@ fn embed_every_dtype_bit_exact() {
         let ids = [3u32, 8, 0];
         let mut og = g.tensor(0, 0);
         let mut oc = cpu().tensor(0, 0);
-        g.embed(&g.upload_weight(&w).unwrap(), &ids, &mut og);
-        c.embed(&w, &ids, &mut oc);
+        g.embed(
+            &g.upload_weight(&w, WeightRole::Embedding).unwrap(),
+            &ids,
+            &mut og,
+        );
+        c.embed(&CpuWeight::f32(w.clone()), &ids, &mut oc);
         assert_eq!(
             bits(&g.to_host(&og)),
             bits(&c.to_host(&oc)),
@@ -183,7 +190,7 @@ fn matmul_every_dtype_matches_cpu_and_is_batch_invariant() {
         let k = if dtype.block_len() == 256 { 1280 } else { 1088 };
         let n = 67;
         let w = random_weight(dtype, n, k, 200 + di as u64);
-        let wg = g.upload_weight(&w).unwrap();
+        let wg = g.upload_weight(&w, WeightRole::Projection).unwrap();
         let x_all = random_vec(100 * k, -2.0, 2.0, 300 + di as u64);
         let mag = product_magnitudes(&w, &x_all, 100);
         let mut full = Vec::new();
@@ -196,7 +203,7 @@ fn matmul_every_dtype_matches_cpu_and_is_batch_invariant() {
             let got = g.to_host(&og);
             let xc = c.upload(x, m, k);
             let mut oc = c.tensor(0, 0);
-            c.matmul(&xc, &w, &mut oc);
+            c.matmul(&xc, &CpuWeight::f32(w.clone()), &mut oc);
             assert_close(
                 &format!("matmul {dtype} M={m}"),
                 &got,
@@ -239,7 +246,10 @@ fn matmul_many_equals_separate_products() {
         .enumerate()
         .map(|(i, (d, n))| random_weight(d, n, k, 400 + i as u64))
         .collect();
-    let wg: Vec<_> = ws.iter().map(|w| g.upload_weight(w).unwrap()).collect();
+    let wg: Vec<_> = ws
+        .iter()
+        .map(|w| g.upload_weight(w, WeightRole::Projection).unwrap())
+        .collect();
     let x = g.upload(&random_vec(3 * k, -1.0, 1.0, 5), 3, k);
     let mut outs: Vec<_> = (0..3).map(|_| g.tensor(0, 0)).collect();
     {
@@ -280,9 +290,13 @@ fn cublas_prefill_path_matches_cpu() {
         let w = random_weight(dtype, n, k, 500 + di as u64);
         let x = random_vec(m * k, -2.0, 2.0, 600 + di as u64);
         let mut og = g.tensor(0, 0);
-        g.matmul(&g.upload(&x, m, k), &g.upload_weight(&w).unwrap(), &mut og);
+        g.matmul(
+            &g.upload(&x, m, k),
+            &g.upload_weight(&w, WeightRole::Projection).unwrap(),
+            &mut og,
+        );
         let mut oc = c.tensor(0, 0);
-        c.matmul(&c.upload(&x, m, k), &w, &mut oc);
+        c.matmul(&c.upload(&x, m, k), &CpuWeight::f32(w.clone()), &mut oc);
         assert_close(
             &format!("cuBLAS matmul {dtype} M={m}"),
             &g.to_host(&og),
@@ -827,22 +841,40 @@ fn decode_and_verify_layers_agree_bit_for_bit() {
         scale: 1.0 / (head_dim as f32).sqrt(),
     };
     let wq = g
-        .upload_weight(&random_weight(DType::Q4_1, n_heads * head_dim, hidden, 1))
+        .upload_weight(
+            &random_weight(DType::Q4_1, n_heads * head_dim, hidden, 1),
+            WeightRole::Projection,
+        )
         .unwrap();
     let wk = g
-        .upload_weight(&random_weight(DType::Q8_0, kv_dim, hidden, 2))
+        .upload_weight(
+            &random_weight(DType::Q8_0, kv_dim, hidden, 2),
+            WeightRole::Projection,
+        )
         .unwrap();
     let wv = g
-        .upload_weight(&random_weight(DType::Q4_0, kv_dim, hidden, 3))
+        .upload_weight(
+            &random_weight(DType::Q4_0, kv_dim, hidden, 3),
+            WeightRole::Projection,
+        )
         .unwrap();
     let wo = g
-        .upload_weight(&random_weight(DType::F16, hidden, n_heads * head_dim, 4))
+        .upload_weight(
+            &random_weight(DType::F16, hidden, n_heads * head_dim, 4),
+            WeightRole::Projection,
+        )
         .unwrap();
     let wg = g
-        .upload_weight(&random_weight(DType::Q4K, inter, hidden, 5))
+        .upload_weight(
+            &random_weight(DType::Q4K, inter, hidden, 5),
+            WeightRole::Projection,
+        )
         .unwrap();
     let wd = g
-        .upload_weight(&random_weight(DType::Q6K, hidden, inter, 6))
+        .upload_weight(
+            &random_weight(DType::Q6K, hidden, inter, 6),
+            WeightRole::Projection,
+        )
         .unwrap();
     let norm = g.upload(&random_vec(hidden, 0.5, 1.5, 7), 1, hidden);
     let inv: Vec<f32> = (0..head_dim / 2)

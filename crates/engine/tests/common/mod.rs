@@ -286,8 +286,8 @@ impl Drafter for Oracle {
         &mut self,
         rows: &[(usize, u32)],
         block: usize,
-        _embed: &dflash_runtime::HostWeight,
-        _lm_head: &dflash_runtime::HostWeight,
+        _embed: &dflash_runtime::cpu::CpuWeight,
+        _lm_head: &dflash_runtime::cpu::CpuWeight,
     ) -> dflash_models::Result<()> {
         let v = self.vocab;
         self.logits = CpuTensor::zeros(rows.len() * (block - 1), v);

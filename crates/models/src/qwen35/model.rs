@@ -13,12 +13,13 @@
 
 use std::sync::Arc;
 
-use dflash_runtime::backend::AttnShape;
+use dflash_runtime::backend::{AttnShape, WeightRole};
 use dflash_runtime::{Backend, HostWeight, WeightBytes};
 
 use super::config::{LayerKind, Qwen35Config};
 use crate::error::{ModelError, Result};
 use crate::llama::{load_matrix, load_vector};
+use crate::paths::{path_of, ProjectionPath};
 use crate::rows::RowTable;
 use crate::source::TensorSource;
 use crate::step::StepPlan;
@@ -222,6 +223,56 @@ pub struct Qwen35Model<B: Backend> {
 }
 
 impl<B: Backend> Qwen35Model<B> {
+    /// The numeric path of each projection (the first attention layer and the first GDN layer
+    /// stand for their kind; the MLP of layer 0 for all) and the head.
+    pub fn matmul_paths(&self) -> Vec<ProjectionPath> {
+        let b = &*self.backend;
+        let c = &self.cfg;
+        let h = c.hidden;
+        let (qd, kvd, ff) = (c.heads * c.head_dim, c.kv_dim(), c.intermediate);
+        let (cd, vd, hv) = (c.gdn.conv_dim(), c.gdn.value_dim(), c.gdn.v_heads);
+        let mut v = Vec::new();
+        if let Some(a) = self.layers.iter().find_map(|l| match &l.mixer {
+            Mixer::Attn(a) => Some(a),
+            Mixer::Gdn(_) => None,
+        }) {
+            for (name, w, rows, cols) in [
+                ("q", &a.wq, qd, h),
+                ("q_gate", &a.wgate, qd, h),
+                ("k", &a.wk, kvd, h),
+                ("v", &a.wv, kvd, h),
+                ("o", &a.wo, h, qd),
+            ] {
+                v.push(path_of(b, "target", name, w, rows, cols));
+            }
+        }
+        if let Some(g) = self.layers.iter().find_map(|l| match &l.mixer {
+            Mixer::Gdn(g) => Some(g),
+            Mixer::Attn(_) => None,
+        }) {
+            for (name, w, rows, cols) in [
+                ("gdn_qkv", &g.w_qkv, cd, h),
+                ("gdn_z", &g.w_z, vd, h),
+                ("gdn_b", &g.w_b, hv, h),
+                ("gdn_a", &g.w_a, hv, h),
+                ("gdn_out", &g.w_out, h, vd),
+            ] {
+                v.push(path_of(b, "target", name, w, rows, cols));
+            }
+        }
+        if let Some(l) = self.layers.first() {
+            for (name, w, rows, cols) in [
+                ("gate", &l.w_gate, ff, h),
+                ("up", &l.w_up, ff, h),
+                ("down", &l.w_down, h, ff),
+            ] {
+                v.push(path_of(b, "target", name, w, rows, cols));
+            }
+        }
+        v.push(path_of(b, "target", "lm_head", &self.lm_head, c.vocab, h));
+        v
+    }
+
     /// Builds the model from `src` (named per `naming`) with shapes from `cfg`.
     pub fn load(
         backend: Arc<B>,
@@ -235,15 +286,15 @@ impl<B: Backend> Qwen35Model<B> {
         let g = cfg.gdn;
         let (cd, vd, hv) = (g.conv_dim(), g.value_dim(), g.v_heads);
         let embed_w = src.weight(&naming.global("embed"), Some([cfg.vocab, h]))?;
-        let embed = b.upload_weight(&embed_w)?;
+        let embed = b.upload_weight(&embed_w, WeightRole::Embedding)?;
         let head_name = naming.global("lm_head");
         let lm_head = if !cfg.tied_embeddings {
             if !src.has(&head_name) {
                 return Err(ModelError::MissingTensor { name: head_name });
             }
-            load_matrix(b, src, &head_name, cfg.vocab, h)?
+            load_matrix(b, src, &head_name, [cfg.vocab, h], WeightRole::Vocab)?
         } else {
-            b.upload_weight(&embed_w)?
+            b.upload_weight(&embed_w, WeightRole::Vocab)?
         };
         let (mut n_attn, mut n_gdn) = (0, 0);
         let mut layers = Vec::with_capacity(cfg.layers());
@@ -255,13 +306,13 @@ impl<B: Backend> Qwen35Model<B> {
                     let (q, gate) = split_interleaved(&wq, hd)?;
                     n_attn += 1;
                     Mixer::Attn(Attn {
-                        wq: b.upload_weight(&q)?,
-                        wgate: b.upload_weight(&gate)?,
-                        wk: load_matrix(b, src, &n("k"), kvd, h)?,
-                        wv: load_matrix(b, src, &n("v"), kvd, h)?,
+                        wq: b.upload_weight(&q, WeightRole::Projection)?,
+                        wgate: b.upload_weight(&gate, WeightRole::Projection)?,
+                        wk: load_matrix(b, src, &n("k"), [kvd, h], WeightRole::Projection)?,
+                        wv: load_matrix(b, src, &n("v"), [kvd, h], WeightRole::Projection)?,
                         q_norm: load_vector(b, src, &n("q_norm"), hd)?,
                         k_norm: load_vector(b, src, &n("k_norm"), hd)?,
-                        wo: load_matrix(b, src, &n("o"), h, qd)?,
+                        wo: load_matrix(b, src, &n("o"), [h, qd], WeightRole::Projection)?,
                         kv_layer: n_attn - 1,
                     })
                 }
@@ -275,15 +326,15 @@ impl<B: Backend> Qwen35Model<B> {
                     };
                     n_gdn += 1;
                     Mixer::Gdn(Gdn {
-                        w_qkv: load_matrix(b, src, &n("qkv"), cd, h)?,
-                        w_z: load_matrix(b, src, &n("z"), vd, h)?,
-                        w_b: load_matrix(b, src, &n("b"), hv, h)?,
-                        w_a: load_matrix(b, src, &n("a"), hv, h)?,
+                        w_qkv: load_matrix(b, src, &n("qkv"), [cd, h], WeightRole::Projection)?,
+                        w_z: load_matrix(b, src, &n("z"), [vd, h], WeightRole::Projection)?,
+                        w_b: load_matrix(b, src, &n("b"), [hv, h], WeightRole::Projection)?,
+                        w_a: load_matrix(b, src, &n("a"), [hv, h], WeightRole::Projection)?,
                         conv: b.upload(&conv, cd, g.conv_kernel),
                         a_neg: b.upload(&a_neg, 1, hv),
                         dt_bias: load_vector(b, src, &n("dt_bias"), hv)?,
                         norm: load_vector(b, src, &n("gdn_norm"), g.v_dim)?,
-                        w_out: load_matrix(b, src, &n("out"), h, vd)?,
+                        w_out: load_matrix(b, src, &n("out"), [h, vd], WeightRole::Projection)?,
                         state_layer: n_gdn - 1,
                     })
                 }
@@ -292,9 +343,27 @@ impl<B: Backend> Qwen35Model<B> {
                 attn_norm: load_vector(b, src, &n("attn_norm"), h)?,
                 mixer,
                 ffn_norm: load_vector(b, src, &n("ffn_norm"), h)?,
-                w_gate: load_matrix(b, src, &n("gate"), cfg.intermediate, h)?,
-                w_up: load_matrix(b, src, &n("up"), cfg.intermediate, h)?,
-                w_down: load_matrix(b, src, &n("down"), h, cfg.intermediate)?,
+                w_gate: load_matrix(
+                    b,
+                    src,
+                    &n("gate"),
+                    [cfg.intermediate, h],
+                    WeightRole::Projection,
+                )?,
+                w_up: load_matrix(
+                    b,
+                    src,
+                    &n("up"),
+                    [cfg.intermediate, h],
+                    WeightRole::Projection,
+                )?,
+                w_down: load_matrix(
+                    b,
+                    src,
+                    &n("down"),
+                    [h, cfg.intermediate],
+                    WeightRole::Projection,
+                )?,
             });
         }
         let norm = load_vector(b, src, &naming.global("norm"), h)?;

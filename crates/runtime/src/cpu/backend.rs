@@ -1,14 +1,22 @@
-//! `Backend` for the CPU: f32 activations, weights in their stored form, a worker pool.
+//! `Backend` for the CPU: f32 activation tensors, weights in their stored form (target
+//! projections also repacked for the int8 kernels, see `policy`), a worker pool.
 
 use std::cell::RefCell;
+use std::sync::Arc;
 
 use super::gdn::CpuGdn;
+use super::int8::{self, pack::PackedWeight, Int8Kernel};
 use super::kv::CpuKv;
 use super::matmul::{self, Isa};
 use super::ops::{attention, conv, elementwise, gdn, norm, rope};
+use super::policy::{self, CpuPath, MatmulMode};
 use super::pool::{CpuPool, SyncPtr};
 use super::tensor::CpuTensor;
-use crate::backend::{AttnShape, Backend, GdnShape, RopeStyle, RowSpan, TokenMeta};
+use super::weight::{CpuWeight, Int8Weight};
+use crate::backend::{
+    Activations, AttnShape, Backend, GdnShape, RopeStyle, RowSpan, TokenMeta, WeightPath,
+    WeightRole,
+};
 use crate::error::RuntimeError;
 use crate::weight::HostWeight;
 
@@ -19,25 +27,56 @@ const PARALLEL_MIN_ELEMS: usize = 1 << 15;
 pub struct CpuBackend {
     pool: CpuPool,
     isa: Isa,
+    mode: MatmulMode,
 }
 
 impl CpuBackend {
-    /// A backend with `threads` workers (0 = one per core) and the best kernels for this CPU.
+    /// A backend with `threads` workers (0 = one per core), the best kernels for this CPU and
+    /// the matmul mode of `DFLASH_MATMUL` (panics on a bad value; see [`CpuBackend::from_env`]).
     pub fn new(threads: usize) -> Self {
-        Self::with_isa(threads, Isa::detect())
+        Self::from_env(threads).unwrap_or_else(|e| panic!("{e}"))
     }
 
-    /// A backend using the kernels of `isa` (which the CPU must support).
-    pub fn with_isa(threads: usize, isa: Isa) -> Self {
+    /// As [`CpuBackend::new`], refusing a bad `DFLASH_MATMUL` with an error.
+    pub fn from_env(threads: usize) -> Result<Self, RuntimeError> {
+        Ok(Self::with_options(
+            threads,
+            Isa::detect(),
+            MatmulMode::from_env()?,
+        ))
+    }
+
+    /// A backend using the f32 kernels of `isa` (which the CPU must support) and `mode`.
+    pub fn with_options(threads: usize, isa: Isa, mode: MatmulMode) -> Self {
         assert!(isa.is_supported(), "{isa} kernels are not supported here");
         Self {
             pool: CpuPool::new(threads),
             isa,
+            mode,
         }
     }
 
     pub fn isa(&self) -> Isa {
         self.isa
+    }
+
+    pub fn mode(&self) -> MatmulMode {
+        self.mode
+    }
+
+    /// The path a `rows x cols` weight stored as `dtype` takes for `role`.
+    pub fn path_for(
+        &self,
+        role: WeightRole,
+        dtype: crate::DType,
+        rows: usize,
+        cols: usize,
+    ) -> CpuPath {
+        let int8 = match self.mode {
+            MatmulMode::Reference => None,
+            _ => Int8Kernel::best(),
+        };
+        policy::select(self.mode, role, dtype, rows, cols, int8, self.isa)
     }
 
     pub fn threads(&self) -> usize {
@@ -151,7 +190,7 @@ fn head_recurrent(
 
 impl Backend for CpuBackend {
     type Tensor = CpuTensor;
-    type Weight = HostWeight;
+    type Weight = CpuWeight;
     type Kv = CpuKv;
     type Meta = Vec<TokenMeta>;
     type Gdn = CpuGdn;
@@ -165,8 +204,32 @@ impl Backend for CpuBackend {
         self.pool.install(f)
     }
 
-    fn upload_weight(&self, w: &HostWeight) -> Result<HostWeight, RuntimeError> {
-        Ok(w.clone())
+    fn upload_weight(&self, w: &HostWeight, role: WeightRole) -> Result<CpuWeight, RuntimeError> {
+        let int8 = match self.path_for(role, w.dtype, w.rows, w.cols) {
+            CpuPath::Int8(kernel) => {
+                PackedWeight::pack(w).map(|packed| Arc::new(Int8Weight { packed, kernel }))
+            }
+            CpuPath::F32(_) => None,
+        };
+        Ok(CpuWeight {
+            host: w.clone(),
+            int8,
+        })
+    }
+
+    fn weight_path(&self, w: &CpuWeight) -> WeightPath {
+        match &w.int8 {
+            Some(i) => WeightPath {
+                format: w.host.dtype,
+                activations: Activations::Int8,
+                kernel: i.kernel.to_string(),
+            },
+            None => WeightPath {
+                format: w.host.dtype,
+                activations: Activations::F32,
+                kernel: self.isa.to_string(),
+            },
+        }
     }
 
     fn tensor(&self, rows: usize, cols: usize) -> CpuTensor {
@@ -523,7 +586,8 @@ impl Backend for CpuBackend {
         });
     }
 
-    fn embed(&self, table: &HostWeight, ids: &[u32], out: &mut CpuTensor) {
+    fn embed(&self, table: &CpuWeight, ids: &[u32], out: &mut CpuTensor) {
+        let table = &table.host;
         out.reshape(ids.len(), table.cols);
         for (t, &id) in ids.iter().enumerate() {
             assert!(
@@ -534,21 +598,34 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn matmul(&self, x: &CpuTensor, w: &HostWeight, out: &mut CpuTensor) {
-        assert_eq!(x.cols, w.cols, "matmul {}: inner dimensions differ", w.name);
-        out.reshape(x.rows, w.rows);
-        matmul::matmul(&self.pool, self.isa, &x.data, x.rows, w, &mut out.data);
+    fn matmul(&self, x: &CpuTensor, w: &CpuWeight, out: &mut CpuTensor) {
+        self.matmul_many(x, &[w], &mut [out]);
     }
 
-    fn matmul_many(&self, x: &CpuTensor, ws: &[&HostWeight], outs: &mut [&mut CpuTensor]) {
+    fn matmul_many(&self, x: &CpuTensor, ws: &[&CpuWeight], outs: &mut [&mut CpuTensor]) {
         assert_eq!(ws.len(), outs.len());
-        let mut jobs: Vec<(&HostWeight, &mut [f32])> = Vec::with_capacity(ws.len());
+        // Weights on the int8 path (one family per process) and on the f32 path.
+        let mut int8_jobs: Vec<(&PackedWeight, &mut [f32])> = Vec::new();
+        let mut f32_jobs: Vec<(&HostWeight, &mut [f32])> = Vec::new();
+        let mut kernel = None;
         for (w, out) in ws.iter().zip(outs.iter_mut()) {
-            assert_eq!(x.cols, w.cols, "matmul {}: inner dimensions differ", w.name);
-            out.reshape(x.rows, w.rows);
-            jobs.push((w, &mut out.data));
+            let h = &w.host;
+            assert_eq!(x.cols, h.cols, "matmul {}: inner dimensions differ", h.name);
+            out.reshape(x.rows, h.rows);
+            match &w.int8 {
+                Some(i) => {
+                    kernel = Some(i.kernel);
+                    int8_jobs.push((&i.packed, &mut out.data));
+                }
+                None => f32_jobs.push((h, &mut out.data)),
+            }
         }
-        matmul::matmul_many(&self.pool, self.isa, &x.data, x.rows, &mut jobs);
+        if let Some(k) = kernel {
+            int8::matmul_many(&self.pool, k, &x.data, x.rows, &mut int8_jobs);
+        }
+        if !f32_jobs.is_empty() {
+            matmul::matmul_many(&self.pool, self.isa, &x.data, x.rows, &mut f32_jobs);
+        }
     }
 
     fn add_bias(&self, x: &mut CpuTensor, bias: &CpuTensor) {
@@ -718,7 +795,7 @@ impl Backend for CpuBackend {
         (0..x.rows).map(|r| elementwise::argmax(x.row(r))).collect()
     }
 
-    fn embed_step(&self, table: &HostWeight, step: &CpuStep, out: &mut CpuTensor) {
+    fn embed_step(&self, table: &CpuWeight, step: &CpuStep, out: &mut CpuTensor) {
         self.embed(table, &step.ids, out);
     }
 

@@ -1,19 +1,25 @@
 //! The CPU backend: the reference implementation of every op.
 //!
-//! Activations are f32; weights are read in their stored format by SIMD kernels chosen at run
-//! time; work is split over a worker pool. Every op computes each token independently of the
+//! Activation tensors are f32; weights are read in their stored format by SIMD kernels chosen
+//! at run time (target projections with int8 activations, see `policy` and `int8`); work is split over a worker pool. Every op computes each token independently of the
 //! other tokens in the batch, so a row's results do not depend on what it is batched with.
 
 mod backend;
 pub mod gdn;
+pub mod int8;
 pub mod kv;
 pub mod matmul;
 pub mod ops;
+pub mod peaks;
+pub mod policy;
 pub mod pool;
 pub mod tensor;
+mod weight;
 
 pub use backend::{CpuBackend, CpuStep};
 pub use gdn::CpuGdn;
 pub use kv::CpuKv;
 pub use matmul::Isa;
+pub use policy::{CpuPath, MatmulMode};
 pub use tensor::CpuTensor;
+pub use weight::{CpuWeight, Int8Weight};

@@ -12,7 +12,10 @@ use super::graph::Graphs;
 use super::kv::CudaKv;
 use super::profile::{KernelClassTime, Profiler};
 use super::tensor::{CudaMeta, CudaStep, CudaTensor, CudaWeight};
-use crate::backend::{AttnShape, Backend, GdnShape, GraphKey, RopeStyle, RowSpan, TokenMeta};
+use crate::backend::{
+    Activations, AttnShape, Backend, GdnShape, GraphKey, RopeStyle, RowSpan, TokenMeta, WeightPath,
+    WeightRole,
+};
 use crate::choice::{DraftRow, SampleRow, Verdict, VerifyRow};
 use crate::dtype::DType;
 use crate::error::RuntimeError;
@@ -520,7 +523,8 @@ impl Backend for CudaBackend {
         f()
     }
 
-    fn upload_weight(&self, w: &HostWeight) -> Result<CudaWeight, RuntimeError> {
+    /// Every role takes the same path on the GPU (f32 activations).
+    fn upload_weight(&self, w: &HostWeight, _role: WeightRole) -> Result<CudaWeight, RuntimeError> {
         self.dev.bind();
         self.dev.format(w.dtype).map_err(RuntimeError::Device)?;
         let bytes = w.bytes.as_slice();
@@ -534,6 +538,14 @@ impl Backend for CudaBackend {
             row_bytes: w.row_bytes(),
             buf,
         })
+    }
+
+    fn weight_path(&self, w: &CudaWeight) -> WeightPath {
+        WeightPath {
+            format: w.dtype,
+            activations: Activations::F32,
+            kernel: "cuda".into(),
+        }
     }
 
     fn tensor(&self, rows: usize, cols: usize) -> CudaTensor {

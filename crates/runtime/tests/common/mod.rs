@@ -4,7 +4,7 @@
 
 use std::sync::OnceLock;
 
-use dflash_runtime::cpu::CpuBackend;
+use dflash_runtime::cpu::{CpuBackend, Isa, MatmulMode};
 use dflash_runtime::cuda::CudaBackend;
 use dflash_runtime::{DType, HostWeight, WeightBytes};
 use rand::{Rng, SeedableRng};
@@ -28,7 +28,8 @@ pub fn gpu() -> Option<&'static CudaBackend> {
 
 pub fn cpu() -> &'static CpuBackend {
     static CPU: OnceLock<CpuBackend> = OnceLock::new();
-    CPU.get_or_init(|| CpuBackend::new(2))
+    // The f32 reference path: the GPU multiplies with f32 activations too.
+    CPU.get_or_init(|| CpuBackend::with_options(2, Isa::detect(), MatmulMode::Reference))
 }
 
 pub fn rng(seed: u64) -> rand::rngs::StdRng {

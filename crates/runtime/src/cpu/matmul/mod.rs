@@ -22,7 +22,7 @@ use crate::quant::GROUP;
 use crate::weight::HostWeight;
 
 /// An instruction set with matmul kernels.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Isa {
     Avx512,
     Avx2,

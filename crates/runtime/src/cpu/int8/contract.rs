@@ -1,0 +1,28 @@
+//! The numeric contract of the int8 path against the f32 kernels: a per-output bound on how
+//! far an int8-activation product may be from the f32-activation one.
+//!
+//! Quantizing a block with scale `dx` moves each activation by at most `dx / 2` (round to
+//! nearest; `dx = amax / 127` and the reciprocal `127 / amax` are each rounded once, hence a
+//! `2⁻²⁰` relative slack), so the exact products differ by at most
+//! `E = Σ_g (dx_g / 2) · Σ_{k∈g} |w_k|`. Both sides also round in f32, each by at most
+//! `K · 2⁻²⁴ · Σ_k |w_k| · (|x_k| + dx/2)` (recursive summation over at most K terms, the
+//! standard worst case). The bound is the sum: `E · (1 + 2⁻²⁰) + 2 · K · 2⁻²⁴ · Σ|w|(|x| + dx/2)`.
+
+use crate::quant::GROUP;
+
+/// The bound for one output: `w` the dequantized weight row, `x` the f32 activation row,
+/// `d` the row's activation block scales (from `QuantRows::d`).
+pub fn deviation_bound(w: &[f32], x: &[f32], d: &[f32]) -> f64 {
+    let k = w.len();
+    assert!(x.len() == k && d.len() * GROUP == k);
+    let (mut rounding, mut magnitude) = (0f64, 0f64);
+    for (g, &dx) in d.iter().enumerate() {
+        let dx = dx as f64;
+        for kk in g * GROUP..(g + 1) * GROUP {
+            let aw = (w[kk] as f64).abs();
+            rounding += aw * dx / 2.0;
+            magnitude += aw * ((x[kk] as f64).abs() + dx / 2.0);
+        }
+    }
+    rounding * (1.0 + 2f64.powi(-20)) + 2.0 * k as f64 * 2f64.powi(-24) * magnitude
+}

@@ -1,0 +1,160 @@
+//! Activations to int8: every row is cut into 32-value blocks, each with its own scale.
+//!
+//! Block `x[0..32]` becomes `q[j] = clamp(round_ties_even(x[j] · 127 / amax), −127, 127)` with
+//! `d = amax / 127` (`amax` the largest |x[j]|; an all-zero block has `d = 0` and `q = 0`), plus
+//! the exact integer `sum = Σ q[j]` and `ds = d · sum` (rounded once, in f32), which the
+//! kernels need for Q4_0/Q8_0 offsets and the Q4_1 minimum. Each row is quantized on its own,
+//! so a row gets the same codes alone or in any batch. The code is one scalar definition;
+//! the AVX-512/AVX2 entry points only compile it with wider instructions (the arithmetic is
+//! IEEE-exact either way, so every build yields the same bits).
+
+use crate::quant::GROUP;
+
+/// `m` rows of `k` activations, quantized per 32-value block.
+#[derive(Clone, Debug, Default)]
+pub struct QuantRows {
+    /// Rows quantized.
+    pub m: usize,
+    /// Values per row (a multiple of 32).
+    pub k: usize,
+    /// Codes, row-major `m x k`.
+    pub q: Vec<i8>,
+    /// Per block (`m x k/32`): the scale `d`.
+    pub d: Vec<f32>,
+    /// Per block: the exact sum of the block's codes.
+    pub sum: Vec<i32>,
+    /// Per block: `d · sum`.
+    pub ds: Vec<f32>,
+}
+
+impl QuantRows {
+    /// Blocks per row.
+    pub fn blocks(&self) -> usize {
+        self.k / GROUP
+    }
+
+    /// Quantizes `m` rows of `x` (row stride `k`), reusing this value's buffers.
+    pub fn quantize(&mut self, x: &[f32], m: usize, k: usize) {
+        assert!(
+            k.is_multiple_of(GROUP),
+            "int8 activations need whole 32-value blocks"
+        );
+        assert!(x.len() >= m * k);
+        let nb = m * k / GROUP;
+        self.m = m;
+        self.k = k;
+        self.q.resize(m * k, 0);
+        self.d.resize(nb, 0.0);
+        self.sum.resize(nb, 0);
+        self.ds.resize(nb, 0.0);
+        let x = &x[..m * k];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") {
+                // SAFETY: the features were just detected.
+                return unsafe { self.blocks_avx512(x) };
+            }
+            if is_x86_feature_detected!("avx2") {
+                // SAFETY: as above.
+                return unsafe { self.blocks_avx2(x) };
+            }
+        }
+        self.all_blocks(x)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx2")]
+    unsafe fn blocks_avx512(&mut self, x: &[f32]) {
+        self.all_blocks(x)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn blocks_avx2(&mut self, x: &[f32]) {
+        self.all_blocks(x)
+    }
+
+    #[inline(always)]
+    fn all_blocks(&mut self, x: &[f32]) {
+        let blocks = x.chunks_exact(GROUP).zip(self.q.chunks_exact_mut(GROUP));
+        for (b, (xs, qs)) in blocks.enumerate() {
+            let xs: &[f32; GROUP] = xs.try_into().expect("whole block");
+            let qs: &mut [i8; GROUP] = qs.try_into().expect("whole block");
+            let (d, sum) = quantize_block(xs, qs);
+            self.d[b] = d;
+            self.sum[b] = sum;
+            self.ds[b] = d * sum as f32;
+        }
+    }
+}
+
+/// Quantizes one block; returns its scale and the sum of its codes.
+#[inline(always)]
+pub fn quantize_block(x: &[f32; GROUP], q: &mut [i8; GROUP]) -> (f32, i32) {
+    // |x| as bits: for non-negative floats the integer order is the float order, and an
+    // integer max reduces in any order to the same value.
+    let amax_bits = x.iter().fold(0u32, |a, v| a.max(v.to_bits() & 0x7FFF_FFFF));
+    let amax = f32::from_bits(amax_bits);
+    let d = amax / 127.0;
+    let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+    let mut sum = 0i32;
+    for (qi, &v) in q.iter_mut().zip(x) {
+        let c = (v * inv).round_ties_even().clamp(-127.0, 127.0) as i8;
+        *qi = c;
+        sum += c as i32;
+    }
+    (d, sum)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_scale_and_sums_follow_the_definition() {
+        let mut x = [0f32; 64];
+        for (i, v) in x.iter_mut().enumerate() {
+            *v = (i as f32 - 20.0) * 0.37;
+        }
+        x[40..].fill(0.0);
+        let mut r = QuantRows::default();
+        r.quantize(&x, 2, 32);
+        let amax = ((0.0f32 - 20.0) * 0.37).abs();
+        assert_eq!(r.d[0], amax / 127.0);
+        assert_eq!(r.q[0], -127);
+        assert_eq!(r.q[20], 0);
+        assert_eq!(r.sum[0], r.q[..32].iter().map(|&c| c as i32).sum::<i32>());
+        assert_eq!(r.ds[0], r.d[0] * r.sum[0] as f32);
+        // The second row's block: 8 non-zero values then zeros; an all-zero block is exact.
+        assert!(r.q[32..].iter().all(|&c| c != i8::MIN));
+        let mut z = QuantRows::default();
+        z.quantize(&[0.0; 32], 1, 32);
+        assert_eq!((z.d[0], z.sum[0], z.q[5]), (0.0, 0, 0));
+        // Each code is within half a step of the value.
+        for (j, &c) in r.q[..32].iter().enumerate() {
+            assert!((c as f32 * r.d[0] - x[j]).abs() <= 0.5 * r.d[0] * 1.0001);
+        }
+    }
+
+    #[test]
+    fn the_wide_builds_give_the_scalar_bits() {
+        let x: Vec<f32> = (0..16 * 96)
+            .map(|i| ((i * 7919) % 1013) as f32 * 0.013 - 6.5)
+            .collect();
+        let mut wide = QuantRows::default();
+        wide.quantize(&x, 16, 96);
+        let mut plain = QuantRows {
+            m: 16,
+            k: 96,
+            q: vec![0; 16 * 96],
+            d: vec![0.0; 48],
+            sum: vec![0; 48],
+            ds: vec![0.0; 48],
+        };
+        plain.all_blocks(&x);
+        assert_eq!(wide.q, plain.q);
+        assert_eq!(wide.d, plain.d);
+        assert_eq!(wide.sum, plain.sum);
+        assert_eq!(wide.ds, plain.ds);
+    }
+}

@@ -1,0 +1,198 @@
+//! Which numeric path each weight takes on the CPU, and the `DFLASH_MATMUL` switch.
+//!
+//! - `auto` (default): the target's projections (q, k, v, o, gate, up, down) in Q4_0, Q4_1
+//!   or Q8_0 use int8 activations with the best tuned int8 kernel family that passed its
+//!   self-check; the vocabulary projection, drafter weights, other formats (Q4_K, Q6_K,
+//!   f16, bf16, f32) and tiny shapes (fewer than 16 output rows) keep the f32 kernels.
+//! - `int8-vocab`: as `auto`, and the vocabulary projection too (for measurements; drafts
+//!   then also read int8 vocabulary logits).
+//! - `reference`: the f32 kernels everywhere.
+//!
+//! A weight's path is fixed when it is uploaded, so every product with it, whatever the
+//! number of rows, uses one arithmetic: decode, verify and prefill rows agree bit for bit.
+
+use std::fmt;
+use std::str::FromStr;
+
+use super::int8::pack::{Int8Format, PANEL};
+use super::int8::Int8Kernel;
+use super::matmul::Isa;
+use crate::backend::WeightRole;
+use crate::dtype::DType;
+use crate::error::RuntimeError;
+
+/// The environment variable that picks the [`MatmulMode`].
+pub const ENV: &str = "DFLASH_MATMUL";
+
+/// The CPU's matmul policy.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum MatmulMode {
+    #[default]
+    Auto,
+    Int8Vocab,
+    Reference,
+}
+
+impl FromStr for MatmulMode {
+    type Err = RuntimeError;
+
+    fn from_str(s: &str) -> Result<Self, RuntimeError> {
+        match s {
+            "" | "auto" => Ok(MatmulMode::Auto),
+            "int8-vocab" => Ok(MatmulMode::Int8Vocab),
+            "reference" => Ok(MatmulMode::Reference),
+            other => Err(RuntimeError::Device(format!(
+                "{ENV}={other:?}: expected auto, int8-vocab or reference"
+            ))),
+        }
+    }
+}
+
+impl fmt::Display for MatmulMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            MatmulMode::Auto => "auto",
+            MatmulMode::Int8Vocab => "int8-vocab",
+            MatmulMode::Reference => "reference",
+        })
+    }
+}
+
+impl MatmulMode {
+    /// The mode `DFLASH_MATMUL` asks for (unset: `auto`).
+    pub fn from_env() -> Result<MatmulMode, RuntimeError> {
+        std::env::var(ENV).unwrap_or_default().parse()
+    }
+
+    fn int8_for(self, role: WeightRole) -> bool {
+        match (self, role) {
+            (MatmulMode::Reference, _) => false,
+            (_, WeightRole::Projection) => true,
+            (MatmulMode::Int8Vocab, WeightRole::Vocab) => true,
+            _ => false,
+        }
+    }
+}
+
+/// The kernels a weight is multiplied with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CpuPath {
+    /// Int8 activations, this tuned family.
+    Int8(Int8Kernel),
+    /// F32 activations, the f32 kernels of this instruction set.
+    F32(Isa),
+}
+
+impl fmt::Display for CpuPath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CpuPath::Int8(k) => write!(f, "int8 {k}"),
+            CpuPath::F32(isa) => write!(f, "f32 {isa}"),
+        }
+    }
+}
+
+/// The path for a `rows x cols` weight stored as `dtype` and used for `role`, given the
+/// mode, the usable int8 family (if any) and the f32 instruction set.
+pub fn select(
+    mode: MatmulMode,
+    role: WeightRole,
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+    int8: Option<Int8Kernel>,
+    isa: Isa,
+) -> CpuPath {
+    let shape_fits = rows >= PANEL && cols.is_multiple_of(32);
+    match int8 {
+        Some(k) if mode.int8_for(role) && Int8Format::of(dtype).is_some() && shape_fits => {
+            CpuPath::Int8(k)
+        }
+        _ => CpuPath::F32(isa),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const K: Option<Int8Kernel> = Some(Int8Kernel::Avx2);
+
+    #[test]
+    fn modes_parse_and_bad_values_are_refused() {
+        assert_eq!("".parse::<MatmulMode>().unwrap(), MatmulMode::Auto);
+        assert_eq!("auto".parse::<MatmulMode>().unwrap(), MatmulMode::Auto);
+        assert_eq!(
+            "reference".parse::<MatmulMode>().unwrap(),
+            MatmulMode::Reference
+        );
+        assert_eq!(
+            "int8-vocab".parse::<MatmulMode>().unwrap(),
+            MatmulMode::Int8Vocab
+        );
+        let e = "fast".parse::<MatmulMode>().unwrap_err().to_string();
+        assert!(
+            e.contains("DFLASH_MATMUL") && e.contains("reference"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn the_default_model_shapes_get_the_documented_paths() {
+        let isa = Isa::Portable(8);
+        let sel = |mode, role, dtype, n, k| select(mode, role, dtype, n, k, K, isa);
+        let auto = MatmulMode::Auto;
+        // SmolLM2-135M Q4_1: q/o 576x576, k/v 192x576, gate/up 1536x576, down 576x1536.
+        for (n, k) in [(576, 576), (192, 576), (1536, 576), (576, 1536)] {
+            let p = sel(auto, WeightRole::Projection, DType::Q4_1, n, k);
+            assert_eq!(p, CpuPath::Int8(Int8Kernel::Avx2));
+        }
+        // The Q8_0 output head keeps f32 activations unless asked.
+        let head = (DType::Q8_0, 49152, 576);
+        assert_eq!(
+            sel(auto, WeightRole::Vocab, head.0, head.1, head.2),
+            CpuPath::F32(isa)
+        );
+        let v = sel(
+            MatmulMode::Int8Vocab,
+            WeightRole::Vocab,
+            head.0,
+            head.1,
+            head.2,
+        );
+        assert_eq!(v, CpuPath::Int8(Int8Kernel::Avx2));
+        // Drafter weights, other formats, tiny shapes, reference mode, no int8 family: f32.
+        assert_eq!(
+            sel(auto, WeightRole::Draft, DType::Q4_1, 576, 576),
+            CpuPath::F32(isa)
+        );
+        for d in [DType::Q4K, DType::Q6K, DType::BF16, DType::F16, DType::F32] {
+            assert_eq!(
+                sel(auto, WeightRole::Projection, d, 576, 576),
+                CpuPath::F32(isa)
+            );
+        }
+        assert_eq!(
+            sel(auto, WeightRole::Projection, DType::Q4_0, 8, 576),
+            CpuPath::F32(isa)
+        );
+        let r = sel(
+            MatmulMode::Reference,
+            WeightRole::Projection,
+            DType::Q4_0,
+            576,
+            576,
+        );
+        assert_eq!(r, CpuPath::F32(isa));
+        let none = select(
+            auto,
+            WeightRole::Projection,
+            DType::Q4_1,
+            576,
+            576,
+            None,
+            isa,
+        );
+        assert_eq!(none, CpuPath::F32(isa));
+    }
+}

@@ -1,0 +1,31 @@
+//! The CPU's uploaded weight: the stored weight, plus its int8 repacking when its path uses
+//! int8 activations.
+
+use std::sync::Arc;
+
+use super::int8::pack::PackedWeight;
+use super::int8::Int8Kernel;
+use crate::weight::HostWeight;
+
+/// A weight on the CPU backend.
+#[derive(Clone, Debug)]
+pub struct CpuWeight {
+    /// The stored form (read by the f32 kernels and by embedding lookups).
+    pub host: HostWeight,
+    /// Set when products use int8 activations.
+    pub int8: Option<Arc<Int8Weight>>,
+}
+
+/// A weight repacked for one int8 kernel family.
+#[derive(Debug)]
+pub struct Int8Weight {
+    pub packed: PackedWeight,
+    pub kernel: Int8Kernel,
+}
+
+impl CpuWeight {
+    /// A weight on the f32 path.
+    pub fn f32(host: HostWeight) -> Self {
+        Self { host, int8: None }
+    }
+}
