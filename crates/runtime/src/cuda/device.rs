@@ -138,14 +138,14 @@ impl Epilogue {
 }
 
 /// Query-head dimensions per lane (head_dim <= 32 * PER) and query heads per KV head of the
-/// split attention kernels (`attention_split_<PER>_<GM>` in attention.cu).
+/// attention kernels (`attention_<PER>_<GM>` in attention.cu).
 pub(crate) const ATT_PER: [usize; 4] = [1, 2, 4, 8];
 pub(crate) const ATT_GM: [usize; 4] = [1, 2, 4, 8];
 /// Largest GM * 32 * PER (ATT_MAX_GHD in attention.cu).
 pub(crate) const ATT_MAX_GHD: usize = 1024;
 /// Splits of a token's keys (ATT_MAX_SPLITS in attention.cu).
 pub(crate) const ATT_MAX_SPLITS: usize = 16;
-/// Threads of an attention_split block (ATT_WARPS * 32).
+/// Threads of an attention block (ATT_WARPS * 32).
 pub(crate) const ATT_THREADS: u32 = 128;
 
 /// Function handles of the kernels every model needs (ops.cu, attention.cu).
@@ -163,9 +163,8 @@ pub(crate) struct Kernels {
     pub rope_kv: CudaFunction,
     pub kv_write: CudaFunction,
     pub kv_copy: CudaFunction,
-    /// `attention_split[per index][gm index]` (None where GM * 32 * PER > ATT_MAX_GHD).
-    pub attention_split: Vec<Vec<Option<CudaFunction>>>,
-    pub attention_merge: CudaFunction,
+    /// `attention[per index][gm index]` (None where GM * 32 * PER > ATT_MAX_GHD).
+    pub attention: Vec<Vec<Option<CudaFunction>>>,
     pub sample: super::sample::SampleKernels,
 }
 
@@ -216,6 +215,8 @@ pub(crate) struct Scratch {
     pub deq: Option<CudaSlice<f32>>,
     /// Partial softmax states of the split attention.
     pub att_part: Option<CudaSlice<f32>>,
+    /// Splits finished per (token, KV head) of the split attention (0 between launches).
+    pub att_count: Option<CudaSlice<u32>>,
 }
 
 /// Returns `slot`'s buffer, reallocated when shorter than `n` (contents undefined). A
@@ -251,6 +252,10 @@ pub(crate) struct Device {
     /// A tile forced by `DFLASH_CUDA_MM_TILE` (1, 2, 4, 8 or 16 rows of x) for every
     /// product: a debugging aid (one kernel instance for every M).
     pub fixed_mt: Option<usize>,
+    /// Kernels are launched with programmatic stream serialization (programmatic dependent
+    /// launch: sm_90 and later, unless `DFLASH_CUDA_PDL=0`), so each kernel's blocks start
+    /// while the one before finishes and wait for it in `df_kernel_begin` (common.cu).
+    pub pdl: bool,
     pub name: String,
     pub compute_capability: (i32, i32),
     pub target: Target,
@@ -371,6 +376,12 @@ impl Device {
             Err(_) => None,
         };
 
+        let pdl = match std::env::var("DFLASH_CUDA_PDL").as_deref() {
+            Err(_) | Ok("1") | Ok("") => arch >= 90 && cc.0 >= 9,
+            Ok("0") => false,
+            Ok(v) => return Err(dev_err(format!("DFLASH_CUDA_PDL={v:?}: expected 0 or 1"))),
+        };
+
         let blas = match opts.prefill_gemm {
             PrefillGemm::Kernel => None,
             PrefillGemm::Cublas { .. } => {
@@ -397,6 +408,7 @@ impl Device {
             formats: Default::default(),
             format_lock: Mutex::new(()),
             fixed_mt,
+            pdl,
             name,
             compute_capability: cc,
             target,
@@ -554,14 +566,47 @@ impl Device {
         if let Some(p) = prof.as_mut() {
             p.before(&self.ctx, &self.stream, name);
         }
-        let r = drv::launch_kernel(
-            f.cu_function(),
-            grid,
-            block,
-            smem,
-            self.stream.cu_stream(),
-            params,
-        );
+        let r = if self.pdl {
+            let mut attr = cu::CUlaunchAttribute {
+                id: cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                pad: [0; 4],
+                value: cu::CUlaunchAttributeValue {
+                    programmaticStreamSerializationAllowed: 1,
+                },
+            };
+            let config = cu::CUlaunchConfig {
+                gridDimX: grid.0,
+                gridDimY: grid.1,
+                gridDimZ: grid.2,
+                blockDimX: block.0,
+                blockDimY: block.1,
+                blockDimZ: block.2,
+                sharedMemBytes: smem,
+                hStream: self.stream.cu_stream(),
+                attrs: &mut attr,
+                numAttrs: 1,
+            };
+            // SAFETY: as `launch_kernel` below (same function, parameters and stream); the
+            // configuration and its one attribute live until the call returns.
+            unsafe {
+                cu::cuLaunchKernelEx(
+                    &config,
+                    f.cu_function(),
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            }
+            .result()
+        } else {
+            drv::launch_kernel(
+                f.cu_function(),
+                grid,
+                block,
+                smem,
+                self.stream.cu_stream(),
+                params,
+            )
+        };
         ck(r, name);
         if let Some(p) = prof.as_mut() {
             p.after(&self.stream);
@@ -692,20 +737,20 @@ fn load_kernels_for(ctx: &Arc<CudaContext>, target: Target) -> Result<Kernels, S
             .load_function(name)
             .map_err(|e| format!("kernel {name} missing from {}: {e}", m.name()))
     };
-    let mut attention_split = Vec::new();
+    let mut attention = Vec::new();
     for per in ATT_PER {
         let mut row = Vec::new();
         for gm in ATT_GM {
             row.push(if gm * 32 * per <= ATT_MAX_GHD {
                 Some(get(
                     Module::Attention,
-                    &format!("attention_split_{per}_{gm}"),
+                    &format!("attention_{per}_{gm}"),
                 )?)
             } else {
                 None
             });
         }
-        attention_split.push(row);
+        attention.push(row);
     }
     Ok(Kernels {
         dequant_float_any: get(Module::Ops, "dequant_float_any")?,
@@ -721,8 +766,7 @@ fn load_kernels_for(ctx: &Arc<CudaContext>, target: Target) -> Result<Kernels, S
         rope_kv: get(Module::Ops, "rope_kv_f32")?,
         kv_write: get(Module::Ops, "kv_write_f32")?,
         kv_copy: get(Module::Ops, "kv_copy_f32")?,
-        attention_split,
-        attention_merge: get(Module::Attention, "attention_merge")?,
+        attention,
         sample: super::sample::SampleKernels::load(|name| get(Module::Sample, name))?,
     })
 }
