@@ -94,7 +94,7 @@ EOF
     if command -v ncu > /dev/null; then
         say "ncu: the M=16 576x576 product, the 4B gate/up product at M=1, attention at context 128"
         for spec in "smollm2 q4_1 matmul regex:mm_q4_1_16_" "qwen3-4b q4_0 matmul regex:mm_q4_0_1_" \
-            "smollm2 q4_1 attention regex:attention_"; do
+            "smollm2 q4_1 attention regex:attention_split"; do
             set -- $spec
             timeout 120 ncu --clock-control none --kernel-name "$4" --launch-skip 40 --launch-count 1 \
                 --section SpeedOfLight --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis \

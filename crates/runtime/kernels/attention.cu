@@ -8,23 +8,18 @@
 // (q, KV slice, kv length) only, never on the other tokens of the batch, so a token gets the
 // same output alone (decode), in a verify block, or next to other rows.
 //
-// One launch, a block per (token, KV head, split), ATT_WARPS warps. The G query heads of the
-// KV head's group share every K and V load. Warp w takes tiles w, w + ATT_WARPS, ... of the
-// split and keeps, per query head, an online softmax state (running max m, running sum l,
-// unnormalised output acc over head dimensions, lanes owning dimensions lane + 32 i):
+// attention_split: a block per (token, KV head, split), ATT_WARPS warps. The G query heads
+// of the KV head's group share every K and V load. Warp w takes tiles w, w + ATT_WARPS, ... of
+// the split and keeps, per query head, an online softmax state (running max m, running sum
+// l, unnormalised output acc over head dimensions, lanes owning dimensions lane + 32 i):
 //   1. lane j scores key (tile start + j) for each of the G heads: dot(q, k) walked in
 //      dimension order with fma (four dimensions per 16-byte load), times scale;
 //   2. per head, the tile max and the sum of exp(score - new max) use the fixed warp trees;
 //   3. acc is rescaled, then the tile's values are added in key order with fma.
-// A tile's K row (up to 16 loads of 16 bytes per lane) and its first values are loaded
-// before any of its arithmetic, so a tile costs about one memory round trip.
 // The warps' states are merged in warp order and the split's (m, l, acc) is written out.
 //
-// Merge: the last split block of a (token, KV head) to finish (a counter per pair, counted
-// up with atomicAdd after a fence, reset to 0 by that block for the next launch) combines
-// the splits of the group's query heads in split order: m* = max m_s, f_s = exp(m_s - m*),
-// out = (sum acc_s f_s) / (sum l_s f_s). Which block merges varies from run to run; what it
-// computes does not (same inputs, same order).
+// attention_merge: a block per (token, query head) combines the token's splits in split
+// order: m* = max m_s, f_s = exp(m_s - m*), out = (sum acc_s f_s) / (sum l_s f_s).
 
 #define ATT_WARPS 4
 #define ATT_MAX_SPLITS 16
@@ -35,7 +30,6 @@ struct AttParams {
     u64 meta;     // [T][4] u32: row, pos, kv_start, kv_end
     u64 rows;     // RowDesc per KV row
     u64 part;     // [T][n_heads][ATT_MAX_SPLITS][2 + head_dim] f32 partial states
-    u64 count;    // [T][n_kv_heads] u32 splits finished (0 between launches)
     u64 out;      // [T, n_heads * head_dim]
     int layer;
     int t;
@@ -59,60 +53,13 @@ __device__ __forceinline__ float* att_part(const AttParams& p, int t, int h, int
     return (float*)p.part + (((size_t)t * p.n_heads + h) * ATT_MAX_SPLITS + s) * (size_t)(2 + p.head_dim);
 }
 
-// Loads of 16 bytes per lane for one K batch, and keys per V batch: every K and V value of
-// a tile in one batch up to head_dim 64 (64 values per lane each), in bounded pieces above.
-template <int PER>
-struct AttBatch {
-    static constexpr int K4 = PER <= 2 ? 8 * PER : 16;
-    static constexpr int VK = PER <= 2 ? 32 : 64 / PER;
-};
-
-// Combines the splits of the G query heads of KV head kvh of token t (threads over head x
-// dimension; each output in split order) and writes them to out. Reads the partial states
-// through L2 (other blocks of this launch wrote them).
-__device__ __forceinline__ void att_merge(const AttParams& p, int t, int kvh, int G, int nsplit) {
-    const int hd = p.head_dim;
-    for (int idx = threadIdx.x; idx < G * hd; idx += blockDim.x) {
-        const int h = kvh * G + idx / hd;
-        const int d = idx - (idx / hd) * hd;
-        float ms[ATT_MAX_SPLITS], ls[ATT_MAX_SPLITS], vs[ATT_MAX_SPLITS];
-#pragma unroll
-        for (int s = 0; s < ATT_MAX_SPLITS; s++) {
-            const float* ps = att_part(p, t, h, s < nsplit ? s : 0);
-            ms[s] = s < nsplit ? __ldcg(ps) : -DF_INF;
-            ls[s] = s < nsplit ? __ldcg(ps + 1) : 0.0f;
-            vs[s] = s < nsplit ? __ldcg(ps + 2 + d) : 0.0f;
-        }
-        float gm = -DF_INF;
-#pragma unroll
-        for (int s = 0; s < ATT_MAX_SPLITS; s++) {
-            if (ls[s] > 0.0f) gm = fmaxf(gm, ms[s]);
-        }
-        float o = 0.0f;
-        float gl = 0.0f;
-#pragma unroll
-        for (int s = 0; s < ATT_MAX_SPLITS; s++) {
-            if (ls[s] > 0.0f) {
-                const float f = expf(__fsub_rn(ms[s], gm));
-                gl = __fadd_rn(gl, __fmul_rn(ls[s], f));
-                o = __fmaf_rn(vs[s], f, o);
-            }
-        }
-        const float inv = gl > 0.0f ? __fdiv_rn(1.0f, gl) : 0.0f;
-        ((float*)p.out)[(size_t)t * p.n_heads * hd + (size_t)h * hd + d] = __fmul_rn(o, inv);
-    }
-}
-
 // PER = dimensions per lane (head_dim <= 32 * PER), GM = most query heads per KV head.
 template <int PER, int GM>
-__device__ __forceinline__ void attention_body(const AttParams& p) {
+__device__ __forceinline__ void attention_split_body(const AttParams& p) {
     __shared__ float qs[GM * 32 * PER];
     __shared__ float st_m[ATT_WARPS][GM];
     __shared__ float st_l[ATT_WARPS][GM];
     __shared__ float st_acc[ATT_WARPS][GM * 32 * PER];
-    __shared__ int s_last;
-    constexpr int K4 = AttBatch<PER>::K4;
-    constexpr int VK = AttBatch<PER>::VK;
 
     const int t = blockIdx.x;
     const int kvh = blockIdx.y;
@@ -124,14 +71,6 @@ __device__ __forceinline__ void attention_body(const AttParams& p) {
     const int end = (int)meta[3];
     int nsplit, tps;
     att_splits(end > start ? end - start : 0, &nsplit, &tps);
-    if (nsplit == 0) {
-        // No visible key: the heads' outputs are 0 (as the merge of no split gives).
-        if (sp == 0) {
-            float* out = (float*)p.out + (size_t)t * p.n_heads * hd + (size_t)kvh * G * hd;
-            for (int i = threadIdx.x; i < G * hd; i += blockDim.x) out[i] = 0.0f;
-        }
-        return;
-    }
     if (sp >= nsplit) return;  // the whole block leaves
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
@@ -146,7 +85,6 @@ __device__ __forceinline__ void attention_body(const AttParams& p) {
     __syncthreads();
 
     const bool vec4 = ((hd | p.kv_dim) & 3) == 0;
-    const int n4 = hd / 4;
     float m[GM], l[GM], acc[GM][PER];
 #pragma unroll
     for (int g = 0; g < GM; g++) {
@@ -161,42 +99,21 @@ __device__ __forceinline__ void attention_body(const AttParams& p) {
         const int t0 = start + 32 * tile;
         const int j = t0 + lane;
         const bool valid = j < end;
-        const int nk = min(32, end - t0);
-        const float* kr = kb + (size_t)(valid ? j : t0) * p.kv_dim;
-
-        // The first K batch and the first values are loaded before any arithmetic.
-        float4 kk[K4];
-        if (vec4) {
-#pragma unroll
-            for (int u = 0; u < K4; u++) {
-                kk[u] = (valid && u < n4) ? ((const float4*)kr)[u] : make_float4(0.f, 0.f, 0.f, 0.f);
-            }
-        }
-        float vv[VK][PER];
-#pragma unroll
-        for (int u = 0; u < VK; u++) {
-            const float* vr = vb + (size_t)(t0 + (u < nk ? u : 0)) * p.kv_dim;
-#pragma unroll
-            for (int i = 0; i < PER; i++) {
-                const int d = lane + 32 * i;
-                vv[u][i] = (u < nk && d < hd) ? vr[d] : 0.0f;
-            }
-        }
-
         float dot[GM];
 #pragma unroll
         for (int g = 0; g < GM; g++) dot[g] = 0.0f;
         if (valid) {
+            const float* kr = kb + (size_t)j * p.kv_dim;
             if (vec4) {
-                for (int d0 = 0; d0 < n4; d0 += K4) {
-                    if (d0 > 0) {
+                // Four loads in flight, then their products in dimension order.
+                const float4* k4 = (const float4*)kr;
+                const int n4 = hd / 4;
+                for (int d0 = 0; d0 < n4; d0 += 4) {
+                    float4 kk[4];
 #pragma unroll
-                        for (int u = 0; u < K4; u++) {
-                            kk[u] = d0 + u < n4 ? ((const float4*)kr)[d0 + u] : make_float4(0.f, 0.f, 0.f, 0.f);
-                        }
-                    }
+                    for (int u = 0; u < 4; u++) kk[u] = d0 + u < n4 ? k4[d0 + u] : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-                    for (int u = 0; u < K4; u++) {
+                    for (int u = 0; u < 4; u++) {
                         if (d0 + u < n4) {
 #pragma unroll
                             for (int g = 0; g < GM; g++) {
@@ -239,21 +156,21 @@ __device__ __forceinline__ void attention_body(const AttParams& p) {
                 pr[g] = 0.0f;
             }
         }
-        // The values are added in key order, VK keys per batch (the first already loaded).
-        for (int k0 = 0; k0 < nk; k0 += VK) {
-            if (k0 > 0) {
+        const int nk = min(32, end - t0);
+        // Values of eight keys are loaded before they are added (in key order).
+        for (int k0 = 0; k0 < nk; k0 += 8) {
+            float vv[8][PER];
 #pragma unroll
-                for (int u = 0; u < VK; u++) {
-                    const float* vr = vb + (size_t)(t0 + (k0 + u < nk ? k0 + u : 0)) * p.kv_dim;
+            for (int u = 0; u < 8; u++) {
+                const float* vr = vb + (size_t)(t0 + k0 + u) * p.kv_dim;
 #pragma unroll
-                    for (int i = 0; i < PER; i++) {
-                        const int d = lane + 32 * i;
-                        vv[u][i] = (k0 + u < nk && d < hd) ? vr[d] : 0.0f;
-                    }
+                for (int i = 0; i < PER; i++) {
+                    const int d = lane + 32 * i;
+                    vv[u][i] = (k0 + u < nk && d < hd) ? vr[d] : 0.0f;
                 }
             }
 #pragma unroll
-            for (int u = 0; u < VK; u++) {
+            for (int u = 0; u < 8; u++) {
                 if (k0 + u < nk) {
 #pragma unroll
                     for (int g = 0; g < GM; g++) {
@@ -303,29 +220,15 @@ __device__ __forceinline__ void attention_body(const AttParams& p) {
                 }
             }
         }
-        __stcg(att_part(p, t, kvh * G + g, sp) + c, v);
+        att_part(p, t, kvh * G + g, sp)[c] = v;
     }
-
-    // The last split of (t, kvh) to get here merges them all.
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        u32* cnt = (u32*)p.count + (size_t)t * p.n_kv_heads + kvh;
-        const u32 done = atomicAdd(cnt, 1u) + 1u;
-        s_last = done == (u32)nsplit;
-        if (s_last) *cnt = 0u;  // ready for the next launch (no other block of it is left)
-    }
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
-    att_merge(p, t, kvh, G, nsplit);
 }
 
 #define ATT_KERNEL(PER, GM)                                                                   \
     extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)                              \
-        attention_##PER##_##GM(const AttParams p) {                                           \
+        attention_split_##PER##_##GM(const AttParams p) {                                     \
         df_kernel_begin();                                                                    \
-        attention_body<PER, GM>(p);                                                           \
+        attention_split_body<PER, GM>(p);                                                     \
     }
 
 // Dimensions per lane (head_dim up to 32, 64, 128, 256) x query heads per KV head (1..8),
@@ -334,3 +237,44 @@ ATT_KERNEL(1, 1) ATT_KERNEL(1, 2) ATT_KERNEL(1, 4) ATT_KERNEL(1, 8)
 ATT_KERNEL(2, 1) ATT_KERNEL(2, 2) ATT_KERNEL(2, 4) ATT_KERNEL(2, 8)
 ATT_KERNEL(4, 1) ATT_KERNEL(4, 2) ATT_KERNEL(4, 4) ATT_KERNEL(4, 8)
 ATT_KERNEL(8, 1) ATT_KERNEL(8, 2) ATT_KERNEL(8, 4)
+
+// Block per (token, query head); thread per head dimension (blockDim.x >= head_dim).
+extern "C" __global__ void attention_merge(const AttParams p) {
+    df_kernel_begin();
+    const int t = blockIdx.x;
+    const int h = blockIdx.y;
+    const int d = threadIdx.x;
+    const int hd = p.head_dim;
+    if (d >= hd) return;
+    const u32* meta = (const u32*)p.meta + 4 * t;
+    const int start = (int)meta[2];
+    const int end = (int)meta[3];
+    int nsplit, tps;
+    att_splits(end > start ? end - start : 0, &nsplit, &tps);
+    // All splits' states and values are loaded before they are combined (in split order).
+    float ms[ATT_MAX_SPLITS], ls[ATT_MAX_SPLITS], vs[ATT_MAX_SPLITS];
+#pragma unroll
+    for (int s = 0; s < ATT_MAX_SPLITS; s++) {
+        const float* ps = att_part(p, t, h, s < nsplit ? s : 0);
+        ms[s] = s < nsplit ? ps[0] : -DF_INF;
+        ls[s] = s < nsplit ? ps[1] : 0.0f;
+        vs[s] = s < nsplit ? ps[2 + d] : 0.0f;
+    }
+    float gm = -DF_INF;
+#pragma unroll
+    for (int s = 0; s < ATT_MAX_SPLITS; s++) {
+        if (ls[s] > 0.0f) gm = fmaxf(gm, ms[s]);
+    }
+    float o = 0.0f;
+    float gl = 0.0f;
+#pragma unroll
+    for (int s = 0; s < ATT_MAX_SPLITS; s++) {
+        if (ls[s] > 0.0f) {
+            const float f = expf(__fsub_rn(ms[s], gm));
+            gl = __fadd_rn(gl, __fmul_rn(ls[s], f));
+            o = __fmaf_rn(vs[s], f, o);
+        }
+    }
+    const float inv = gl > 0.0f ? __fdiv_rn(1.0f, gl) : 0.0f;
+    ((float*)p.out)[(size_t)t * p.n_heads * hd + (size_t)h * hd + d] = __fmul_rn(o, inv);
+}

@@ -395,39 +395,11 @@ __device__ __forceinline__ void mm_body(const MmParams& p) {
     mm_warp<DT, MT, R, EPI>(sg, n0, (const float*)p.x, p.k, p.m, (int)blockIdx.y * MT);
 }
 
-// Before waiting for the previous kernel (programmatic dependent launch, df_kernel_begin), a
-// warp asks L2 for the bytes of the weight rows it will read: weights are never written by a
-// kernel, so this may overlap the previous kernel, and L2 is the point of coherence, so a
-// prefetch cannot bring stale data. It reads nothing into registers and writes nothing.
-template <int DT, int R, int EPI>
-__device__ __forceinline__ void mm_prefetch(const MmParams& p) {
-    constexpr int W = EPI == EPI_SWIGLU ? 2 : 1;
-    int si = 0;
-#pragma unroll
-    for (int k = 1; k < MM_SEGS; k++) {
-        if (k < p.nseg && (int)blockIdx.x >= p.seg[k].block0) si = k;
-    }
-    const MmSeg& sg = p.seg[si];
-    const int n0 = (((int)blockIdx.x - sg.block0) * MM_WARPS + (int)(threadIdx.x >> 5)) * R;
-    if (n0 >= sg.n || blockIdx.y != 0) return;
-    const int lane = threadIdx.x & 31;
-    const int rows = min(R, sg.n - n0);
-    const i64 lines = (sg.row_bytes * rows + 127) / 128;  // the rows are contiguous
-#pragma unroll
-    for (int v = 0; v < W; v++) {
-        const u8* base = (const u8*)(v == 0 ? sg.w : sg.w2) + (size_t)n0 * sg.row_bytes;
-        for (i64 i = lane; i < lines; i += 32) {
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(base + 128 * i));
-        }
-    }
-}
-
 // Kernel names: mm_<format>_<MT>_<R>_<epilogue>. R for a tile is chosen by the host
 // (MM_TILES in cuda/device.rs): wider R shares each x load among more weight rows.
 #define MM_KERNEL(SUFFIX, DT, MT, R, EPI, ENAME)                                               \
     extern "C" __global__ void __launch_bounds__(MM_WARPS * 32)                                \
         mm_##SUFFIX##_##MT##_##R##_##ENAME(const MmParams p) {                                 \
-        mm_prefetch<DT, R, EPI>(p);                                                            \
         df_kernel_begin();                                                                     \
         mm_body<DT, MT, R, EPI>(p);                                                            \
     }

@@ -65,7 +65,6 @@ struct AttParams {
     meta: u64,
     rows: u64,
     part: u64,
-    count: u64,
     out: u64,
     layer: i32,
     t: i32,
@@ -978,7 +977,7 @@ impl Backend for CudaBackend {
                  supported (head_dim <= 256, group <= 8, group x head_dim <= {ATT_MAX_GHD})"
             )
         };
-        let f = self.dev.k.attention[pi][gi]
+        let f = self.dev.k.attention_split[pi][gi]
             .as_ref()
             .unwrap_or_else(|| {
                 panic!(
@@ -1007,29 +1006,20 @@ impl Backend for CudaBackend {
             return;
         }
         self.dev.bind();
-        let (part, count) = {
+        let part = {
             let mut s = self.dev.scratch.lock().expect("scratch lock");
-            let part = ensure(
+            ensure(
                 &self.dev.stream,
                 &self.dev.epoch,
                 &mut s.att_part,
                 t * n_heads * ATT_MAX_SPLITS * (head_dim + 2),
-            );
-            // Allocated zeroed; each launch leaves its counters at 0 again.
-            let count = ensure(
-                &self.dev.stream,
-                &self.dev.epoch,
-                &mut s.att_count,
-                t * n_kv_heads,
-            );
-            (part, count)
+            )
         };
         let p = AttParams {
             q: self.tptr(q),
             meta: self.meta_ptr(meta),
             rows: self.ptr(kv.table.as_ref().expect("rows reserved")),
             part,
-            count,
             out: self.tptr(out),
             layer: layer as i32,
             t: t as i32,
@@ -1041,13 +1031,19 @@ impl Backend for CudaBackend {
             pad: 0,
         };
         // Splits past a token's key count leave at once; the grid does not depend on the
-        // context length, so a captured step stays valid as the context grows. The last
-        // split of each (token, KV head) merges them (one launch).
+        // context length, so a captured step stays valid as the context grows.
         self.dev.launch_with(
             f,
             "attention",
             (t as u32, n_kv_heads as u32, ATT_MAX_SPLITS as u32),
             (ATT_THREADS, 1, 1),
+            &p,
+        );
+        self.dev.launch_with(
+            &self.dev.k.attention_merge,
+            "attention merge",
+            (t as u32, n_heads as u32, 1),
+            (head_dim.next_multiple_of(32) as u32, 1, 1),
             &p,
         );
     }

@@ -522,8 +522,7 @@ mod tests {
 
     /// Kernels are launched with programmatic stream serialization (`Device::pdl`), which is
     /// only safe when every kernel waits for the one before it before it reads anything or
-    /// leaves: `df_kernel_begin()` must be the first statement of every kernel body, after at
-    /// most an L2 prefetch of weights (`mm_prefetch`, which reads and writes nothing).
+    /// leaves: `df_kernel_begin()` must be the first statement of every kernel body.
     #[test]
     fn every_kernel_begins_by_waiting_for_the_previous_one() {
         let mut kernels = 0;
@@ -535,13 +534,11 @@ mod tests {
             for (at, _) in src.match_indices("__global__") {
                 let body = &src[at..];
                 let open = body.find('{').expect("kernel body");
-                let mut statements = body[open + 1..].split(';').map(|st| {
-                    st.trim_matches(|c: char| c.is_whitespace() || c == '\\')
-                });
-                let mut first = statements.next().unwrap_or("");
-                if first.starts_with("mm_prefetch<") {
-                    first = statements.next().unwrap_or("");
-                }
+                let first = body[open + 1..]
+                    .split(';')
+                    .next()
+                    .unwrap_or("")
+                    .trim_matches(|c: char| c.is_whitespace() || c == '\\');
                 assert_eq!(
                     first,
                     "df_kernel_begin()",

@@ -138,14 +138,14 @@ impl Epilogue {
 }
 
 /// Query-head dimensions per lane (head_dim <= 32 * PER) and query heads per KV head of the
-/// attention kernels (`attention_<PER>_<GM>` in attention.cu).
+/// split attention kernels (`attention_split_<PER>_<GM>` in attention.cu).
 pub(crate) const ATT_PER: [usize; 4] = [1, 2, 4, 8];
 pub(crate) const ATT_GM: [usize; 4] = [1, 2, 4, 8];
 /// Largest GM * 32 * PER (ATT_MAX_GHD in attention.cu).
 pub(crate) const ATT_MAX_GHD: usize = 1024;
 /// Splits of a token's keys (ATT_MAX_SPLITS in attention.cu).
 pub(crate) const ATT_MAX_SPLITS: usize = 16;
-/// Threads of an attention block (ATT_WARPS * 32).
+/// Threads of an attention_split block (ATT_WARPS * 32).
 pub(crate) const ATT_THREADS: u32 = 128;
 
 /// Function handles of the kernels every model needs (ops.cu, attention.cu).
@@ -163,8 +163,9 @@ pub(crate) struct Kernels {
     pub rope_kv: CudaFunction,
     pub kv_write: CudaFunction,
     pub kv_copy: CudaFunction,
-    /// `attention[per index][gm index]` (None where GM * 32 * PER > ATT_MAX_GHD).
-    pub attention: Vec<Vec<Option<CudaFunction>>>,
+    /// `attention_split[per index][gm index]` (None where GM * 32 * PER > ATT_MAX_GHD).
+    pub attention_split: Vec<Vec<Option<CudaFunction>>>,
+    pub attention_merge: CudaFunction,
     pub sample: super::sample::SampleKernels,
 }
 
@@ -215,8 +216,6 @@ pub(crate) struct Scratch {
     pub deq: Option<CudaSlice<f32>>,
     /// Partial softmax states of the split attention.
     pub att_part: Option<CudaSlice<f32>>,
-    /// Splits finished per (token, KV head) of the split attention (0 between launches).
-    pub att_count: Option<CudaSlice<u32>>,
 }
 
 /// Returns `slot`'s buffer, reallocated when shorter than `n` (contents undefined). A
@@ -737,20 +736,20 @@ fn load_kernels_for(ctx: &Arc<CudaContext>, target: Target) -> Result<Kernels, S
             .load_function(name)
             .map_err(|e| format!("kernel {name} missing from {}: {e}", m.name()))
     };
-    let mut attention = Vec::new();
+    let mut attention_split = Vec::new();
     for per in ATT_PER {
         let mut row = Vec::new();
         for gm in ATT_GM {
             row.push(if gm * 32 * per <= ATT_MAX_GHD {
                 Some(get(
                     Module::Attention,
-                    &format!("attention_{per}_{gm}"),
+                    &format!("attention_split_{per}_{gm}"),
                 )?)
             } else {
                 None
             });
         }
-        attention.push(row);
+        attention_split.push(row);
     }
     Ok(Kernels {
         dequant_float_any: get(Module::Ops, "dequant_float_any")?,
@@ -766,7 +765,8 @@ fn load_kernels_for(ctx: &Arc<CudaContext>, target: Target) -> Result<Kernels, S
         rope_kv: get(Module::Ops, "rope_kv_f32")?,
         kv_write: get(Module::Ops, "kv_write_f32")?,
         kv_copy: get(Module::Ops, "kv_copy_f32")?,
-        attention,
+        attention_split,
+        attention_merge: get(Module::Attention, "attention_merge")?,
         sample: super::sample::SampleKernels::load(|name| get(Module::Sample, name))?,
     })
 }
