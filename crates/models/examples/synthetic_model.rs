@@ -7,7 +7,8 @@
 //! ```
 //!
 //! Shapes: `qwen3-4b` (36 layers, hidden 2560, 32/8 heads of 128, FFN 9728, vocabulary
-//! 151936). Formats: any the runtime reads (`q4_0`, `q4_1`, `q8_0`, `q4k`, `q6k`, `bf16`,
+//! 151936) and `smollm2-135m` (30 layers, hidden 576, 9/3 heads of 64, FFN 1536, vocabulary
+//! 49152). Formats: any the runtime reads (`q4_0`, `q4_1`, `q8_0`, `q4k`, `q6k`, `bf16`,
 //! `f16`, `f32`).
 
 use dflash_models::synthetic::{write_synthetic, SyntheticSpec};
@@ -33,7 +34,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let spec = match shape.as_str() {
         "qwen3-4b" => SyntheticSpec::qwen3_4b(dtype),
-        _ => return Err(format!("unknown shape {shape} (known: qwen3-4b)").into()),
+        "smollm2-135m" => SyntheticSpec::smollm2_135m(dtype),
+        _ => return Err(format!("unknown shape {shape} (known: qwen3-4b, smollm2-135m)").into()),
     };
     let out = out.ok_or("--out FILE is required")?;
     let t = std::time::Instant::now();

@@ -49,6 +49,27 @@ impl SyntheticSpec {
         }
     }
 
+    /// SmolLM2-135M's shapes (30 layers, hidden 576, 9 query / 3 KV heads of 64, FFN 1536,
+    /// vocabulary 49152, tied embeddings), context 8192, random weights stored as `dtype`: the
+    /// default model's step without its download (the head is stored as `dtype` too, where
+    /// the published GGUF keeps it in Q8_0).
+    pub fn smollm2_135m(dtype: DType) -> Self {
+        Self {
+            arch: Arch::Llama,
+            hidden: 576,
+            layers: 30,
+            heads: 9,
+            kv_heads: 3,
+            head_dim: 64,
+            intermediate: 1536,
+            context_length: 8192,
+            dtype,
+            tied_embeddings: true,
+            seed: 135,
+            vocab_size: 49_152,
+        }
+    }
+
     /// Qwen3-4B's shapes (36 layers, hidden 2560, 32 query / 8 KV heads of 128, FFN 9728,
     /// vocabulary 151936, tied embeddings, q/k norms), context 8192, random weights stored as
     /// `dtype`: a target whose decode is bound by weight bytes, for benchmarks.

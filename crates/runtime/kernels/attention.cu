@@ -227,6 +227,7 @@ __device__ __forceinline__ void attention_split_body(const AttParams& p) {
 #define ATT_KERNEL(PER, GM)                                                                   \
     extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)                              \
         attention_split_##PER##_##GM(const AttParams p) {                                     \
+        df_kernel_begin();                                                                    \
         attention_split_body<PER, GM>(p);                                                     \
     }
 
@@ -239,6 +240,7 @@ ATT_KERNEL(8, 1) ATT_KERNEL(8, 2) ATT_KERNEL(8, 4)
 
 // Block per (token, query head); thread per head dimension (blockDim.x >= head_dim).
 extern "C" __global__ void attention_merge(const AttParams p) {
+    df_kernel_begin();
     const int t = blockIdx.x;
     const int h = blockIdx.y;
     const int d = threadIdx.x;

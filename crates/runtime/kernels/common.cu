@@ -30,6 +30,21 @@ struct RowDesc {
     u64 cap;
 };
 
+// Programmatic dependent launch (sm_90 and later). The Rust side launches every kernel with
+// programmatic stream serialization, so a kernel's blocks may start while the kernel before it
+// in the stream is still running. Every kernel therefore calls df_kernel_begin() first, before
+// it reads anything or leaves: `griddepcontrol.wait` returns once the previous grid has
+// completed and its writes are visible (so a kernel also waits, transitively, for every
+// earlier one), then `griddepcontrol.launch_dependents` lets the next kernel's blocks start
+// and wait in turn, which hides the launch gap between dependent kernels. Both are no-ops for
+// a kernel launched without the attribute, and are left out below sm_90.
+__device__ __forceinline__ void df_kernel_begin() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Values per decode group: every format is read 32 values at a time (quant::GROUP).
 #define GROUP 32
 

@@ -34,6 +34,7 @@ __device__ __forceinline__ float df_sigmoid(float x) { return __fdiv_rn(1.0f, __
 // (a rollback) only the window moves and `w` is not read.
 #define GDN_MAX_K 8
 extern "C" __global__ void gdn_conv_f32(const GdnSpan* spans, const float* w, int C, int K) {
+    df_kernel_begin();
     const GdnSpan s = spans[blockIdx.y];
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
@@ -139,6 +140,7 @@ __device__ void gdn_delta(const GdnSpan* spans, int k_heads, int v_heads, int dv
 #define GDN_DELTA(DK)                                                                            \
     extern "C" __global__ void gdn_delta_##DK(const GdnSpan* spans, int k_heads, int v_heads,    \
                                               int dv, int tiled) {                               \
+        df_kernel_begin();                                                                       \
         gdn_delta<DK>(spans, k_heads, v_heads, dv, tiled);                                       \
     }
 GDN_DELTA(16)
@@ -152,6 +154,7 @@ GDN_DELTA(256)
 // a <- a_neg * softplus(a + dt_bias) (softplus linear above 20, as torch); b <- sigmoid(b).
 extern "C" __global__ void gdn_gates_f32(float* a, float* b, const float* a_neg, const float* dt_bias,
                                          i64 n, int hv) {
+    df_kernel_begin();
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         const int h = (int)(i % hv);
         const float x = __fadd_rn(a[i], dt_bias[h]);
@@ -165,6 +168,7 @@ extern "C" __global__ void gdn_gates_f32(float* a, float* b, const float* a_neg,
 // i = l, l+32, ... in order, then a fixed xor butterfly.
 extern "C" __global__ void gdn_rms_norm_gated_f32(float* x, const float* z, const float* w, i64 groups,
                                                   int dim, float eps) {
+    df_kernel_begin();
     const int lane = threadIdx.x & 31;
     const i64 grp = (blockIdx.x * (i64)blockDim.x + threadIdx.x) >> 5;
     const bool live = grp < groups;
@@ -185,6 +189,7 @@ extern "C" __global__ void gdn_rms_norm_gated_f32(float* x, const float* z, cons
 
 // x[i] *= sigmoid(gate[i])
 extern "C" __global__ void gdn_sigmoid_mul_f32(float* x, const float* gate, i64 n) {
+    df_kernel_begin();
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         x[i] = __fmul_rn(x[i], df_sigmoid(gate[i]));
     }
@@ -195,6 +200,7 @@ extern "C" __global__ void gdn_sigmoid_mul_f32(float* x, const float* gate, i64 
 // copies[k] = (src, dst, n floats); grid (blocks, copies). Records the step's inputs into the
 // rows' histories, restores checkpoints and copies rows for forks.
 extern "C" __global__ void gdn_copy_f32(const i64* copies) {
+    df_kernel_begin();
     const float* src = (const float*)copies[3 * blockIdx.y];
     float* dst = (float*)copies[3 * blockIdx.y + 1];
     const i64 n = copies[3 * blockIdx.y + 2];

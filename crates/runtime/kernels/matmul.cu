@@ -400,6 +400,7 @@ __device__ __forceinline__ void mm_body(const MmParams& p) {
 #define MM_KERNEL(SUFFIX, DT, MT, R, EPI, ENAME)                                               \
     extern "C" __global__ void __launch_bounds__(MM_WARPS * 32)                                \
         mm_##SUFFIX##_##MT##_##R##_##ENAME(const MmParams p) {                                 \
+        df_kernel_begin();                                                                     \
         mm_body<DT, MT, R, EPI>(p);                                                            \
     }
 
@@ -447,6 +448,7 @@ __device__ __forceinline__ void dequant_body(const u8* __restrict__ table, i64 r
 #define DQ_KERNEL(SUFFIX, DT)                                                                   \
     extern "C" __global__ void dequant_##SUFFIX(const u8* table, i64 row_bytes, int cols,       \
                                                 const u32* ids, int row0, int T, float* out) { \
+        df_kernel_begin();                                                                      \
         dequant_body<DT>(table, row_bytes, cols, ids, row0, T, out);                            \
     }
 

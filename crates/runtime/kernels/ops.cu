@@ -16,6 +16,7 @@
 
 // x[i] += y[i]
 extern "C" __global__ void add_f32(float* x, const float* y, i64 n) {
+    df_kernel_begin();
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         x[i] = __fadd_rn(x[i], y[i]);
     }
@@ -23,6 +24,7 @@ extern "C" __global__ void add_f32(float* x, const float* y, i64 n) {
 
 // x[r][c] += bias[c]
 extern "C" __global__ void add_bias_f32(float* x, const float* bias, i64 n, int cols) {
+    df_kernel_begin();
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         x[i] = __fadd_rn(x[i], bias[i % cols]);
     }
@@ -33,6 +35,7 @@ extern "C" __global__ void add_bias_f32(float* x, const float* bias, i64 n, int 
 // correctly rounded expf in all but rare double-rounding cases, as close as we can get to the
 // CPU's libm expf.
 extern "C" __global__ void silu_mul_f32(float* gate, const float* up, i64 n) {
+    df_kernel_begin();
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         const float g = gate[i];
         const float e = (float)exp(-(double)g);
@@ -42,6 +45,7 @@ extern "C" __global__ void silu_mul_f32(float* gate, const float* up, i64 n) {
 
 // x[i] *= s
 extern "C" __global__ void scale_f32(float* x, float s, i64 n) {
+    df_kernel_begin();
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         x[i] = __fmul_rn(x[i], s);
     }
@@ -53,6 +57,7 @@ extern "C" __global__ void scale_f32(float* x, float s, i64 n) {
 extern "C" __global__ void grouped_conv_f32(const float* x, const float* base, const float* dyn,
                                             const u32* meta, int T, int cols, int taps, int group,
                                             int dyn_cols, int col, float* out) {
+    df_kernel_begin();
     const int t = blockIdx.y;
     if (t >= T) return;
     const u32 row = meta[4 * t + META_ROW];
@@ -73,6 +78,7 @@ extern "C" __global__ void grouped_conv_f32(const float* x, const float* base, c
 
 // out[i] = x[rows[i]] (rows of `cols` values)
 extern "C" __global__ void gather_rows_f32(const float* x, const u32* rows, int n, int cols, float* out) {
+    df_kernel_begin();
     const int i = blockIdx.y;
     if (i >= n) return;
     const float* src = x + (size_t)rows[i] * cols;
@@ -82,6 +88,7 @@ extern "C" __global__ void gather_rows_f32(const float* x, const u32* rows, int 
 
 // dst[t][col + c] = src[t][c] for c < c_src (dst rows of c_dst values)
 extern "C" __global__ void copy_columns_f32(const float* src, int rows, int c_src, float* dst, int c_dst, int col) {
+    df_kernel_begin();
     const int t = blockIdx.y;
     if (t >= rows) return;
     for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < c_src; c += gridDim.x * blockDim.x) {
@@ -92,6 +99,7 @@ extern "C" __global__ void copy_columns_f32(const float* src, int rows, int c_sr
 // Plain float rows of any length (f32, f16, bf16: dt = 0, 1, 2), element by element.
 extern "C" __global__ void dequant_float_any(const u8* table, i64 row_bytes, int cols, int dt,
                                              const u32* ids, int row0, int T, float* out) {
+    df_kernel_begin();
     const int t = blockIdx.x;
     if (t >= T) return;
     const size_t src = ids ? (size_t)ids[t] : (size_t)row0 + (size_t)t;
@@ -124,6 +132,7 @@ extern "C" __global__ void dequant_float_any(const u8* table, i64 row_bytes, int
 #define NORM_THREADS 128
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     rms_norm_f32(const float* x, float* out, const float* w, i64 groups, int dim, float eps, int zero_centred) {
+    df_kernel_begin();
     __shared__ float s_inv;
     const i64 grp = blockIdx.x;
     if (grp >= groups) return;
@@ -201,6 +210,7 @@ __device__ __forceinline__ void rope_pair(const float* head, float* dst, int i, 
 
 extern "C" __global__ void rope_f32(float* x, const u32* meta, const float* inv_freq, int T, int cols,
                                     int head_dim, int half, int style) {
+    df_kernel_begin();
     const int t = blockIdx.y;
     if (t >= T) return;
     const float pos = (float)meta[4 * t + META_POS];
@@ -234,6 +244,7 @@ struct RopeKvParams {
 };
 
 extern "C" __global__ void rope_kv_f32(const RopeKvParams p) {
+    df_kernel_begin();
     const int t = blockIdx.x;
     if (t >= p.t) return;
     const u32* meta = (const u32*)p.meta + 4 * t;
@@ -269,6 +280,7 @@ extern "C" __global__ void rope_kv_f32(const RopeKvParams p) {
 // Bounds (pos < cap) are checked on the host before the launch.
 extern "C" __global__ void kv_write_f32(const float* k, const float* v, const u32* meta, int T, int kv_dim,
                                         const RowDesc* rows, int layer) {
+    df_kernel_begin();
     const int t = blockIdx.y;
     if (t >= T) return;
     const RowDesc rd = rows[meta[4 * t + META_ROW]];
@@ -289,6 +301,7 @@ extern "C" __global__ void kv_write_f32(const float* k, const float* v, const u3
 // cap * kv_dim floats; len_vals = len * kv_dim. blockIdx.y = 2*layer + (0 for K, 1 for V).
 extern "C" __global__ void kv_copy_f32(const float* src, i64 src_stride, float* dst, i64 dst_stride,
                                        i64 len_vals) {
+    df_kernel_begin();
     const i64 part = blockIdx.y;
     const float* sp = src + part * src_stride;
     float* dp = dst + part * dst_stride;

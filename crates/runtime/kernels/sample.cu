@@ -597,6 +597,7 @@ __device__ __forceinline__ ChParams load_params(const u32* words, int row) {
 extern "C" __global__ void __launch_bounds__(CH_THREADS)
 sample_rows_f32(const float* logits, float* work, int V, const u32* params, const u32* hist,
                 const float* u, u32* out) {
+    df_kernel_begin();
     __shared__ Smem s;
     const int r = blockIdx.x;
     const ChParams cp = load_params(params, r);
@@ -611,6 +612,7 @@ sample_rows_f32(const float* logits, float* work, int V, const u32* params, cons
 extern "C" __global__ void __launch_bounds__(CH_THREADS)
 draft_rows_f32(const float* logits, float* work, int V, int slots, int slot0, const u32* params,
                const u32* hist, const float* u, u32* drafts) {
+    df_kernel_begin();
     __shared__ Smem s;
     const int r = blockIdx.y;
     const int slot = slot0 + blockIdx.x;
@@ -631,6 +633,7 @@ extern "C" __global__ void __launch_bounds__(CH_THREADS)
 verify_slots_f32(const float* target, const float* draft, float* work, int V, int block,
                  const u32* params, const u32* hist, const u32* drafts, const float* u_acc,
                  const float* u_last, u32* accept, u32* cand) {
+    df_kernel_begin();
     __shared__ Smem s;
     const int r = blockIdx.y;
     const int i = blockIdx.x;
@@ -676,6 +679,7 @@ verify_slots_f32(const float* target, const float* draft, float* work, int V, in
 // were argmaxed by argmax_rows), accept and cand come from it and the drafts.
 extern "C" __global__ void verify_finish(int rows, int block, const u32* accept, const u32* cand,
                                          const u32* amax, const u32* drafts, u32* out) {
+    df_kernel_begin();
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= rows) return;
     const int n = block - 1;
@@ -701,6 +705,7 @@ extern "C" __global__ void verify_finish(int rows, int block, const u32* accept,
 
 extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
 argmax_part_f32(const float* x, int cols, float* pv, u32* pi) {
+    df_kernel_begin();
     __shared__ float sv[ARGMAX_THREADS / 32];
     __shared__ u32 si[ARGMAX_THREADS / 32];
     const int c = blockIdx.x, r = blockIdx.y;
@@ -735,6 +740,7 @@ argmax_part_f32(const float* x, int cols, float* pv, u32* pi) {
 }
 
 extern "C" __global__ void argmax_final(const float* pv, const u32* pi, int chunks, u32* out) {
+    df_kernel_begin();
     const int r = blockIdx.x;
     float bv = -DF_INF;
     u32 bi = NO_ID;

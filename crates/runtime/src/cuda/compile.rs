@@ -520,6 +520,38 @@ mod tests {
         }
     }
 
+    /// Kernels are launched with programmatic stream serialization (`Device::pdl`), which is
+    /// only safe when every kernel waits for the one before it before it reads anything or
+    /// leaves: `df_kernel_begin()` must be the first statement of every kernel body.
+    #[test]
+    fn every_kernel_begins_by_waiting_for_the_previous_one() {
+        let mut kernels = 0;
+        for m in [Module::Ops, Module::Attention, Module::Gdn, Module::Sample]
+            .into_iter()
+            .chain([Module::Matmul(DType::Q4_1)])
+        {
+            let src = m.raw_source();
+            for (at, _) in src.match_indices("__global__") {
+                let body = &src[at..];
+                let open = body.find('{').expect("kernel body");
+                let first = body[open + 1..]
+                    .split(';')
+                    .next()
+                    .unwrap_or("")
+                    .trim_matches(|c: char| c.is_whitespace() || c == '\\');
+                assert_eq!(
+                    first,
+                    "df_kernel_begin()",
+                    "{}.cu: a kernel does not start with df_kernel_begin(): {}",
+                    m.name(),
+                    &body[..open.min(120)]
+                );
+                kernels += 1;
+            }
+        }
+        assert!(kernels >= 28, "found only {kernels} kernels");
+    }
+
     #[test]
     fn hash_depends_on_every_part() {
         let a = fnv1a(&[b"x", b"sm_90"]);

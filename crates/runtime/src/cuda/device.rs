@@ -251,6 +251,10 @@ pub(crate) struct Device {
     /// A tile forced by `DFLASH_CUDA_MM_TILE` (1, 2, 4, 8 or 16 rows of x) for every
     /// product: a debugging aid (one kernel instance for every M).
     pub fixed_mt: Option<usize>,
+    /// Kernels are launched with programmatic stream serialization (programmatic dependent
+    /// launch: sm_90 and later, unless `DFLASH_CUDA_PDL=0`), so each kernel's blocks start
+    /// while the one before finishes and wait for it in `df_kernel_begin` (common.cu).
+    pub pdl: bool,
     pub name: String,
     pub compute_capability: (i32, i32),
     pub target: Target,
@@ -371,6 +375,12 @@ impl Device {
             Err(_) => None,
         };
 
+        let pdl = match std::env::var("DFLASH_CUDA_PDL").as_deref() {
+            Err(_) | Ok("1") | Ok("") => arch >= 90 && cc.0 >= 9,
+            Ok("0") => false,
+            Ok(v) => return Err(dev_err(format!("DFLASH_CUDA_PDL={v:?}: expected 0 or 1"))),
+        };
+
         let blas = match opts.prefill_gemm {
             PrefillGemm::Kernel => None,
             PrefillGemm::Cublas { .. } => {
@@ -397,6 +407,7 @@ impl Device {
             formats: Default::default(),
             format_lock: Mutex::new(()),
             fixed_mt,
+            pdl,
             name,
             compute_capability: cc,
             target,
@@ -554,14 +565,47 @@ impl Device {
         if let Some(p) = prof.as_mut() {
             p.before(&self.ctx, &self.stream, name);
         }
-        let r = drv::launch_kernel(
-            f.cu_function(),
-            grid,
-            block,
-            smem,
-            self.stream.cu_stream(),
-            params,
-        );
+        let r = if self.pdl {
+            let mut attr = cu::CUlaunchAttribute {
+                id: cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                pad: [0; 4],
+                value: cu::CUlaunchAttributeValue {
+                    programmaticStreamSerializationAllowed: 1,
+                },
+            };
+            let config = cu::CUlaunchConfig {
+                gridDimX: grid.0,
+                gridDimY: grid.1,
+                gridDimZ: grid.2,
+                blockDimX: block.0,
+                blockDimY: block.1,
+                blockDimZ: block.2,
+                sharedMemBytes: smem,
+                hStream: self.stream.cu_stream(),
+                attrs: &mut attr,
+                numAttrs: 1,
+            };
+            // SAFETY: as `launch_kernel` below (same function, parameters and stream); the
+            // configuration and its one attribute live until the call returns.
+            unsafe {
+                cu::cuLaunchKernelEx(
+                    &config,
+                    f.cu_function(),
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            }
+            .result()
+        } else {
+            drv::launch_kernel(
+                f.cu_function(),
+                grid,
+                block,
+                smem,
+                self.stream.cu_stream(),
+                params,
+            )
+        };
         ck(r, name);
         if let Some(p) = prof.as_mut() {
             p.after(&self.stream);
