@@ -3,6 +3,7 @@
 //! Without a drafter: prefill and decode tok/s of plain decoding. With a drafter: plain vs
 //! DFlash on the same chat prompts (`ar_tok_per_s`, `dflash_tok_per_s`, `tau`). With
 //! `--batch N`: B = 1 against B = N rows decoded together, per-row accepts against the clamp.
+//! `--requests R`: a serving-style load (see `bench_load`).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -17,6 +18,7 @@ use dflash_models::tokenizer::TextTokenizer;
 use serde_json::{json, Value};
 
 use crate::args::{BatchAccept, DraftArgs, ModelArgs};
+use crate::bench_load::{arm_line, arm_report, load_run, LoadRun};
 #[cfg(feature = "cuda")]
 use crate::load::DeviceTarget;
 use crate::load::{decoder, drafter_dir, load_target, Loaded};
@@ -38,8 +40,16 @@ pub struct BenchArgs {
     #[arg(short = 'r', long, default_value_t = 3)]
     pub repetitions: usize,
     /// Rows decoded together: compares B = 1, B = N per-row and B = N clamp.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "requests")]
     pub batch: Option<usize>,
+    /// A serving-style load instead: R requests (the prompts cycled) queued at once, at most
+    /// --max-live rows decoding together; reports tok/s, requests/s, time-to-first-token and
+    /// inter-token-latency percentiles for plain decoding and, with a drafter, DFlash.
+    #[arg(long)]
+    pub requests: Option<usize>,
+    /// Rows decoding at once under --requests (waiting requests join as rows finish).
+    #[arg(long, default_value_t = 16, requires = "requests")]
+    pub max_live: usize,
     /// Chat prompts for the decode comparisons (JSONL lines: a string or {"prompt": ...});
     /// default: a built-in set of eight.
     #[arg(long)]
@@ -207,6 +217,89 @@ fn read_prompts(path: &Option<PathBuf>) -> Result<Vec<String>> {
     Ok(out)
 }
 
+/// Greedy chat requests of `max_tokens` tokens, one per prompt.
+fn chat_requests(model: &Loaded, texts: &[String], max_tokens: usize) -> Result<Vec<Request>> {
+    texts
+        .iter()
+        .map(|t| {
+            Ok(Request {
+                prompt: conversation_ids(
+                    &model.tokenizer,
+                    model.template.as_ref(),
+                    &[Message::new("user", t)],
+                    false,
+                )?,
+                max_tokens,
+                params: SamplingParams::greedy(),
+                stop_strings: Vec::new(),
+            })
+        })
+        .collect()
+}
+
+/// `--requests R`: plain decoding and (with a drafter) DFlash under the same queued load,
+/// arms alternating after one warm-up run each.
+fn run_load(args: &BenchArgs, plain: Loaded, drafter: Option<PathBuf>, n: usize) -> Result<()> {
+    let texts = read_prompts(&args.prompts)?;
+    let texts: Vec<String> = texts.iter().cycle().take(n).cloned().collect();
+    let requests = chat_requests(&plain, &texts, args.gen_tokens)?;
+    let mut report = json!({
+        "model": plain.name,
+        "model_path": plain.path,
+        "device": plain.device,
+        "cpu": cpu_name(),
+        "requests": n,
+        "max_live": args.max_live,
+        "max_tokens": args.gen_tokens,
+        "repetitions": args.repetitions,
+        "warmup_runs": 1,
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "matmul": paths_json(&plain.matmul),
+    });
+    let mut arms = vec![("ar", plain)];
+    if let Some(dir) = drafter {
+        let mut per_row = args.draft.clone();
+        per_row.batch_accept = BatchAccept::PerRow;
+        arms.push((
+            "dflash",
+            decoder(load_target(&args.model)?, Some(&dir), &per_row)?,
+        ));
+        report["drafter"] = json!(dir);
+    }
+    let mut runs: Vec<Vec<LoadRun>> = vec![Vec::new(); arms.len()];
+    for rep in 0..=args.repetitions {
+        for (k, (_, m)) in arms.iter_mut().enumerate() {
+            let r = load_run(m.decoder.as_mut(), &m.tokenizer, &requests, args.max_live)?;
+            if rep > 0 {
+                runs[k].push(r);
+            }
+        }
+    }
+    let reports: Vec<Value> = arms
+        .iter()
+        .zip(&runs)
+        .map(|((name, _), r)| arm_report(name, r))
+        .collect();
+    if reports.len() == 2 {
+        let tps = |r: &Value| r["tok_per_s"].as_f64().unwrap_or(0.0);
+        report["dflash_vs_ar"] = json!(tps(&reports[1]) / tps(&reports[0]).max(1e-9));
+    }
+    let lines: Vec<String> = reports.iter().map(arm_line).collect();
+    report["arms"] = json!(reports);
+    crate::output::line(&report.to_string())?;
+    eprintln!(
+        "| {} | {} | {n} requests, {} live, {} tokens each |",
+        report["model"].as_str().unwrap_or("?"),
+        report["device"].as_str().unwrap_or("?"),
+        args.max_live,
+        args.gen_tokens
+    );
+    for l in lines {
+        eprintln!("{l}");
+    }
+    Ok(())
+}
+
 /// Milliseconds per round (0 without rounds).
 fn per_round(seconds: f64, rounds: usize) -> f64 {
     if rounds == 0 {
@@ -241,6 +334,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if args.batch == Some(0) {
         bail!("--batch must be at least 1");
     }
+    if args.requests == Some(0) || args.max_live == 0 {
+        bail!("--requests and --max-live must be at least 1");
+    }
     let probe = load_target(&args.model)?;
     #[cfg(feature = "cuda")]
     let cuda = match &probe.target {
@@ -251,6 +347,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let mut plain_args = args.draft.clone();
     plain_args.no_draft = true;
     let mut plain = decoder(probe, None, &plain_args)?;
+    if let Some(n) = args.requests {
+        return run_load(&args, plain, drafter, n);
+    }
     let ctx = plain.decoder.context_length();
     if args.prompt_tokens + args.gen_tokens + 1 > ctx {
         bail!("prompt plus generated tokens exceed the model's context of {ctx}");
@@ -326,22 +425,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
 
     if let Some(dir) = drafter {
         let texts = read_prompts(&args.prompts)?;
-        let requests: Vec<Request> = texts
-            .iter()
-            .map(|t| {
-                Ok(Request {
-                    prompt: conversation_ids(
-                        &plain.tokenizer,
-                        plain.template.as_ref(),
-                        &[Message::new("user", t)],
-                        false,
-                    )?,
-                    max_tokens: args.gen_tokens,
-                    params: SamplingParams::greedy(),
-                    stop_strings: Vec::new(),
-                })
-            })
-            .collect::<Result<_>>()?;
+        let requests = chat_requests(&plain, &texts, args.gen_tokens)?;
         let mut per_row_args = args.draft.clone();
         per_row_args.batch_accept = BatchAccept::PerRow;
         let mut clamp_args = args.draft.clone();

@@ -2,6 +2,7 @@
 
 mod args;
 mod bench;
+mod bench_load;
 mod eval;
 mod generate;
 mod load;

@@ -1,0 +1,183 @@
+//! `dflash bench --requests R`: a serving-style load on the engine alone. All R requests are
+//! queued at once; at most `--max-live` rows decode together and waiting requests join as
+//! rows finish (continuous batching, as `dflash serve` schedules them). Plain decoding and
+//! DFlash (per-row accepts) alternate, one warm-up run each, then `--repetitions` timed runs.
+//!
+//! Per arm: generated tokens per second over the run's wall time (median over runs), requests
+//! per second, and percentiles over every request of the timed runs of the time to first token
+//! (from the start of the run, so queueing is included, as a client measures it) and of the
+//! inter-token latency (a request's time from its first to its last token divided by the
+//! tokens after the first; a DFlash round delivers several tokens at once, this spreads its
+//! time over them).
+
+use std::time::Instant;
+
+use anyhow::Result;
+use dflash_engine::{Batch, Decoder, Event, Request, RowStats};
+use dflash_models::tokenizer::TextTokenizer;
+use serde_json::{json, Value};
+
+use crate::bench::median;
+
+/// What one request saw during a run (seconds from the start of the run).
+#[derive(Clone, Copy, Debug, Default)]
+struct Timing {
+    first: Option<f64>,
+    last: f64,
+    tokens: usize,
+}
+
+/// One timed run of the whole request set.
+#[derive(Clone, Debug, Default)]
+pub struct LoadRun {
+    pub wall_s: f64,
+    pub tokens: usize,
+    ttft_s: Vec<f64>,
+    itl_s: Vec<f64>,
+    pub stats: RowStats,
+}
+
+/// Runs every request, at most `max_live` at a time, recording each one's token times.
+pub fn load_run(
+    decoder: &mut dyn Decoder,
+    tok: &TextTokenizer,
+    requests: &[Request],
+    max_live: usize,
+) -> Result<LoadRun> {
+    let max_live = max_live.max(1);
+    let mut timing = vec![Timing::default(); requests.len()];
+    let mut stats = RowStats::default();
+    let mut batch = Batch::new();
+    let mut events = Vec::new();
+    let mut next = 0usize;
+    let t0 = Instant::now();
+    let mut record = |events: &mut Vec<Event<usize>>, t: f64| {
+        for e in events.drain(..) {
+            match e {
+                Event::Progress { key, ids, .. } if !ids.is_empty() => {
+                    let tm = &mut timing[key];
+                    tm.first.get_or_insert(t);
+                    tm.last = t;
+                    tm.tokens += ids.len();
+                }
+                Event::Progress { .. } => {}
+                Event::Done { completion, .. } => stats.merge(&completion.stats),
+            }
+        }
+    };
+    let result = (|| -> Result<()> {
+        loop {
+            while next < requests.len() && batch.len() < max_live {
+                batch.admit(decoder, tok, next, &requests[next], &mut events)?;
+                next += 1;
+                record(&mut events, t0.elapsed().as_secs_f64());
+            }
+            if batch.is_empty() {
+                return Ok(());
+            }
+            batch.step(decoder, tok, &mut events)?;
+            record(&mut events, t0.elapsed().as_secs_f64());
+        }
+    })();
+    if let Err(e) = result {
+        batch.abort(decoder);
+        return Err(e);
+    }
+    let wall_s = t0.elapsed().as_secs_f64();
+    let mut run = LoadRun {
+        wall_s,
+        stats,
+        ..LoadRun::default()
+    };
+    for tm in &timing {
+        run.tokens += tm.tokens;
+        if let Some(first) = tm.first {
+            run.ttft_s.push(first);
+            if tm.tokens > 1 {
+                run.itl_s.push((tm.last - first) / (tm.tokens - 1) as f64);
+            }
+        }
+    }
+    Ok(run)
+}
+
+/// The `q`-quantile (0..=1) of `v` by the nearest-rank rule (0 when empty).
+fn percentile(v: &[f64], q: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let rank = ((q * s.len() as f64).ceil() as usize).clamp(1, s.len());
+    s[rank - 1]
+}
+
+/// p50 / p90 / p99 in milliseconds.
+fn percentiles_ms(v: &[f64]) -> Value {
+    json!({
+        "p50": 1e3 * percentile(v, 0.50),
+        "p90": 1e3 * percentile(v, 0.90),
+        "p99": 1e3 * percentile(v, 0.99),
+    })
+}
+
+/// The report of one arm over its timed runs.
+pub fn arm_report(name: &str, runs: &[LoadRun]) -> Value {
+    let tps: Vec<f64> = runs
+        .iter()
+        .map(|r| r.tokens as f64 / r.wall_s.max(1e-9))
+        .collect();
+    let ttft: Vec<f64> = runs.iter().flat_map(|r| r.ttft_s.iter().copied()).collect();
+    let itl: Vec<f64> = runs.iter().flat_map(|r| r.itl_s.iter().copied()).collect();
+    let requests = runs.first().map_or(0, |r| r.ttft_s.len());
+    let wall = median(runs.iter().map(|r| r.wall_s).collect());
+    let mut stats = RowStats::default();
+    for r in runs {
+        stats.merge(&r.stats);
+    }
+    json!({
+        "arm": name,
+        "tok_per_s": median(tps.clone()),
+        "runs_tok_per_s": tps,
+        "requests_per_s": if wall > 0.0 { requests as f64 / wall } else { 0.0 },
+        "generated_tokens": runs.first().map_or(0, |r| r.tokens),
+        "ttft_ms": percentiles_ms(&ttft),
+        "itl_ms": percentiles_ms(&itl),
+        "tau": stats.tau(),
+        "rounds": stats.rounds,
+    })
+}
+
+/// A table line for stderr.
+pub fn arm_line(r: &Value) -> String {
+    let f = |v: &Value| v.as_f64().unwrap_or(0.0);
+    format!(
+        "| {} | {:.1} tok/s | {:.2} req/s | TTFT p50/p90/p99 {:.0}/{:.0}/{:.0} ms | ITL p50/p90/p99 {:.1}/{:.1}/{:.1} ms | tau {:.2} |",
+        r["arm"].as_str().unwrap_or("?"),
+        f(&r["tok_per_s"]),
+        f(&r["requests_per_s"]),
+        f(&r["ttft_ms"]["p50"]),
+        f(&r["ttft_ms"]["p90"]),
+        f(&r["ttft_ms"]["p99"]),
+        f(&r["itl_ms"]["p50"]),
+        f(&r["itl_ms"]["p90"]),
+        f(&r["itl_ms"]["p99"]),
+        f(&r["tau"]),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nearest_rank_percentiles() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&v, 0.5), 50.0);
+        assert_eq!(percentile(&v, 0.9), 90.0);
+        assert_eq!(percentile(&v, 0.99), 99.0);
+        assert_eq!(percentile(&[3.0, 1.0, 2.0], 0.5), 2.0);
+        assert_eq!(percentile(&[7.0], 0.99), 7.0);
+        assert_eq!(percentile(&[], 0.5), 0.0);
+    }
+}
