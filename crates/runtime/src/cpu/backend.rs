@@ -5,6 +5,7 @@ use std::cell::RefCell;
 use std::sync::Arc;
 
 use super::gdn::CpuGdn;
+use super::huge::HugeBytes;
 use super::int8::{self, pack::PackedWeight, Int8Kernel};
 use super::kv::CpuKv;
 use super::matmul::{self, Isa};
@@ -18,7 +19,7 @@ use crate::backend::{
     WeightRole,
 };
 use crate::error::RuntimeError;
-use crate::weight::HostWeight;
+use crate::weight::{HostWeight, WeightBytes};
 
 /// Rows x columns below which element-wise ops stay on the calling thread.
 const PARALLEL_MIN_ELEMS: usize = 1 << 15;
@@ -211,10 +212,19 @@ impl Backend for CpuBackend {
             }
             CpuPath::F32(_) => None,
         };
-        Ok(CpuWeight {
-            host: w.clone(),
-            int8,
-        })
+        // Matrices the f32 kernels stream move to huge pages (see `huge`); embedding tables,
+        // read a row at a time, and vectors stay where they are.
+        let host = if int8.is_none() && role != WeightRole::Embedding && w.rows > 1 {
+            let bytes = HugeBytes::copy_of(w.bytes.as_slice());
+            let len = bytes.as_slice().len();
+            HostWeight {
+                bytes: WeightBytes::new(Arc::new(bytes), 0..len),
+                ..w.clone()
+            }
+        } else {
+            w.clone()
+        };
+        Ok(CpuWeight { host, int8 })
     }
 
     fn weight_path(&self, w: &CpuWeight) -> WeightPath {

@@ -6,6 +6,7 @@
 
 mod backend;
 pub mod gdn;
+mod huge;
 pub mod int8;
 pub mod kv;
 pub mod matmul;

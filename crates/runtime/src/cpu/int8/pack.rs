@@ -13,6 +13,7 @@
 //! lane of an int8 dot-product instruction multiplies with 4 activation codes. Values are
 //! only moved, never re-rounded: the packed weight decodes to exactly the stored one.
 
+use crate::cpu::huge::HugeBytes;
 use crate::dtype::DType;
 use crate::quant::GROUP;
 use crate::weight::HostWeight;
@@ -65,11 +66,6 @@ impl Int8Format {
     }
 }
 
-/// 64 bytes, 64-byte aligned: the storage unit of a packed weight.
-#[derive(Clone, Copy)]
-#[repr(C, align(64))]
-struct Line([u8; 64]);
-
 /// A weight matrix in panel order (see the module docs).
 pub struct PackedWeight {
     pub format: Int8Format,
@@ -77,7 +73,8 @@ pub struct PackedWeight {
     pub rows: usize,
     /// Inner dimension (`k`).
     pub cols: usize,
-    lines: Vec<Line>,
+    /// The panels, 64-byte aligned, on huge pages where the system allows.
+    bytes: HugeBytes,
 }
 
 impl std::fmt::Debug for PackedWeight {
@@ -100,52 +97,49 @@ impl PackedWeight {
         let (kb, panels) = (w.cols / GROUP, w.rows.div_ceil(PANEL));
         let bb = format.block_bytes();
         let total = panels * kb * bb;
-        let mut lines = vec![Line([0; 64]); total.div_ceil(64)];
-        // SAFETY: `Line` is 64 plain bytes; the slice covers exactly the vector's storage.
-        let out = unsafe {
-            std::slice::from_raw_parts_mut(lines.as_mut_ptr() as *mut u8, lines.len() * 64)
-        };
         let src_block = w.dtype.block_bytes();
-        for r in 0..w.rows {
-            let row = w.row(r);
-            let (p, lane) = (r / PANEL, r % PANEL);
-            for g in 0..kb {
-                let src = &row[g * src_block..(g + 1) * src_block];
-                let dst = &mut out[(p * kb + g) * bb..(p * kb + g + 1) * bb];
-                let cb = format.code_bytes();
-                match format {
-                    Int8Format::Q4_0 | Int8Format::Q4_1 => {
-                        let nib = if format == Int8Format::Q4_0 { 2 } else { 4 };
-                        for t in 0..4 {
-                            for b in 0..4 {
-                                // Stored byte j: value j (low) and j + 16 (high).
-                                let (lo, hi) =
-                                    (src[nib + 4 * t + b] & 0x0F, src[nib + 4 * t + b] >> 4);
-                                dst[64 * t + 4 * lane + b] = lo | (hi << 4);
+        let bytes = HugeBytes::with(total, |out| {
+            for r in 0..w.rows {
+                let row = w.row(r);
+                let (p, lane) = (r / PANEL, r % PANEL);
+                for g in 0..kb {
+                    let src = &row[g * src_block..(g + 1) * src_block];
+                    let dst = &mut out[(p * kb + g) * bb..(p * kb + g + 1) * bb];
+                    let cb = format.code_bytes();
+                    match format {
+                        Int8Format::Q4_0 | Int8Format::Q4_1 => {
+                            let nib = if format == Int8Format::Q4_0 { 2 } else { 4 };
+                            for t in 0..4 {
+                                for b in 0..4 {
+                                    // Stored byte j: value j (low) and j + 16 (high).
+                                    let (lo, hi) =
+                                        (src[nib + 4 * t + b] & 0x0F, src[nib + 4 * t + b] >> 4);
+                                    dst[64 * t + 4 * lane + b] = lo | (hi << 4);
+                                }
+                            }
+                            dst[cb + 2 * lane..cb + 2 * lane + 2].copy_from_slice(&src[0..2]);
+                            if format == Int8Format::Q4_1 {
+                                dst[cb + 32 + 2 * lane..cb + 32 + 2 * lane + 2]
+                                    .copy_from_slice(&src[2..4]);
                             }
                         }
-                        dst[cb + 2 * lane..cb + 2 * lane + 2].copy_from_slice(&src[0..2]);
-                        if format == Int8Format::Q4_1 {
-                            dst[cb + 32 + 2 * lane..cb + 32 + 2 * lane + 2]
-                                .copy_from_slice(&src[2..4]);
-                        }
-                    }
-                    Int8Format::Q8_0 => {
-                        for t in 0..8 {
-                            for b in 0..4 {
-                                dst[64 * t + 4 * lane + b] = src[2 + 4 * t + b] ^ 0x80;
+                        Int8Format::Q8_0 => {
+                            for t in 0..8 {
+                                for b in 0..4 {
+                                    dst[64 * t + 4 * lane + b] = src[2 + 4 * t + b] ^ 0x80;
+                                }
                             }
+                            dst[cb + 2 * lane..cb + 2 * lane + 2].copy_from_slice(&src[0..2]);
                         }
-                        dst[cb + 2 * lane..cb + 2 * lane + 2].copy_from_slice(&src[0..2]);
                     }
                 }
             }
-        }
+        });
         Some(PackedWeight {
             format,
             rows: w.rows,
             cols: w.cols,
-            lines,
+            bytes,
         })
     }
 
@@ -173,6 +167,6 @@ impl PackedWeight {
     pub fn panel_ptr(&self, p: usize) -> *const u8 {
         assert!(p < self.panels());
         // SAFETY: in bounds of the storage, checked above.
-        unsafe { (self.lines.as_ptr() as *const u8).add(p * self.panel_bytes()) }
+        unsafe { self.bytes.as_slice().as_ptr().add(p * self.panel_bytes()) }
     }
 }
