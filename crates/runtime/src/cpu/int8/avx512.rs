@@ -4,7 +4,8 @@
 //! Weight codes are the unsigned operand (Q4 nibbles 0..15; Q8_0 stored as `code + 128`, the
 //! offset removed with the block's exact code sum), activation codes the signed one. A tile
 //! is `MR` activation rows against one 16-row panel: each block is loaded and split into
-//! nibbles once and used by all `MR` rows. Float steps follow `reference` exactly.
+//! nibbles once and used by all `MR` rows, whose integer dots are independent dependency
+//! chains kept in registers. Float steps follow `reference` exactly.
 
 use std::arch::x86_64::*;
 
@@ -21,20 +22,42 @@ unsafe fn chunk(blk: *const u8, t: usize) -> __m512i {
     _mm512_loadu_si512(blk.add(64 * t) as *const __m512i)
 }
 
+/// The exact integer dot of one block for the panel's 16 rows: chunk `t` pairs with
+/// activation codes `4t..4t+4` (for Q4, chunks 4..8 are the high nibbles, values
+/// `16 + 4(t − 4)..`, which is offset `4t` as well). One dependency chain; integer sums are
+/// exact in any order.
+#[inline(always)]
+unsafe fn block_dot(w: &[__m512i; 8], xq: *const i8) -> __m512i {
+    let mut s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], bcast(xq));
+    s = _mm512_dpbusd_epi32(s, w[1], bcast(xq.add(4)));
+    s = _mm512_dpbusd_epi32(s, w[2], bcast(xq.add(8)));
+    s = _mm512_dpbusd_epi32(s, w[3], bcast(xq.add(12)));
+    s = _mm512_dpbusd_epi32(s, w[4], bcast(xq.add(16)));
+    s = _mm512_dpbusd_epi32(s, w[5], bcast(xq.add(20)));
+    s = _mm512_dpbusd_epi32(s, w[6], bcast(xq.add(24)));
+    _mm512_dpbusd_epi32(s, w[7], bcast(xq.add(28)))
+}
+
 #[inline(always)]
 unsafe fn tile<const F: u8, const MR: usize>(job: &Job, blk0: *const u8, i0: usize, col: usize) {
     let format = super::format_of(F);
     let (bb, cb) = (format.block_bytes(), format.code_bytes());
     let x = job.x;
     let kb = x.blocks();
-    let zero = _mm512_setzero_si512();
+    debug_assert!((i0 + MR) * kb <= x.d.len() && (i0 + MR) * x.k <= x.q.len());
+    // Row r's codes, scales and sums start at these pointers plus `r · k` or `r · kb`.
+    let q0 = x.q.as_ptr().add(i0 * x.k);
+    let (d0, sum0, ds0) = (
+        x.d.as_ptr().add(i0 * kb),
+        x.sum.as_ptr().add(i0 * kb),
+        x.ds.as_ptr().add(i0 * kb),
+    );
     let mask = _mm512_set1_epi8(0x0F);
     let mut acc = [_mm512_setzero_ps(); MR];
     for g in 0..kb {
         let blk = blk0.add(g * bb);
         let dw = _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(cb) as *const __m256i));
-        // Eight 64-byte operands: chunk t pairs with activation codes 4t..4t+4.
-        let mut w = [zero; 8];
+        let mut w = [_mm512_setzero_si512(); 8];
         if format == Int8Format::Q8_0 {
             for (t, wt) in w.iter_mut().enumerate() {
                 *wt = chunk(blk, t);
@@ -46,32 +69,29 @@ unsafe fn tile<const F: u8, const MR: usize>(job: &Job, blk0: *const u8, i0: usi
                 w[t + 4] = _mm512_and_si512(_mm512_srli_epi16(c, 4), mask);
             }
         }
+        // All rows' integer dots first: MR independent chains for the out-of-order core.
+        let mut dots = [_mm512_setzero_si512(); MR];
+        for (r, dot) in dots.iter_mut().enumerate() {
+            *dot = block_dot(&w, q0.add(r * x.k + g * 32));
+        }
         let mw = if format == Int8Format::Q4_1 {
             _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(cb + 32) as *const __m256i))
         } else {
             _mm512_setzero_ps()
         };
-        for (r, a) in acc.iter_mut().enumerate() {
-            let i = i0 + r;
-            let xq = x.q.as_ptr().add(i * x.k + g * 32);
-            // Two independent chains keep the dot-product latency off the critical path.
-            let mut s0 = _mm512_dpbusd_epi32(zero, w[0], bcast(xq));
-            let mut s1 = _mm512_dpbusd_epi32(zero, w[4], bcast(xq.add(16)));
-            for t in 1..4 {
-                s0 = _mm512_dpbusd_epi32(s0, w[t], bcast(xq.add(4 * t)));
-                s1 = _mm512_dpbusd_epi32(s1, w[t + 4], bcast(xq.add(16 + 4 * t)));
-            }
-            let mut dot = _mm512_add_epi32(s0, s1);
-            let bi = i * kb + g;
-            match format {
-                Int8Format::Q4_0 => dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(8 * x.sum[bi])),
-                Int8Format::Q8_0 => dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * x.sum[bi])),
-                Int8Format::Q4_1 => {}
-            }
-            let s = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[bi]));
-            *a = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(dot), *a);
+        for r in 0..MR {
+            let bi = r * kb + g;
+            let dot = match format {
+                Int8Format::Q4_0 => _mm512_sub_epi32(dots[r], _mm512_set1_epi32(8 * *sum0.add(bi))),
+                Int8Format::Q8_0 => {
+                    _mm512_sub_epi32(dots[r], _mm512_set1_epi32(128 * *sum0.add(bi)))
+                }
+                Int8Format::Q4_1 => dots[r],
+            };
+            let s = _mm512_mul_ps(dw, _mm512_set1_ps(*d0.add(bi)));
+            acc[r] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(dot), acc[r]);
             if format == Int8Format::Q4_1 {
-                *a = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.ds[bi]), *a);
+                acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(*ds0.add(bi)), acc[r]);
             }
         }
     }

@@ -37,6 +37,12 @@ pub fn attend(
     {
         // SAFETY: the CPU supports the instruction set (checked when the backend was built)
         // and the bounds were asserted above.
+        if isa == Isa::Avx512 && hd == 64 {
+            return unsafe { x86::attend_avx512_regs::<4>(q, kv, scale, scores, out) };
+        }
+        if isa == Isa::Avx512 && hd == 128 {
+            return unsafe { x86::attend_avx512_regs::<8>(q, kv, scale, scores, out) };
+        }
         if isa == Isa::Avx512 && hd.is_multiple_of(16) {
             return unsafe { x86::attend_avx512(q, kv, scale, scores, out) };
         }
@@ -86,6 +92,68 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::{softmax_weights, KvSlice};
+
+    /// Keys scored together (independent dependency chains).
+    const KEYS: usize = 4;
+
+    /// `attend_avx512` for a head of `16 · C` values with the query and the output held in
+    /// registers and `KEYS` keys scored at a time; every score and every output lane takes
+    /// the same operations in the same order, so the results are the same bits.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub unsafe fn attend_avx512_regs<const C: usize>(
+        q: &[f32],
+        kv: KvSlice<'_>,
+        scale: f32,
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) {
+        debug_assert!(q.len() == 16 * C && out.len() == 16 * C);
+        let mut qv = [_mm512_setzero_ps(); C];
+        for (c, v) in qv.iter_mut().enumerate() {
+            *v = _mm512_loadu_ps(q.as_ptr().add(16 * c));
+        }
+        let base = kv.k.as_ptr().add(kv.start * kv.kv_dim + kv.head_off);
+        let n = scores.len();
+        let mut s = 0;
+        while s + KEYS <= n {
+            let mut acc = [_mm512_setzero_ps(); KEYS];
+            for (c, qc) in qv.iter().enumerate() {
+                for (u, a) in acc.iter_mut().enumerate() {
+                    let key = base.add((s + u) * kv.kv_dim + 16 * c);
+                    *a = _mm512_fmadd_ps(*qc, _mm512_loadu_ps(key), *a);
+                }
+            }
+            for (u, a) in acc.iter().enumerate() {
+                scores[s + u] = _mm512_reduce_add_ps(*a) * scale;
+            }
+            s += KEYS;
+        }
+        for (j, sc) in scores.iter_mut().enumerate().skip(s) {
+            let mut acc = _mm512_setzero_ps();
+            for (c, qc) in qv.iter().enumerate() {
+                let key = base.add(j * kv.kv_dim + 16 * c);
+                acc = _mm512_fmadd_ps(*qc, _mm512_loadu_ps(key), acc);
+            }
+            *sc = _mm512_reduce_add_ps(acc) * scale;
+        }
+        if n == 0 {
+            out.fill(0.0);
+            return;
+        }
+        let inv = 1.0 / softmax_weights(scores);
+        let vbase = kv.v.as_ptr().add(kv.start * kv.kv_dim + kv.head_off);
+        let mut o = [_mm512_setzero_ps(); C];
+        for (j, &p) in scores.iter().enumerate() {
+            let (pv, val) = (_mm512_set1_ps(p), vbase.add(j * kv.kv_dim));
+            for (c, oc) in o.iter_mut().enumerate() {
+                *oc = _mm512_fmadd_ps(pv, _mm512_loadu_ps(val.add(16 * c)), *oc);
+            }
+        }
+        let iv = _mm512_set1_ps(inv);
+        for (c, oc) in o.iter().enumerate() {
+            _mm512_storeu_ps(out.as_mut_ptr().add(16 * c), _mm512_mul_ps(*oc, iv));
+        }
+    }
 
     #[target_feature(enable = "avx512f,avx2,fma")]
     pub unsafe fn attend_avx512(
@@ -236,6 +304,50 @@ mod tests {
             attend(isa, &q, kv, 0.2, &mut scores, &mut out);
             for (g, w) in out.iter().zip(&want) {
                 assert!((*g as f64 - w).abs() < 1e-5, "{isa}: {g} vs {w}");
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn register_kernels_give_the_bits_of_the_generic_avx512_kernel() {
+        if Isa::detect() != Isa::Avx512 {
+            eprintln!("skipped: this CPU has no AVX-512F");
+            return;
+        }
+        for hd in [64usize, 128] {
+            let kv_dim = 2 * hd;
+            let n = 41;
+            let k: Vec<f32> = (0..n * kv_dim)
+                .map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0)
+                .collect();
+            let v: Vec<f32> = (0..n * kv_dim)
+                .map(|i| ((i * 53 % 97) as f32 / 48.0) - 1.0)
+                .collect();
+            let q: Vec<f32> = (0..hd).map(|i| (i as f32 * 0.3).sin()).collect();
+            for (start, end) in [(0, 0), (2, 3), (1, 5), (0, 8), (3, 40)] {
+                let kv = KvSlice {
+                    k: &k,
+                    v: &v,
+                    kv_dim,
+                    head_off: hd,
+                    start,
+                    end,
+                };
+                let mut want = vec![f32::NAN; hd];
+                let mut got = vec![f32::NAN; hd];
+                let mut sc = vec![0f32; end - start];
+                // SAFETY: AVX-512F was detected; the slices are in bounds.
+                unsafe {
+                    x86::attend_avx512(&q, kv, 0.125, &mut sc, &mut want);
+                    if hd == 64 {
+                        x86::attend_avx512_regs::<4>(&q, kv, 0.125, &mut sc, &mut got);
+                    } else {
+                        x86::attend_avx512_regs::<8>(&q, kv, 0.125, &mut sc, &mut got);
+                    }
+                }
+                let bits = |o: &[f32]| o.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "hd {hd}, keys {start}..{end}");
             }
         }
     }
