@@ -212,9 +212,19 @@ unsafe fn tile<D: Decode, const MR: usize, const NR: usize>(
     k_groups: usize,
     out: *mut f32,
     out_stride: usize,
+    ahead: &[u8],
 ) {
+    // The bytes of a later tile are prefetched a few lines per group, spread over this tile
+    // (a burst of prefetches at the start of a tile stalls on the full miss buffers).
+    let per_group = ahead.len().div_ceil(64 * k_groups.max(1));
     let mut acc = [[_mm512_setzero_ps(); NR]; MR];
     for g in 0..k_groups {
+        for l in 0..per_group {
+            let off = 64 * (g * per_group + l);
+            if off < ahead.len() {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.as_ptr().add(off) as *const i8);
+            }
+        }
         let mut xv = [[_mm512_setzero_ps(); 2]; MR];
         for (i, xi) in xv.iter_mut().enumerate() {
             let p = x.add(i * x_stride + g * 32);
@@ -249,12 +259,14 @@ unsafe fn run_streaming<D: Decode>(
     out_stride: usize,
 ) {
     const NR: usize = 4;
-    const PREFETCH_TILES: usize = 1;
+    /// How many tiles ahead the weights are prefetched.
+    const PREFETCH_TILES: usize = 2;
     let mut j = 0;
     while j < n {
-        super::prefetch_rows(w, row_bytes, j + PREFETCH_TILES * NR, NR, n);
         let full = n - j >= NR;
         let wj = w.add(j * row_bytes);
+        let (a, b) = ((j + PREFETCH_TILES * NR).min(n), (j + (PREFETCH_TILES + 1) * NR).min(n));
+        let ahead = std::slice::from_raw_parts(w.add(a * row_bytes), (b - a) * row_bytes);
         let mut i = 0;
         while i < m {
             let mr = (m - i).min(4);
@@ -262,7 +274,9 @@ unsafe fn run_streaming<D: Decode>(
             let oi = out.add(i * out_stride + j);
             macro_rules! go {
                 ($mr:literal, $nr:literal) => {
-                    tile::<D, $mr, $nr>(xi, x_stride, wj, row_bytes, k_groups, oi, out_stride)
+                    tile::<D, $mr, $nr>(
+                        xi, x_stride, wj, row_bytes, k_groups, oi, out_stride, ahead,
+                    )
                 };
             }
             match (mr, full) {
@@ -366,10 +380,21 @@ unsafe fn run_panel<D: Decode>(
     let mut j = 0;
     while j < n {
         let nr = (n - j).min(NR);
-        super::prefetch_rows(w, row_bytes, j + NR, NR, n);
+        // The tile after next is prefetched a few lines per decoded group (see `tile`).
+        let (a, b) = ((j + 2 * NR).min(n), (j + 3 * NR).min(n));
+        let ahead = w.add(a * row_bytes);
+        let ahead_len = (b - a) * row_bytes;
+        let per_group = ahead_len.div_ceil(64 * (nr * k_groups).max(1));
+        let mut line = 0;
         for r in 0..nr {
             let row = w.add((j + r) * row_bytes);
             for g in 0..k_groups {
+                for _ in 0..per_group {
+                    if 64 * line < ahead_len {
+                        _mm_prefetch::<_MM_HINT_T0>(ahead.add(64 * line) as *const i8);
+                    }
+                    line += 1;
+                }
                 let v = D::decode(row, g);
                 _mm512_storeu_ps(panel.add(r * k + 32 * g), v[0]);
                 _mm512_storeu_ps(panel.add(r * k + 32 * g + 16), v[1]);
