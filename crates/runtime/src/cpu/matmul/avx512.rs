@@ -265,7 +265,10 @@ unsafe fn run_streaming<D: Decode>(
     while j < n {
         let full = n - j >= NR;
         let wj = w.add(j * row_bytes);
-        let (a, b) = ((j + PREFETCH_TILES * NR).min(n), (j + (PREFETCH_TILES + 1) * NR).min(n));
+        let (a, b) = (
+            (j + PREFETCH_TILES * NR).min(n),
+            (j + (PREFETCH_TILES + 1) * NR).min(n),
+        );
         let ahead = std::slice::from_raw_parts(w.add(a * row_bytes), (b - a) * row_bytes);
         let mut i = 0;
         while i < m {
