@@ -11,7 +11,7 @@
 //! The slices come from one process-wide arena: chunks of [`CHUNK`] bytes, a larger request
 //! getting a chunk of its own. A chunk is unmapped when its last slice is dropped.
 
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 
 /// Bytes per shared chunk.
 const CHUNK: usize = 32 << 20;
@@ -68,8 +68,11 @@ impl Chunk {
     }
 }
 
-/// The shared chunk being filled and its first free byte.
-static CURRENT: OnceLock<Mutex<Option<(Arc<Chunk>, usize)>>> = OnceLock::new();
+/// A chunk being filled and its first free byte.
+type Filling = Option<(Arc<Chunk>, usize)>;
+
+/// The shared chunk being filled.
+static CURRENT: Mutex<Filling> = Mutex::new(None);
 
 /// An immutable, 64-byte aligned byte buffer on huge pages where the system allows.
 pub struct HugeBytes {
@@ -112,10 +115,7 @@ fn reserve(len: usize) -> (Arc<Chunk>, usize) {
     if len > CHUNK / 4 {
         return (Arc::new(Chunk::new(len.next_multiple_of(HUGE_PAGE))), 0);
     }
-    let mut cur = CURRENT
-        .get_or_init(|| Mutex::new(None))
-        .lock()
-        .unwrap_or_else(|e| e.into_inner());
+    let mut cur = CURRENT.lock().unwrap_or_else(|e| e.into_inner());
     if let Some((chunk, used)) = cur.as_mut() {
         let off = used.next_multiple_of(ALIGN);
         if off + len <= chunk.len {
