@@ -277,18 +277,19 @@ def generate_loop(engine: Engine, source, eos: Sequence[int], should_stop, prefi
         free.append(i)
         st["rows_done"] += 1
 
-    def take(i: int, toks) -> None:
+    def take(i: int, toks: np.ndarray) -> None:
         r = rows[i]
-        for t in toks:
-            t = int(t)
-            r.resp.append(t)
-            st["new_tokens"] += 1
-            if t in eos_set:
-                finish_row(i, True)
-                return
-            if len(r.resp) >= r.max_new or len(r.prompt) + len(r.resp) >= r.limit:
-                finish_row(i, False)
-                return
+        room = min(len(toks), r.max_new - len(r.resp), r.limit - len(r.prompt) - len(r.resp))
+        seg = toks[:room]
+        hit = np.flatnonzero(np.isin(seg, eos_set))
+        if hit.size:
+            seg = seg[:hit[0] + 1]
+        r.resp.extend(seg.tolist())
+        st["new_tokens"] += len(seg)
+        if hit.size:
+            finish_row(i, True)
+        elif len(r.resp) >= r.max_new or len(r.prompt) + len(r.resp) >= r.limit:
+            finish_row(i, False)
 
     while True:
         stop = should_stop()
@@ -320,7 +321,7 @@ def generate_loop(engine: Engine, source, eos: Sequence[int], should_stop, prefi
                 for s, g, t in zip(slots, grp, first):
                     job, prompt, max_new, sampled = g
                     rows[s] = Row(job, prompt, max_new, limit_len, sampled)
-                    take(s, [t])
+                    take(s, np.array([t]))
                 j += n
         active = [i for i in range(B) if rows[i] is not None]
         if not active:

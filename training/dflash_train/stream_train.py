@@ -265,7 +265,8 @@ def main(argv=None):
     tr.drafter.train()
 
     def save_stable():
-        snap_uses = dict(data.uses)
+        with data.lock:
+            snap_uses = dict(data.uses)
         torch.save({"drafter": tr.drafter.state_dict(), "opt": tr.opt.state_dict(), "state": dict(tr.state),
                     "use_cid": np.array(list(snap_uses.keys()), dtype=np.int64),
                     "use_n": np.array(list(snap_uses.values()), dtype=np.int64), "calls": calls},
