@@ -64,18 +64,22 @@ TARGET="${TARGET[0]}"
 CONVS="$W/stage/train_convs.jsonl.gz"
 EVALS=("$W"/stage/eval/*.jsonl)
 
+# bf16/fp32 greedy agreement, once per machine, on the training GPU while the first shard is made
+# (the first call generates in fp32; later calls use bf16 when the agreement is >= AGREE_MIN)
+AGREE_PID=
+if [ ! -f "$W/agree.json" ]; then
+  ( CUDA_VISIBLE_DEVICES=$(( NGPU - 1 )) timeout 200 python3 -m dflash_train.bench_gen agree --target "$TARGET" \
+      --convs "$CONVS" --n 100 --n-hf 8 2>&1 | grep -v "it/s]" > "$OUTDIR/agree.log"; \
+    tail -1 "$OUTDIR/agree.log" > "$W/agree.json" ) &
+  AGREE_PID=$!
+fi
 if [ -z "${GEN_DTYPE:-}" ]; then
-  if [ ! -f "$W/agree.json" ]; then
-    timeout 150 python3 -m dflash_train.bench_gen agree --target "$TARGET" --convs "$CONVS" --n 100 --n-hf 8 \
-      2>&1 | grep -v "it/s]" | tee "$OUTDIR/agree.log" | tail -1 > "$W/agree.json.tmp" && mv "$W/agree.json.tmp" "$W/agree.json"
-  fi
   GEN_DTYPE=$(python3 -c "
-import json,sys
-try: a=json.load(open('$W/agree.json'))['bf16_teacher_forced_argmax_agreement']
-except Exception: a=0
+import json
+try: a = json.load(open('$W/agree.json'))['bf16_teacher_forced_argmax_agreement']
+except Exception: a = 0
 print('bfloat16' if a >= $AGREE_MIN else 'float32')")
 fi
-cp -f "$W/agree.json" "$OUTDIR/" 2>/dev/null
 log "generator dtype $GEN_DTYPE"
 
 TGPU=$(( NGPU > 1 ? NGPU - 1 : 0 ))
@@ -101,6 +105,8 @@ log "trainer exit ${PIPESTATUS[0]}"
 grep -v "^step " "$W/train_stdout.log" | tail -n 40; grep "^step " "$W/train_stdout.log" | awk 'NR % 10 == 0' | tail -n 30
 wait $GEN_PID
 log "generator exit $?"
+[ -n "$AGREE_PID" ] && wait $AGREE_PID
+cp -f "$W/agree.json" "$OUTDIR/" 2>/dev/null
 if [ -n "$KD_PID" ]; then
   wait $KD_PID
   log "distillation trainer: $(grep -h "end of call" "$W/train_kd/train_log.txt" | tail -1)"
