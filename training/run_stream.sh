@@ -52,6 +52,34 @@ NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv,noheader | tee -a "$OUTDIR/driver.log"
 log "mode $MODE, $NGPU GPU(s), torch $(python3 -c 'import torch; print(torch.__version__)')"
 
+if [ "$MODE" = "eval" ]; then
+  # engine measurements of the best drafter: `dflash eval` tau (MT-Bench, held-out prompts; T 0/1;
+  # block 16/8) and `dflash bench` AR vs DFlash. Needs a CUDA build carried in $IN/*/dflash.
+  BIN=("$IN"/*/dflash); BIN="${BIN[0]}"; chmod +x "$BIN"
+  [ -f "$HERE/cuda_env.sh" ] && source "$HERE/cuda_env.sh"
+  M=("$W"/stage/*.gguf); M="${M[0]}"
+  D="$W/$(cat "$W/best_run.txt" 2>/dev/null || echo train)/best"
+  E="$W/engine"; mkdir -p "$E"
+  log "eval of $D with $BIN"
+  for spec in "mt-bench mt_bench_first_turns.jsonl 80" "sharegpt-heldout sharegpt_heldout.jsonl 20"; do
+    set -- $spec
+    for T in 0 1; do for BS in 16 8; do
+      [ "$(left)" -lt 40 ] && { log "out of time"; break 3; }
+      timeout $(( $(left) - 20 )) "$BIN" eval --prompts "$W/stage/eval/$2" --limit "$3" -m "$M" --device cuda \
+        --draft "$D" --block-size "$BS" --temperature "$T" --seed 1 --max-tokens 256 --batch 4 \
+        --output-format json > "$E/eval_$1_T${T}_B${BS}.json" 2> "$E/eval_$1_T${T}_B${BS}.err"
+      log "eval $1 T=$T B=$BS rc $?: $(python3 -c "import json,sys; d=json.load(open('$E/eval_$1_T${T}_B${BS}.json')); print({k: d.get(k) for k in ('tau', 'tokens', 'rounds')})" 2>&1 | tail -1)"
+    done; done
+  done
+  for r in 1 2; do
+    [ "$(left)" -lt 60 ] && break
+    "$BIN" bench -m "$M" --device cuda --no-draft -n 128 -r 3 2>&1 | tail -4 | tee -a "$E/bench.txt"
+    "$BIN" bench -m "$M" --device cuda --draft "$D" --block-size 16 -n 128 -r 3 2>&1 | tail -4 | tee -a "$E/bench.txt"
+  done
+  tar -czf "$OUTDIR/engine.tgz" -C "$W" engine
+  log "eval done"; exit 0
+fi
+
 if [ "$MODE" = "bench" ]; then
   timeout $(( $(left) - 10 )) python3 -m dflash_train.bench_gen throughput --check-graphs ${BENCH_ARGS:-} 2>&1 \
     | grep -v "it/s]" | tee "$OUTDIR/bench_gen.log"
