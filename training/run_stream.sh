@@ -63,7 +63,7 @@ if [ "$MODE" = "eval" ]; then
   log "eval of $D with $BIN"
   for spec in "mt-bench mt_bench_first_turns.jsonl 80" "sharegpt-heldout sharegpt_heldout.jsonl 20"; do
     set -- $spec
-    for T in 0 1; do for BS in 16 8; do
+    for T in 0 1; do for BS in ${EVAL_BLOCKS:-16 8}; do
       [ "$(left)" -lt 40 ] && { log "out of time"; break 3; }
       timeout $(( $(left) - 20 )) "$BIN" eval --prompts "$W/stage/eval/$2" --limit "$3" -m "$M" --device cuda \
         --draft "$D" --block-size "$BS" --temperature "$T" --seed 1 --max-tokens 256 --batch 4 \
@@ -71,8 +71,8 @@ if [ "$MODE" = "eval" ]; then
       log "eval $1 T=$T B=$BS rc $?: $(python3 -c "import json,sys; d=json.load(open('$E/eval_$1_T${T}_B${BS}.json')); print({k: d.get(k) for k in ('tau', 'tokens', 'rounds')})" 2>&1 | tail -1)"
     done; done
   done
-  for r in 1 2; do
-    [ "$(left)" -lt 60 ] && break
+  for r in 1; do
+    [ "$(left)" -lt 30 ] && break
     "$BIN" bench -m "$M" --device cuda --no-draft -n 128 -r 3 2>&1 | tail -4 | tee -a "$E/bench.txt"
     "$BIN" bench -m "$M" --device cuda --draft "$D" --block-size 16 -n 128 -r 3 2>&1 | tail -4 | tee -a "$E/bench.txt"
   done
@@ -125,7 +125,7 @@ if [ "$NGPU" -gt 1 ] && [ "$KD_ALPHA" != "0" ]; then
 fi
 ( python3 -m dflash_train.gen_data --target "$TARGET" --convs "$CONVS" --eval "${EVALS[@]}" \
     --out-dir "$W/data" --time-limit-s $(( BUDGET - 40 )) --dtype "$GEN_DTYPE" --device cuda:0 \
-    --kv-gib "$KV" --slice-size 512 --max-inflight-slices 8 ${GEN_ARGS:-} 2>&1 | grep -v "it/s]" > "$W/gen_stdout.log" ) &
+    --kv-gib "$KV" --slice-size 256 --max-inflight-slices 16 ${GEN_ARGS:-} 2>&1 | grep -v "it/s]" > "$W/gen_stdout.log" ) &
 GEN_PID=$!
 python3 -m dflash_train.stream_train --target "$TARGET" --data-dir "$W/data" --work "$W/train" \
     --time-limit-s "$BUDGET" --device "cuda:$TGPU" --log-every 50 ${TRAIN_ARGS:-} 2>&1 | grep -v "it/s]" > "$W/train_stdout.log"
@@ -134,7 +134,7 @@ grep -v "^step " "$W/train_stdout.log" | tail -n 40; grep "^step " "$W/train_std
 wait $GEN_PID
 log "generator exit $?"
 [ -n "$AGREE_PID" ] && wait $AGREE_PID
-cp -f "$W/agree.json" "$OUTDIR/" 2>/dev/null
+cp -f "$W/agree.json" "$W/train/" 2>/dev/null
 if [ -n "$KD_PID" ]; then
   wait $KD_PID
   log "distillation trainer: $(grep -h "end of call" "$W/train_kd/train_log.txt" | tail -1)"
@@ -142,9 +142,8 @@ fi
 
 # ---------------------------------------------------------------- results
 cd "$W"
-tail -n 400 gen_stdout.log > "$OUTDIR/gen.log"
-cat data/gen_log.txt >> "$OUTDIR/gen.log" 2>/dev/null
-SAMPLE=$(ls -S data/conv_*.npz 2>/dev/null | grep -v _part | tail -1)
+cp data/gen_log.txt "$OUTDIR/gen.log" 2>/dev/null
+SAMPLE=$(ls -S data/conv_*.npz 2>/dev/null | grep -v _part | tail -n 2 | head -n 1)
 # the best export over both runs (walk tau), both runs' logs
 BEST=$(python3 -c "
 import json, os
@@ -154,7 +153,7 @@ print(max(b)[1] if b else 'train')")
 log "best walk tau: $BEST"
 echo "$BEST" > "$W/best_run.txt"
 LOGS=(); for d in train train_kd; do for f in $d/train_log.txt $d/train_log.jsonl $d/summary_call*.json $d/best.json; do [ -e "$f" ] && LOGS+=("$f"); done; done
-tar -czf "$W/bundle.tgz" "${LOGS[@]}" "$BEST/best" best_run.txt agree.json ${SAMPLE:+$SAMPLE} data/state.json 2>/dev/null
+tar -czf "$W/bundle.tgz" "${LOGS[@]}" "$BEST/best" best_run.txt agree.json gen_stdout.log ${SAMPLE:+$SAMPLE} data/state.json 2>/dev/null
 rm -f "$OUTDIR"/bundle.tgz.part-*
 split -b 15M -a 2 "$W/bundle.tgz" "$OUTDIR/bundle.tgz.part-"
 du -sh data; ls data | wc -l

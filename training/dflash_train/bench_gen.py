@@ -96,7 +96,7 @@ def cmd_throughput(args):
         torch.cuda.empty_cache()
         big = args.batch_bf16 if dt == torch.bfloat16 else args.batch_fp32
         eng = Engine(w, batch=big, max_len=1024, steps=args.steps)
-        n = big * 3
+        n = big * 2
         ps = [rng.integers(100, 40000, size=int(rng.integers(64, 192))).tolist() for _ in range(n)]
         news = rng.integers(32, 512, size=n).tolist()
         fast_throughput(eng, ps[:big], [64] * big)  # warm-up

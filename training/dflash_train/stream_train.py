@@ -198,7 +198,7 @@ def add_args(ap: argparse.ArgumentParser):
     g = ap.add_argument_group("streaming")
     g.add_argument("--data-dir", required=True)
     g.add_argument("--work", required=True, help="stable state, logs, exports")
-    g.add_argument("--decay-s", type=float, default=90)
+    g.add_argument("--decay-s", type=float, default=60)
     g.add_argument("--warmup-steps", type=int, default=200)
     g.add_argument("--kd-alpha", type=float, default=0.0, help="distillation weight (0 = CE only)")
     g.add_argument("--val-frac", type=float, default=0.02)
