@@ -121,19 +121,21 @@ def cmd_agree(args):
     torch.backends.cuda.matmul.allow_tf32 = False
     tok = load_tokenizer(args.target)
     convs = read_jsonl(args.convs)[:args.n]
-    prompts = [chat_prompt_ids(tok, [{"role": "user", "content": c["turns"][0]}])[:512] for c in convs]
-    models = {d: load_target(args.target, None, d, "cuda") for d in ("float32", "bfloat16")}
+    prompts = [chat_prompt_ids(tok, [{"role": "user", "content": c["turns"][0]}]) for c in convs]
+    prompts = [p for p in prompts if len(p) <= 512]
+    dev = args.device
+    models = {d: load_target(args.target, None, d, dev) for d in ("float32", "bfloat16")}
     eos = eos_token_ids(models["float32"], tok)
     res: dict = {}
     outs = {}
     for dname, model in models.items():
-        w = TargetWeights(model, torch_dtype(dname), "cuda", max_positions=2048)
+        w = TargetWeights(model, torch_dtype(dname), dev, max_positions=2048)
         eng = Engine(w, batch=128, max_len=512 + args.new + 16, steps=16)
         outs[dname] = [r[0] for r in generate_list(eng, prompts, args.new, eos)]
         del eng, w
     hf = []
     for p in prompts[:args.n_hf]:
-        ids = torch.tensor([p], device="cuda")
+        ids = torch.tensor([p], device=dev)
         with torch.inference_mode():
             o = models["float32"].generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                                            max_new_tokens=args.new, do_sample=False, eos_token_id=eos,
@@ -145,7 +147,7 @@ def cmd_agree(args):
     for p, a in zip(prompts, outs["float32"]):
         if not a:
             continue
-        ids = torch.tensor([p + a], device="cuda")
+        ids = torch.tensor([p + a], device=dev)
         with torch.inference_mode():
             l32 = models["float32"](input_ids=ids).logits[0, len(p) - 1:-1].argmax(-1)
             l16 = models["bfloat16"](input_ids=ids).logits[0, len(p) - 1:-1].argmax(-1)
@@ -183,6 +185,7 @@ def main(argv=None):
     ap.add_argument("--check-graphs", action="store_true")
     ap.add_argument("--n", type=int, default=100)
     ap.add_argument("--n-hf", type=int, default=16)
+    ap.add_argument("--device", default="cuda", help="agree: where to run (cuda or cpu)")
     args = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False  # as gen_data: fp32 means fp32
     (cmd_throughput if args.mode == "throughput" else cmd_agree)(args)
