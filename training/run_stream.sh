@@ -4,14 +4,18 @@
 #   bash run_stream.sh bench   # stage the carried model part(s); generator benchmark (random-weight
 #                              # SmolLM2-shaped target: fastgen vs HF generate, bf16 and fp32)
 #   bash run_stream.sh run     # stage + assemble the target; once per machine: bf16/fp32 greedy
-#                              # agreement (picks the generator dtype); then gen_data on GPU 0 and
-#                              # stream_train on the last GPU (both on GPU 0 with one GPU) until TOTAL_S
+#                              # agreement beside the first shard (picks the dtype of later calls);
+#                              # gen_data on GPU 0 and stream_train on the last GPU (both on GPU 0
+#                              # with one GPU) until TOTAL_S; with 2+ GPUs and KD_ALPHA != 0 a second
+#                              # trainer with distillation shares GPU 0 (A/B; the best walk tau ships)
+#   bash run_stream.sh eval    # dflash eval / bench of the best drafter (carried CUDA build)
 #
 # The script may live anywhere (the device call carries it); it finds dflash_train next to itself.
 # Environment (defaults):
 #   TOTAL_S=540         whole-call budget in seconds
 #   IN=<dir>/..         where carried inputs live: */*.gguf.part-*, */*.sha256, */train_convs.jsonl.gz,
-#                       */eval/*.jsonl (evaluation prompts to keep out of the data)
+#                       */eval/*.jsonl (evaluation prompts to keep out of the data), whl/*.whl (gguf),
+#                       */dflash (a CUDA build, for mode eval)
 #   W=/root/dflash_work state kept between calls on a warm machine (stage, data, train)
 #   GEN_DTYPE=          force the generator dtype (default: bf16 if its teacher-forced greedy
 #                       agreement with fp32 is >= AGREE_MIN, else float32)
@@ -29,14 +33,19 @@ TOTAL_S="${TOTAL_S:-540}"
 AGREE_MIN="${AGREE_MIN:-0.99}"
 mkdir -p "$W/stage" "$W/data" "$W/train" "$OUTDIR"
 export PYTHONPATH="$HERE:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+# wheels carried in $IN/whl (gguf: transformers needs it to read the target; not on the image)
+if compgen -G "$IN/whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$IN"/whl/*.whl \
+    && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 log() { echo "[run_stream $(( $(date +%s) - T0 ))s] $*" | tee -a "$OUTDIR/driver.log"; }
 left() { echo $(( TOTAL_S - ( $(date +%s) - T0 ) )); }
 
 shopt -s nullglob
-for f in "$IN"/*/*.gguf.part-* "$IN"/*/*.gguf.sha256 "$IN"/*/train_convs.jsonl.gz; do cp -n "$f" "$W/stage/"; done
+for f in "$IN"/*/*.gguf.part-* "$IN"/*/*.gguf.sha256 "$IN"/*/train_convs.jsonl.gz; do cp --update=none "$f" "$W/stage/"; done
 mkdir -p "$W/stage/eval"
-for f in "$IN"/*/eval/*.jsonl; do cp -n "$f" "$W/stage/eval/"; done
+for f in "$IN"/*/eval/*.jsonl; do cp --update=none "$f" "$W/stage/eval/"; done
 for sha in "$W"/stage/*.sha256; do
   name="$(basename "$sha" .sha256)"
   [ -f "$W/stage/$name" ] && continue
@@ -98,7 +107,8 @@ AGREE_PID=
 if [ ! -f "$W/agree.json" ]; then
   ( CUDA_VISIBLE_DEVICES=$(( NGPU - 1 )) timeout 200 python3 -m dflash_train.bench_gen agree --target "$TARGET" \
       --convs "$CONVS" --n 100 --n-hf 8 2>&1 | grep -v "it/s]" > "$OUTDIR/agree.log"; \
-    tail -1 "$OUTDIR/agree.log" > "$W/agree.json" ) &
+    tail -1 "$OUTDIR/agree.log" | python3 -c "import json, sys; json.loads(sys.stdin.read())" 2>/dev/null \
+      && tail -1 "$OUTDIR/agree.log" > "$W/agree.json" ) &
   AGREE_PID=$!
 fi
 if [ -z "${GEN_DTYPE:-}" ]; then
