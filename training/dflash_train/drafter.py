@@ -304,6 +304,18 @@ def _ce_chunk(h, w_head, labels):
     return ce, logits.argmax(-1)
 
 
+def _ce_kd_chunk(h, w_head, labels, h_target, kd_alpha: float):
+    """(1 - a) * CE + a * KL(p_target || q_drafter) per row, and the drafter's argmax.
+    ``h_target``: the target's final normed hidden state at the position that predicts the
+    label (so ``p_target`` is the target's own next-token distribution there)."""
+    logits = F.linear(h, w_head).float()
+    logq = F.log_softmax(logits, dim=-1)
+    ce = -logq.gather(1, labels[:, None])[:, 0]
+    logp = F.log_softmax(F.linear(h_target, w_head).float(), dim=-1)
+    kl = (logp.exp() * (logp - logq)).sum(-1)
+    return (1.0 - kd_alpha) * ce + kd_alpha * kl, logits.argmax(-1)
+
+
 def _ce_selector_chunk(h, w_head, labels, preds, selector):
     """Unary CE plus the selector's teacher-forced CE over the unary top-k (as the
     reference trainer computes it): candidates = top-k of the logits; the
@@ -324,7 +336,8 @@ def _ce_selector_chunk(h, w_head, labels, preds, selector):
 
 def block_loss(drafter: DFlashDrafter, emb_w: torch.Tensor, head_w: torch.Tensor,
                target_feats: torch.Tensor, batch: dict, chunk_rows: int = 8192,
-               checkpoint_ce: bool = True, selector_alpha: float = 1.0, stats: Optional[dict] = None):
+               checkpoint_ce: bool = True, selector_alpha: float = 1.0, stats: Optional[dict] = None,
+               target_final: Optional[torch.Tensor] = None, kd_alpha: float = 0.0):
     """Weighted block CE for a collated batch (torch tensors on the device).
 
     Returns (loss, correct [b,N,B] bool, weights [b,N,B]).  Only rows with
@@ -336,6 +349,10 @@ def block_loss(drafter: DFlashDrafter, emb_w: torch.Tensor, head_w: torch.Tensor
     teacher-forced pick, and ``stats`` (when given) receives the selector loss
     (per covered weight) and the coverage (share of weight whose target is a
     candidate).
+
+    Distillation (``kd_alpha`` > 0 with ``target_final`` [b, S, H], the target's final normed
+    hidden states): each row's loss is (1 - kd_alpha) * CE + kd_alpha * KL(p || q), p the
+    target's distribution at position a + k - 1 (the one that predicts the slot's label).
     """
     block_ids = batch["block_ids"]
     b, n, bs = block_ids.shape
@@ -353,6 +370,12 @@ def block_loss(drafter: DFlashDrafter, emb_w: torch.Tensor, head_w: torch.Tensor
         s_len = batch["input_ids"].shape[1]
         prev_pos = (batch["block_pos"] - 1).clamp(0, s_len - 1).view(b, n * bs)
         prev_ids = batch["input_ids"].gather(1, prev_pos).view(-1).index_select(0, sel)
+    kd = kd_alpha > 0 and target_final is not None and selector is None
+    if kd:
+        s_len = batch["input_ids"].shape[1]
+        tpos = (batch["block_pos"].view(b, n * bs) - 1).clamp(0, s_len - 1)
+        tpos = tpos + torch.arange(b, device=tpos.device)[:, None] * s_len
+        ht_all = target_final.reshape(b * s_len, -1).index_select(0, tpos.reshape(-1).index_select(0, sel))
     tot = torch.zeros((), device=h.device, dtype=torch.float32)
     sel_tot = torch.zeros((), device=h.device, dtype=torch.float32)
     cov_w = torch.zeros((), device=h.device, dtype=torch.float32)
@@ -369,6 +392,12 @@ def block_loss(drafter: DFlashDrafter, emb_w: torch.Tensor, head_w: torch.Tensor
                 ce, _, sce, cov, pr = _ce_selector_chunk(*args)
             sel_tot = sel_tot + (sce * wc * cov).sum()
             cov_w = cov_w + (wc * cov).sum()
+        elif kd:
+            args = (hc, head_w, lc, ht_all[st:st + chunk_rows].to(hc.dtype), kd_alpha)
+            if checkpoint_ce and hc.requires_grad:
+                ce, pr = torch.utils.checkpoint.checkpoint(_ce_kd_chunk, *args, use_reentrant=False)
+            else:
+                ce, pr = _ce_kd_chunk(*args)
         elif checkpoint_ce and hc.requires_grad:
             ce, pr = torch.utils.checkpoint.checkpoint(_ce_chunk, hc, head_w, lc, use_reentrant=False)
         else:

@@ -105,3 +105,62 @@ def done_prompt_indices(dirs: Iterable[str]) -> set:
         with np.load(p, allow_pickle=False) as z:
             done.update(int(x) for x in z["prompt_idx"])
     return done
+
+
+# ---------------------------------------------------------------------------- conversation shards
+# gen_data.py writes one record per conversation: the whole token sequence (chat template, user
+# turns, the target's answers) and the [start, end) spans of the target's answers (the loss
+# mask).  Arrays: tokens, offsets [n+1], spans int32 [m, 2], span_offsets [n+1], conv_id int64,
+# sampled uint8 (T=1 answers), finished uint8 (last answer ended with EOS), magpie uint8, meta.
+def write_conv_shard(path: str, records: Sequence[dict], meta: Optional[Dict] = None) -> int:
+    """records: dicts with ids, spans [(s, e)], cid, sampled, finished, magpie.  Atomic."""
+    lens = np.array([len(r["ids"]) for r in records], dtype=np.int64)
+    offsets = np.zeros(len(records) + 1, dtype=np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    nsp = np.array([len(r["spans"]) for r in records], dtype=np.int64)
+    span_off = np.zeros(len(records) + 1, dtype=np.int64)
+    np.cumsum(nsp, out=span_off[1:])
+    spans = np.array([s for r in records for s in r["spans"]], dtype=np.int32).reshape(-1, 2)
+    tokens = (np.concatenate([np.asarray(r["ids"], dtype=np.int64) for r in records])
+              if records else np.zeros(0, dtype=np.int64))
+    dtype = np.uint16 if (tokens.size == 0 or tokens.max() < 65536) else np.int32
+    tmp = path + ".tmp.npz"
+    np.savez_compressed(
+        tmp, tokens=tokens.astype(dtype), offsets=offsets, spans=spans, span_offsets=span_off,
+        conv_id=np.array([r["cid"] for r in records], dtype=np.int64),
+        sampled=np.array([bool(r["sampled"]) for r in records], dtype=np.uint8),
+        finished=np.array([bool(r["finished"]) for r in records], dtype=np.uint8),
+        magpie=np.array([bool(r["magpie"]) for r in records], dtype=np.uint8),
+        meta=np.array(json.dumps(meta or {})))
+    os.replace(tmp, path)
+    return int(tokens.size)
+
+
+def conv_shard_paths(d: str) -> List[str]:
+    if not os.path.isdir(d):
+        return []
+    return sorted(p for p in glob.glob(os.path.join(d, "conv_*.npz")) if not p.endswith(".tmp.npz"))
+
+
+def read_conv_shard(path: str, max_len: Optional[int] = None) -> List[dict]:
+    """-> [{ids int64, loss_mask bool, first_span (s, e), cid, sampled, finished, magpie}];
+    sequences are cut at ``max_len``; records without a response token left are dropped."""
+    out = []
+    with np.load(path, allow_pickle=False) as z:
+        tok = z["tokens"].astype(np.int64)
+        off, spans, soff = z["offsets"], z["spans"], z["span_offsets"]
+        cid, smp, fin, mag = z["conv_id"], z["sampled"], z["finished"], z["magpie"]
+    for i in range(cid.shape[0]):
+        ids = tok[off[i]:off[i + 1]]
+        if max_len is not None and ids.size > max_len:
+            ids = ids[:max_len]
+        lm = np.zeros(ids.size, dtype=bool)
+        sp = spans[soff[i]:soff[i + 1]]
+        for s, e in sp:
+            lm[s:min(e, ids.size)] = True
+        if lm.sum() < 2 or not len(sp):
+            continue
+        out.append({"ids": ids, "loss_mask": lm, "first_span": (int(sp[0][0]), int(sp[0][1])),
+                    "cid": int(cid[i]), "sampled": bool(smp[i]), "finished": bool(fin[i]),
+                    "magpie": bool(mag[i])})
+    return out

@@ -126,8 +126,12 @@ class _StopForward(Exception):
 
 @torch.no_grad()
 def target_features(model, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                    layer_ids: Sequence[int], early_exit: bool = True) -> torch.Tensor:
-    """[b, S, K*H]: concat of the tapped layer outputs in ``layer_ids`` order."""
+                    layer_ids: Sequence[int], early_exit: bool = True, return_final: bool = False):
+    """[b, S, K*H]: concat of the tapped layer outputs in ``layer_ids`` order.  With
+    ``return_final`` the whole stack runs and ``(features, final normed hidden [b, S, H])``
+    is returned (the lm_head input: the target's next-token distribution at every position)."""
+    if return_final:
+        early_exit = False
     layers = decoder_layers(model)
     got: Dict[int, torch.Tensor] = {}
     last = max(layer_ids)
@@ -143,14 +147,17 @@ def target_features(model, input_ids: torch.Tensor, attention_mask: Optional[tor
 
     for l in sorted(set(layer_ids)):
         handles.append(layers[l].register_forward_hook(make_hook(l)))
+    final = None
     try:
-        base_model(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        out = base_model(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        final = out.last_hidden_state
     except _StopForward:
         pass
     finally:
         for h in handles:
             h.remove()
-    return torch.cat([got[l] for l in layer_ids], dim=-1)
+    feats = torch.cat([got[l] for l in layer_ids], dim=-1)
+    return (feats, final) if return_final else feats
 
 
 # Preferred mask tokens, in order: a real <|MASK|>-like token if the vocab has one,

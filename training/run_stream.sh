@@ -1,0 +1,170 @@
+#!/usr/bin/env bash
+# Generate-and-train driver for the GPU machine (streaming pipeline, see training/README.md).
+#
+#   bash run_stream.sh bench   # stage the carried model part(s); generator benchmark (random-weight
+#                              # SmolLM2-shaped target: fastgen vs HF generate, bf16 and fp32)
+#   bash run_stream.sh run     # stage + assemble the target; once per machine: bf16/fp32 greedy
+#                              # agreement beside the first shard (picks the dtype of later calls);
+#                              # gen_data on GPU 0 and stream_train on the last GPU (both on GPU 0
+#                              # with one GPU) until TOTAL_S; with 2+ GPUs and KD_ALPHA != 0 a second
+#                              # trainer with distillation shares GPU 0 (A/B; the best walk tau ships)
+#   bash run_stream.sh eval    # dflash eval / bench of the best drafter (carried CUDA build)
+#
+# The script may live anywhere (the device call carries it); it finds dflash_train next to itself.
+# Environment (defaults):
+#   TOTAL_S=540         whole-call budget in seconds
+#   IN=<dir>/..         where carried inputs live: */*.gguf.part-*, */*.sha256, */train_convs.jsonl.gz,
+#                       */eval/*.jsonl (evaluation prompts to keep out of the data), whl/*.whl (gguf),
+#                       */dflash (a CUDA build, for mode eval)
+#   W=/root/dflash_work state kept between calls on a warm machine (stage, data, train)
+#   GEN_DTYPE=          force the generator dtype (default: bf16 if its teacher-forced greedy
+#                       agreement with fp32 is >= AGREE_MIN, else float32)
+#   AGREE_MIN=0.99
+#   GEN_ARGS= / TRAIN_ARGS=   extra arguments for gen_data / stream_train
+# Returned in $OUT: logs, summaries, the best export (bundle split in 15 MiB parts).
+set -uo pipefail
+T0=$(date +%s)
+MODE="${1:-run}"
+HERE="$(cd "$(dirname "$0")" && pwd)"
+IN="${IN:-$(cd "$HERE/.." && pwd)}"
+W="${W:-/root/dflash_work}"
+OUTDIR="${OUT:-$W/out}"
+TOTAL_S="${TOTAL_S:-540}"
+AGREE_MIN="${AGREE_MIN:-0.99}"
+mkdir -p "$W/stage" "$W/data" "$W/train" "$OUTDIR"
+export PYTHONPATH="$HERE:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+# wheels carried in $IN/whl (gguf: transformers needs it to read the target; not on the image)
+if compgen -G "$IN/whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$IN"/whl/*.whl \
+    && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+log() { echo "[run_stream $(( $(date +%s) - T0 ))s] $*" | tee -a "$OUTDIR/driver.log"; }
+left() { echo $(( TOTAL_S - ( $(date +%s) - T0 ) )); }
+
+shopt -s nullglob
+for f in "$IN"/*/*.gguf.part-* "$IN"/*/*.gguf.sha256 "$IN"/*/train_convs.jsonl.gz; do cp --update=none "$f" "$W/stage/"; done
+mkdir -p "$W/stage/eval"
+for f in "$IN"/*/eval/*.jsonl; do cp --update=none "$f" "$W/stage/eval/"; done
+for sha in "$W"/stage/*.sha256; do
+  name="$(basename "$sha" .sha256)"
+  [ -f "$W/stage/$name" ] && continue
+  parts=("$W/stage/$name".part-*)
+  cat "${parts[@]}" > "$W/stage/$name.tmp"
+  if [ "$(sha256sum "$W/stage/$name.tmp" | awk '{print $1}')" = "$(cat "$sha")" ]; then
+    mv "$W/stage/$name.tmp" "$W/stage/$name"; log "assembled $name"
+  else
+    rm -f "$W/stage/$name.tmp"; log "$name: parts incomplete (${#parts[@]} so far)"
+  fi
+done
+NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv,noheader | tee -a "$OUTDIR/driver.log"
+log "mode $MODE, $NGPU GPU(s), torch $(python3 -c 'import torch; print(torch.__version__)')"
+
+if [ "$MODE" = "eval" ]; then
+  # engine measurements of the best drafter: `dflash eval` tau (MT-Bench, held-out prompts; T 0/1;
+  # block 16/8) and `dflash bench` AR vs DFlash. Needs a CUDA build carried in $IN/*/dflash.
+  BIN=("$IN"/*/dflash); BIN="${BIN[0]}"; chmod +x "$BIN"
+  [ -f "$HERE/cuda_env.sh" ] && source "$HERE/cuda_env.sh"
+  M=("$W"/stage/*.gguf); M="${M[0]}"
+  D="$W/$(cat "$W/best_run.txt" 2>/dev/null || echo train)/best"
+  E="$W/engine"; mkdir -p "$E"
+  log "eval of $D with $BIN"
+  for spec in "mt-bench mt_bench_first_turns.jsonl 80" "sharegpt-heldout sharegpt_heldout.jsonl 20"; do
+    set -- $spec
+    for T in 0 1; do for BS in ${EVAL_BLOCKS:-16 8}; do
+      [ "$(left)" -lt 40 ] && { log "out of time"; break 3; }
+      timeout $(( $(left) - 20 )) "$BIN" eval --prompts "$W/stage/eval/$2" --limit "$3" -m "$M" --device cuda \
+        --draft "$D" --block-size "$BS" --temperature "$T" --seed 1 --max-tokens 256 --batch 4 \
+        --output-format json > "$E/eval_$1_T${T}_B${BS}.json" 2> "$E/eval_$1_T${T}_B${BS}.err"
+      log "eval $1 T=$T B=$BS rc $?: $(python3 -c "import json,sys; d=json.load(open('$E/eval_$1_T${T}_B${BS}.json')); print({k: d.get(k) for k in ('tau', 'tokens', 'rounds')})" 2>&1 | tail -1)"
+    done; done
+  done
+  for r in 1; do
+    [ "$(left)" -lt 30 ] && break
+    "$BIN" bench -m "$M" --device cuda --no-draft -n 128 -r 3 2>&1 | tail -4 | tee -a "$E/bench.txt"
+    "$BIN" bench -m "$M" --device cuda --draft "$D" --block-size 16 -n 128 -r 3 2>&1 | tail -4 | tee -a "$E/bench.txt"
+  done
+  tar -czf "$OUTDIR/engine.tgz" -C "$W" engine
+  log "eval done"; exit 0
+fi
+
+if [ "$MODE" = "bench" ]; then
+  timeout $(( $(left) - 10 )) python3 -m dflash_train.bench_gen throughput --check-graphs ${BENCH_ARGS:-} 2>&1 \
+    | grep -v "it/s]" | tee "$OUTDIR/bench_gen.log"
+  log "bench done"; exit 0
+fi
+
+TARGET=("$W"/stage/*.gguf)
+[ ${#TARGET[@]} -gt 0 ] || { log "no assembled target: carry both model parts"; exit 2; }
+TARGET="${TARGET[0]}"
+CONVS="$W/stage/train_convs.jsonl.gz"
+EVALS=("$W"/stage/eval/*.jsonl)
+
+# bf16/fp32 greedy agreement, once per machine, on the training GPU while the first shard is made
+# (the first call generates in fp32; later calls use bf16 when the agreement is >= AGREE_MIN)
+AGREE_PID=
+if [ ! -f "$W/agree.json" ]; then
+  ( CUDA_VISIBLE_DEVICES=$(( NGPU - 1 )) timeout 200 python3 -m dflash_train.bench_gen agree --target "$TARGET" \
+      --convs "$CONVS" --n 100 --n-hf 8 2>&1 | grep -v "it/s]" > "$OUTDIR/agree.log"; \
+    tail -1 "$OUTDIR/agree.log" | python3 -c "import json, sys; json.loads(sys.stdin.read())" 2>/dev/null \
+      && tail -1 "$OUTDIR/agree.log" > "$W/agree.json" ) &
+  AGREE_PID=$!
+fi
+if [ -z "${GEN_DTYPE:-}" ]; then
+  GEN_DTYPE=$(python3 -c "
+import json
+try: a = json.load(open('$W/agree.json'))['bf16_teacher_forced_argmax_agreement']
+except Exception: a = 0
+print('bfloat16' if a >= $AGREE_MIN else 'float32')")
+fi
+log "generator dtype $GEN_DTYPE"
+
+TGPU=$(( NGPU > 1 ? NGPU - 1 : 0 ))
+BUDGET=$(( $(left) - 45 ))
+KV=$([ "$NGPU" -gt 1 ] && echo 80 || echo 56)
+# A/B: with two GPUs, a second trainer with distillation (KD_ALPHA) shares GPU 0 with the generator
+KD_ALPHA="${KD_ALPHA:-0.5}"
+KD_PID=
+if [ "$NGPU" -gt 1 ] && [ "$KD_ALPHA" != "0" ]; then
+  mkdir -p "$W/train_kd"
+  ( python3 -m dflash_train.stream_train --target "$TARGET" --data-dir "$W/data" --work "$W/train_kd" \
+      --time-limit-s "$BUDGET" --device cuda:0 --log-every 50 --kd-alpha "$KD_ALPHA" ${TRAIN_ARGS:-} 2>&1 \
+      | grep -v "it/s]" > "$W/train_kd_stdout.log" ) &
+  KD_PID=$!
+fi
+( python3 -m dflash_train.gen_data --target "$TARGET" --convs "$CONVS" --eval "${EVALS[@]}" \
+    --out-dir "$W/data" --time-limit-s $(( BUDGET - 40 )) --dtype "$GEN_DTYPE" --device cuda:0 \
+    --kv-gib "$KV" --slice-size 256 --max-inflight-slices 16 ${GEN_ARGS:-} 2>&1 | grep -v "it/s]" > "$W/gen_stdout.log" ) &
+GEN_PID=$!
+python3 -m dflash_train.stream_train --target "$TARGET" --data-dir "$W/data" --work "$W/train" \
+    --time-limit-s "$BUDGET" --device "cuda:$TGPU" --log-every 50 ${TRAIN_ARGS:-} 2>&1 | grep -v "it/s]" > "$W/train_stdout.log"
+log "trainer exit ${PIPESTATUS[0]}"
+grep -v "^step " "$W/train_stdout.log" | tail -n 40; grep "^step " "$W/train_stdout.log" | awk 'NR % 10 == 0' | tail -n 30
+wait $GEN_PID
+log "generator exit $?"
+[ -n "$AGREE_PID" ] && wait $AGREE_PID
+cp -f "$W/agree.json" "$W/train/" 2>/dev/null
+if [ -n "$KD_PID" ]; then
+  wait $KD_PID
+  log "distillation trainer: $(grep -h "end of call" "$W/train_kd/train_log.txt" | tail -1)"
+fi
+
+# ---------------------------------------------------------------- results
+cd "$W"
+cp data/gen_log.txt "$OUTDIR/gen.log" 2>/dev/null
+SAMPLE=$(ls -S data/conv_*.npz 2>/dev/null | grep -v _part | tail -n 2 | head -n 1)
+# the best export over both runs (walk tau), both runs' logs
+BEST=$(python3 -c "
+import json, os
+b = [(json.load(open(f'$W/{d}/best.json')).get('walk_tau', 0), d) for d in ('train', 'train_kd')
+     if os.path.exists(f'$W/{d}/best.json')]
+print(max(b)[1] if b else 'train')")
+log "best walk tau: $BEST"
+echo "$BEST" > "$W/best_run.txt"
+LOGS=(); for d in train train_kd; do for f in $d/train_log.txt $d/train_log.jsonl $d/summary_call*.json $d/best.json; do [ -e "$f" ] && LOGS+=("$f"); done; done
+tar -czf "$W/bundle.tgz" "${LOGS[@]}" "$BEST/best" best_run.txt agree.json gen_stdout.log ${SAMPLE:+$SAMPLE} data/state.json 2>/dev/null
+rm -f "$OUTDIR"/bundle.tgz.part-*
+split -b 15M -a 2 "$W/bundle.tgz" "$OUTDIR/bundle.tgz.part-"
+du -sh data; ls data | wc -l
+log "packed $(du -h "$W/bundle.tgz" | cut -f1) (unpack: cat bundle.tgz.part-* | tar xz)"
