@@ -87,7 +87,10 @@ fn bad_load_flags_are_errors() {
         (vec!["--requests", "0"], "at least 1"),
         (vec!["--requests", "3", "--max-live", "0"], "at least 1"),
         (vec!["--max-live", "2"], "--requests"),
-        (vec!["--requests", "3", "--batch", "2"], "cannot be used with"),
+        (
+            vec!["--requests", "3", "--batch", "2"],
+            "cannot be used with",
+        ),
     ] {
         let mut all = vec!["bench", "--model", m, "--device", "cpu", "--no-draft"];
         all.extend(args.iter());
