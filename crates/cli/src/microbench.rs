@@ -15,7 +15,7 @@ use dflash_runtime::cpu::int8::{self, synthetic, Int8Kernel};
 use dflash_runtime::cpu::matmul;
 use dflash_runtime::cpu::peaks;
 use dflash_runtime::cpu::pool::CpuPool;
-use dflash_runtime::cpu::Isa;
+use dflash_runtime::cpu::{self, Isa};
 use dflash_runtime::{DType, HostWeight};
 use serde_json::{json, Value};
 
@@ -151,7 +151,8 @@ fn arms(dtype: DType, k: usize, n: usize, path: Option<&str>) -> Result<Vec<Arm>
         }
     }
     if path != Some("int8") {
-        v.push(Arm::F32(Isa::detect(), w));
+        // On huge pages, as the backend stores the matrices the f32 kernels stream.
+        v.push(Arm::F32(Isa::detect(), cpu::on_huge_pages(&w)));
     }
     Ok(v)
 }

@@ -5,7 +5,6 @@ use std::cell::RefCell;
 use std::sync::Arc;
 
 use super::gdn::CpuGdn;
-use super::huge::HugeBytes;
 use super::int8::{self, pack::PackedWeight, Int8Kernel};
 use super::kv::CpuKv;
 use super::matmul::{self, Isa};
@@ -13,13 +12,13 @@ use super::ops::{attention, conv, elementwise, gdn, norm, rope};
 use super::policy::{self, CpuPath, MatmulMode};
 use super::pool::{CpuPool, SyncPtr};
 use super::tensor::CpuTensor;
-use super::weight::{CpuWeight, Int8Weight};
+use super::weight::{on_huge_pages, CpuWeight, Int8Weight};
 use crate::backend::{
     Activations, AttnShape, Backend, GdnShape, RopeStyle, RowSpan, TokenMeta, WeightPath,
     WeightRole,
 };
 use crate::error::RuntimeError;
-use crate::weight::{HostWeight, WeightBytes};
+use crate::weight::HostWeight;
 
 /// Rows x columns below which element-wise ops stay on the calling thread.
 const PARALLEL_MIN_ELEMS: usize = 1 << 15;
@@ -215,12 +214,7 @@ impl Backend for CpuBackend {
         // Matrices the f32 kernels stream move to huge pages (see `huge`); embedding tables,
         // read a row at a time, and vectors stay where they are.
         let host = if int8.is_none() && role != WeightRole::Embedding && w.rows > 1 {
-            let bytes = HugeBytes::copy_of(w.bytes.as_slice());
-            let len = bytes.as_slice().len();
-            HostWeight {
-                bytes: WeightBytes::new(Arc::new(bytes), 0..len),
-                ..w.clone()
-            }
+            on_huge_pages(w)
         } else {
             w.clone()
         };

@@ -23,4 +23,4 @@ pub use kv::CpuKv;
 pub use matmul::Isa;
 pub use policy::{CpuPath, MatmulMode};
 pub use tensor::CpuTensor;
-pub use weight::{CpuWeight, Int8Weight};
+pub use weight::{on_huge_pages, CpuWeight, Int8Weight};

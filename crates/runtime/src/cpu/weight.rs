@@ -3,9 +3,10 @@
 
 use std::sync::Arc;
 
+use super::huge::HugeBytes;
 use super::int8::pack::PackedWeight;
 use super::int8::Int8Kernel;
-use crate::weight::HostWeight;
+use crate::weight::{HostWeight, WeightBytes};
 
 /// A weight on the CPU backend.
 #[derive(Clone, Debug)]
@@ -27,5 +28,16 @@ impl CpuWeight {
     /// A weight on the f32 path.
     pub fn f32(host: HostWeight) -> Self {
         Self { host, int8: None }
+    }
+}
+
+/// A copy of `w` whose bytes live on huge pages (see `huge`), as the backend stores the
+/// matrices the f32 kernels stream; the microbench times the same layout.
+pub fn on_huge_pages(w: &HostWeight) -> HostWeight {
+    let bytes = HugeBytes::copy_of(w.bytes.as_slice());
+    let len = bytes.as_slice().len();
+    HostWeight {
+        bytes: WeightBytes::new(Arc::new(bytes), 0..len),
+        ..w.clone()
     }
 }

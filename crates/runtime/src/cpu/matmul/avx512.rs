@@ -225,16 +225,18 @@ unsafe fn tile<D: Decode, const MR: usize, const NR: usize>(
                 _mm_prefetch::<_MM_HINT_T0>(ahead.as_ptr().add(off) as *const i8);
             }
         }
-        let mut xv = [[_mm512_setzero_ps(); 2]; MR];
-        for (i, xi) in xv.iter_mut().enumerate() {
-            let p = x.add(i * x_stride + g * 32);
-            *xi = [_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16))];
+        // The group's weights stay in registers while each x row's pair is loaded once:
+        // MR·NR accumulators, 2·NR weight vectors and 2 x vectors fit the 32 registers.
+        let mut wv = [[_mm512_setzero_ps(); 2]; NR];
+        for (n, wn) in wv.iter_mut().enumerate() {
+            *wn = D::decode(w.add(n * row_bytes), g);
         }
-        for n in 0..NR {
-            let wv = D::decode(w.add(n * row_bytes), g);
-            for (i, acc_i) in acc.iter_mut().enumerate() {
-                acc_i[n] = _mm512_fmadd_ps(wv[0], xv[i][0], acc_i[n]);
-                acc_i[n] = _mm512_fmadd_ps(wv[1], xv[i][1], acc_i[n]);
+        for (i, acc_i) in acc.iter_mut().enumerate() {
+            let p = x.add(i * x_stride + g * 32);
+            let xv = [_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16))];
+            for (a, wn) in acc_i.iter_mut().zip(&wv) {
+                *a = _mm512_fmadd_ps(wn[0], xv[0], *a);
+                *a = _mm512_fmadd_ps(wn[1], xv[1], *a);
             }
         }
     }
@@ -245,6 +247,9 @@ unsafe fn tile<D: Decode, const MR: usize, const NR: usize>(
     }
 }
 
+/// Weights streamed once for up to [`STREAM_MAX_M`] x rows: every decoded group feeds all
+/// rows' accumulators straight from registers (`NR` weight rows per tile: 4 for up to four x
+/// rows, 2 for five to eight, so accumulators, x and weight vectors fit the 32 registers).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn run_streaming<D: Decode>(
@@ -258,9 +263,30 @@ unsafe fn run_streaming<D: Decode>(
     out: *mut f32,
     out_stride: usize,
 ) {
-    const NR: usize = 4;
+    if m <= 4 {
+        stream_rows::<D, 4>(x, x_stride, m, w, row_bytes, n, k_groups, out, out_stride)
+    } else {
+        stream_rows::<D, 2>(x, x_stride, m, w, row_bytes, n, k_groups, out, out_stride)
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn stream_rows<D: Decode, const NR: usize>(
+    x: *const f32,
+    x_stride: usize,
+    m: usize,
+    w: *const u8,
+    row_bytes: usize,
+    n: usize,
+    k_groups: usize,
+    out: *mut f32,
+    out_stride: usize,
+) {
     /// How many tiles ahead the weights are prefetched.
     const PREFETCH_TILES: usize = 2;
+    // Eight x rows per pass with 2-row tiles, four with 4-row tiles.
+    let max_mr = 16 / NR;
     let mut j = 0;
     while j < n {
         let full = n - j >= NR;
@@ -272,26 +298,25 @@ unsafe fn run_streaming<D: Decode>(
         let ahead = std::slice::from_raw_parts(w.add(a * row_bytes), (b - a) * row_bytes);
         let mut i = 0;
         while i < m {
-            let mr = (m - i).min(4);
+            let mr = (m - i).min(max_mr);
             let xi = x.add(i * x_stride);
             let oi = out.add(i * out_stride + j);
             macro_rules! go {
-                ($mr:literal, $nr:literal) => {
-                    tile::<D, $mr, $nr>(
-                        xi, x_stride, wj, row_bytes, k_groups, oi, out_stride, ahead,
-                    )
+                ($($mr:literal),*) => {
+                    match (mr, full) {
+                        $(
+                            ($mr, true) => tile::<D, $mr, NR>(
+                                xi, x_stride, wj, row_bytes, k_groups, oi, out_stride, ahead,
+                            ),
+                            ($mr, false) => tile::<D, $mr, 1>(
+                                xi, x_stride, wj, row_bytes, k_groups, oi, out_stride, ahead,
+                            ),
+                        )*
+                        _ => unreachable!("x row counts are covered"),
+                    }
                 };
             }
-            match (mr, full) {
-                (4, true) => go!(4, 4),
-                (3, true) => go!(3, 4),
-                (2, true) => go!(2, 4),
-                (1, true) => go!(1, 4),
-                (4, false) => go!(4, 1),
-                (3, false) => go!(3, 1),
-                (2, false) => go!(2, 1),
-                _ => go!(1, 1),
-            }
+            go!(1, 2, 3, 4, 5, 6, 7, 8);
             i += mr;
         }
         j += if full { NR } else { 1 };
@@ -422,7 +447,10 @@ unsafe fn run_panel<D: Decode>(
     }
 }
 
-/// Streams weights for one x row; decodes once into panels for several.
+/// Most x rows that stream the weights; more decode each weight tile once into a panel.
+const STREAM_MAX_M: usize = 8;
+
+/// Streams weights for up to [`STREAM_MAX_M`] x rows; decodes once into panels for more.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn run<D: Decode>(
@@ -436,7 +464,7 @@ unsafe fn run<D: Decode>(
     out: *mut f32,
     out_stride: usize,
 ) {
-    if m == 1 {
+    if m <= STREAM_MAX_M {
         run_streaming::<D>(x, x_stride, m, w, row_bytes, n, k_groups, out, out_stride)
     } else {
         run_panel::<D>(x, x_stride, m, w, row_bytes, n, k_groups, out, out_stride)
