@@ -48,7 +48,7 @@ pub struct DraftArgs {
     #[arg(long)]
     pub no_draft: bool,
     /// Draft block size (at most the drafter's trained block size; default: the trained size on
-    /// a GPU, at most 4 on the CPU).
+    /// a GPU, at most 2 on the CPU).
     #[arg(long)]
     pub block_size: Option<usize>,
     /// How a batch commits accepted tokens: each row its own count, or all rows the smallest.

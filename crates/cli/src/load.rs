@@ -23,10 +23,11 @@ use crate::args::{BatchAccept, DraftArgs, ModelArgs, Speculation};
 use crate::progress::Bars;
 
 /// Default draft block on the CPU backend. Verifying a block costs a target forward over every
-/// slot, and on a few CPU cores that grows with the block; with the shipped drafter the best
-/// throughput measured on a 2-core machine was at 3-4 slots (docs/benchmarks). `--block-size`
-/// overrides it, up to the drafter's trained block.
-const CPU_DEFAULT_BLOCK: usize = 4;
+/// slot, and on a few CPU cores that grows with the block; the shipped drafter's acceptance
+/// falls fast with the slot (0.44, 0.13, 0.03 at slots 1-3), so on a 2-core machine block 2
+/// measured best (DFlash / AR 0.76 against 0.68 at 3 and 0.55 at 4; docs/benchmarks).
+/// `--block-size` overrides it, up to the drafter's trained block.
+const CPU_DEFAULT_BLOCK: usize = 2;
 
 /// Where the drafter for the default model lives in the source tree.
 const DEFAULT_DRAFTER: &str = "models/drafters/smollm2-135m-instruct-dflash";
