@@ -51,8 +51,9 @@ for line in sys.stdin:
 '
     done
     strip .gpu/tests/* 2>/dev/null || true
-    mkdir -p .git/info
-    grep -qxF '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+    exclude=$(git rev-parse --git-path info/exclude)  # (a worktree's .git is a file)
+    mkdir -p "$(dirname "$exclude")"
+    grep -qxF '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >> "$exclude"
     ls -la .gpu/tests
     echo "built: carry [\".gpu\"] and run: bash tools/gpu_check.sh"
     exit 0

@@ -16,8 +16,8 @@
 // accumulates, for its groups in increasing order, the 8 products of its quarter in a fixed
 // order (`MmPart::fma8`) with fma into one f32; then the 32 lane sums are added by the xor
 // butterfly of `warp_sum`. That order depends on K and the format only: not on M, MT, R, the
-// block or the grid. So decode (M = 1), verify blocks (M = 2..16) and prefill (M > 16, run as
-// tiles of 16 rows of x) give bit-identical results for the same row of x.
+// block or the grid. So decode (M = 1), verify blocks (M = 2..16, run as one tile or as two of
+// 8) and prefill (M > 16, tiles of 16 rows of x) give bit-identical results for the same row.
 //
 // Loads. The weight bytes of P consecutive steps (P = 4 for MT <= 2, 2 for MT = 4, else 1)
 // are loaded before their products, with the widest load the format's alignment allows (16

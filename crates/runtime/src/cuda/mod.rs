@@ -31,16 +31,16 @@
 //!
 //! # Kernel shapes
 //!
-//! - **matmul** (`kernels/matmul.cu`): blocks of 8 warps; a warp owns R weight rows (R = 4, 2,
-//!   1 for tiles of MT = 1, 2, >= 4 rows of x), its 32 lanes take the row's 32-value groups
-//!   round-robin (lane l: groups l, l+32, ...), decode each group once and multiply it with
-//!   the MT rows of x, staged 1024 values at a time in shared memory (each group padded to 33
-//!   floats: no bank conflicts). Per output: lane partial sums with fma in group order, then
-//!   a fixed xor-butterfly. The tile (MT = 1, 2, 4, 8, 16) is the smallest that holds M rows;
-//!   M > 16 runs as blocks of 16 rows of the same kernel (grid.y). **Large M uses that same
-//!   kernel by default** (full batch invariance, like the CPU backend); the cuBLAS path
-//!   (dequantize a panel of weight rows to f32, SGEMM with pedantic math, i.e. no TF32) is
-//!   opt-in because it makes prompt rows depend on the chunk size.
+//! - **matmul** (`kernels/matmul.cu`): blocks of 4 warps; a warp owns R weight rows and MT
+//!   rows of x; lane 4j + s takes quarter s of group j of every run of 8 consecutive 32-value
+//!   groups (coalesced loads, all lanes busy from K = 256), decodes it once and multiplies it
+//!   with the MT rows. Per output: lane partial sums with fma in group order, then a fixed
+//!   xor-butterfly, whatever M, MT, R or the grid. Tiles: M <= 8 takes the smallest of MT =
+//!   1, 2, 4, 8 that holds it; 9..=16 rows run as two tiles of 8 (more blocks for small N);
+//!   M > 16 as tiles of 16 (grid.y). **Large M uses that same kernel by default** (full batch
+//!   invariance, like the CPU backend); the cuBLAS path (dequantize a panel of weight rows to
+//!   f32, SGEMM with pedantic math, i.e. no TF32) is opt-in because it makes prompt rows
+//!   depend on the chunk size.
 //! - **attention** (`kernels/attention.cu`): a block of 4 warps per (token, query head);
 //!   keys in tiles of 32 at fixed offsets from `kv_start`, tile t to warp t mod 4, online
 //!   softmax per warp (a lane scores one key; lanes then own head dimensions for the value
