@@ -3,6 +3,7 @@
 use dflash_runtime::Backend;
 
 use crate::error::Result;
+use crate::kv_usage::KvUsage;
 
 /// Which logits a row wants from a forward step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -43,6 +44,8 @@ pub trait Target: Send {
     /// recurrent state can roll a row back only into its last forward step (an error beyond
     /// that); KV-only targets can cut anywhere.
     fn truncate_row(&mut self, row: usize, len: usize) -> Result<()>;
+    /// KV cache memory of the open rows.
+    fn kv_usage(&self) -> KvUsage;
     /// Copies row `src`'s cache into a new row (shared prompt prefix).
     fn fork_row(&mut self, src: usize, capacity: usize) -> Result<usize>;
 

@@ -20,6 +20,7 @@ use super::config::{LayerKind, Qwen35Config};
 use crate::error::{ModelError, Result};
 use crate::llama::{load_matrix, load_vector};
 use crate::paths::{path_of, ProjectionPath};
+use crate::kv_usage::KvUsage;
 use crate::rows::RowTable;
 use crate::source::TensorSource;
 use crate::step::StepPlan;
@@ -555,6 +556,16 @@ impl<B: Backend> Target for Qwen35Model<B> {
         self.rows.truncate(row, len);
         self.last_step[row] = len - start;
         Ok(())
+    }
+
+    fn kv_usage(&self) -> KvUsage {
+        let c = &self.cfg;
+        let attn = c
+            .kinds
+            .iter()
+            .filter(|k| **k == LayerKind::FullAttention)
+            .count();
+        KvUsage::of(&*self.backend, &self.kv, &self.rows, attn, c.kv_dim())
     }
 
     fn fork_row(&mut self, src: usize, capacity: usize) -> Result<usize> {
