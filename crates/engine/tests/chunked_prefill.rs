@@ -10,6 +10,8 @@
 //!   whole prefill (`Batch::admit`), AR and DFlash with the trained drafter; DFlash rows also
 //!   accept exactly the same drafts at every block position, so the drafter's context (fed
 //!   from the pieces' taps) is exactly what a whole prefill gives it.
+//! - A row with a token limit near the whole context reserves KV cache for what it holds,
+//!   not for its limit; cancelling it frees its cache.
 
 mod common;
 
@@ -105,6 +107,34 @@ fn pieces_give_the_logits_and_taps_of_a_whole_prefill() {
         same(&got_taps, &want_taps),
         "pieced prefill taps differ from the whole prefill's"
     );
+}
+
+#[test]
+fn a_row_reserves_cache_for_what_it_holds_not_its_token_limit() {
+    let b = backend();
+    let m = default_model(&b);
+    let prompt = chat_prompt(&m, PROMPTS[0]);
+    let tok = m.tokenizer;
+    let mut dec = ArDecoder::new(m.model);
+    let ctx = dec.context_length();
+    let limit = ctx - prompt.len() - 1;
+    let req = request(prompt.clone(), limit, SamplingParams::greedy());
+    let mut batch = Batch::new();
+    let mut events = Vec::new();
+    batch.enqueue(&mut dec, 0, &req).unwrap();
+    for _ in 0..4 {
+        batch.step(&mut dec, &tok, &mut events).unwrap();
+    }
+    let kv = dec.kv_usage();
+    assert_eq!(kv.rows, 1);
+    assert_eq!(kv.positions, prompt.len() + 3, "{kv:?}");
+    assert!(
+        kv.reserved_positions < 2 * (prompt.len() + 4),
+        "a {limit}-token limit in a {ctx}-position context: {kv:?}"
+    );
+    assert!(kv.bytes > 0);
+    assert!(batch.cancel(&mut dec, &tok, 0).is_some());
+    assert_eq!(dec.kv_usage(), Default::default());
 }
 
 /// Ragged chat prompts plus two longer than every budget below (over 64 tokens).
