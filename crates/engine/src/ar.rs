@@ -8,31 +8,36 @@ use dflash_runtime::Backend;
 
 use crate::choose::{copy_rows, split, with_rows, Layout, RowSampling};
 use crate::decoder::{Decoder, EngineError, Result, RowId};
-use crate::prefill::{Piece, PrefillQueue, DEFAULT_BATCH_TOKENS};
+use crate::prefill::{whole_pieces, Piece, PrefillQueue, DEFAULT_BATCH_TOKENS};
 use crate::sampling::SamplingParams;
 use crate::stats::RowStats;
 
-/// Longest prompt piece prefilled in one forward (bounds activation memory).
-pub const PREFILL_CHUNK: usize = 512;
-
-/// Feeds `prompt` into row `row` of `target` in chunks; the last position's logits are left
-/// in `target.logits()`.
-pub(crate) fn prefill<T: Target>(target: &mut T, row: usize, prompt: &[u32]) -> Result<()> {
+/// Feeds `prompt` into row `row` of `target` whole ([`whole_pieces`]); the last position's
+/// logits are left in `target.logits()`. `on_piece(target, len)` runs after each piece's
+/// forward (the DFlash decoder feeds its drafter there).
+pub(crate) fn prefill<T: Target>(
+    target: &mut T,
+    row: usize,
+    prompt: &[u32],
+    on_piece: &mut dyn FnMut(&T, usize) -> Result<()>,
+) -> Result<()> {
     if prompt.is_empty() {
         return Err(EngineError::Invalid("the prompt is empty".into()));
     }
-    let chunks: Vec<&[u32]> = prompt.chunks(PREFILL_CHUNK).collect();
-    for (i, chunk) in chunks.iter().enumerate() {
-        let last = i + 1 == chunks.len();
+    let pieces = whole_pieces(prompt.len(), target.prefill_granule());
+    let n = pieces.len();
+    for (i, r) in pieces.into_iter().enumerate() {
+        let len = r.len();
         target.forward(&[RowStep {
             row,
-            tokens: chunk,
-            logits: if last {
+            tokens: &prompt[r],
+            logits: if i + 1 == n {
                 LogitRows::Last
             } else {
                 LogitRows::None
             },
         }])?;
+        on_piece(target, len)?;
     }
     Ok(())
 }
@@ -175,7 +180,7 @@ impl<T: Target> Decoder for ArDecoder<T> {
         check_row(prompt, params)?;
         let t0 = Instant::now();
         let row = self.target.new_row(capacity)?;
-        if let Err(e) = prefill(&mut self.target, row, prompt) {
+        if let Err(e) = prefill(&mut self.target, row, prompt, &mut |_, _| Ok(())) {
             self.target.release_row(row);
             return Err(e);
         }
@@ -223,9 +228,14 @@ impl<T: Target> Decoder for ArDecoder<T> {
             .enumerate()
             .filter_map(|(i, r)| r.as_ref().map(|r| (i, r.pending)))
             .collect();
-        let pieces = self
-            .queue
-            .plan(self.batch_tokens.saturating_sub(live.len()));
+        let granule = self.target.prefill_granule();
+        // With no live row the step feeds at least one granule, so the queue always moves.
+        let budget = if live.is_empty() {
+            self.batch_tokens.max(granule)
+        } else {
+            self.batch_tokens.saturating_sub(live.len())
+        };
+        let pieces = self.queue.plan(budget, granule);
         if live.is_empty() && pieces.is_empty() {
             return Ok(());
         }

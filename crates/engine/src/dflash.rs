@@ -24,7 +24,7 @@ use dflash_models::{Drafter, KvUsage, LogitRows, RowStep, Target};
 use dflash_runtime::choice::{DraftRow, Verdict, VerifyRow};
 use dflash_runtime::Backend;
 
-use crate::ar::{check_row, choose_next, first_stats, prefill_steps, HostChoice, PREFILL_CHUNK};
+use crate::ar::{check_row, choose_next, first_stats, prefill, prefill_steps, HostChoice};
 use crate::choose::{copy_rows, split, with_rows, Layout, RowSampling};
 use crate::prefill::{Piece, PrefillQueue, DEFAULT_BATCH_TOKENS};
 use crate::decoder::{Decoder, EngineError, Result, RowId};
@@ -225,7 +225,11 @@ impl<T: Target, D: Drafter<B = T::B>> DflashDecoder<T, D> {
     /// A step with no live rows: feeds queued prompts only.
     fn prefill_step(&mut self, out: &mut Vec<(RowId, Vec<u32>)>) -> Result<()> {
         let t0 = Instant::now();
-        let pieces = self.queue.plan(self.batch_tokens);
+        let granule = self.target.prefill_granule();
+        // With no live row the step feeds at least one granule, so the queue always moves.
+        let pieces = self
+            .queue
+            .plan(self.batch_tokens.max(granule), granule);
         self.target
             .forward(&prefill_steps(&self.queue, &pieces))?;
         let (mut rows, mut tap_rows) = (Vec::new(), Vec::new());
@@ -336,25 +340,11 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
         check_row(prompt, params)?;
         let t0 = Instant::now();
         let (trow, drow) = self.open_rows(capacity)?;
-        let prefill = (|| -> Result<()> {
-            let chunks: Vec<&[u32]> = prompt.chunks(PREFILL_CHUNK).collect();
-            for (i, chunk) in chunks.iter().enumerate() {
-                let last = i + 1 == chunks.len();
-                self.target.forward(&[RowStep {
-                    row: trow,
-                    tokens: chunk,
-                    logits: if last {
-                        LogitRows::Last
-                    } else {
-                        LogitRows::None
-                    },
-                }])?;
-                let rows: Vec<u32> = (0..chunk.len() as u32).collect();
-                self.drafter
-                    .extend(&[(drow, chunk.len())], self.target.taps(), &rows)?;
-            }
-            Ok(())
-        })();
+        let drafter = &mut self.drafter;
+        let prefill = prefill(&mut self.target, trow, prompt, &mut |t, len| {
+            let rows: Vec<u32> = (0..len as u32).collect();
+            Ok(drafter.extend(&[(drow, len)], t.taps(), &rows)?)
+        });
         if let Err(e) = prefill {
             self.target.release_row(trow);
             self.drafter.release_row(drow);
@@ -551,9 +541,10 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
             .collect();
         // Queued prompts' pieces ride in the same forward, in what the blocks leave of the
         // step's budget.
-        let pieces = self
-            .queue
-            .plan(self.batch_tokens.saturating_sub(batch * block));
+        let pieces = self.queue.plan(
+            self.batch_tokens.saturating_sub(batch * block),
+            self.target.prefill_granule(),
+        );
         let mut steps = steps;
         steps.extend(prefill_steps(&self.queue, &pieces));
         let starts: Vec<usize> = live.iter().map(|&r| self.target.row_len(r)).collect();

@@ -6,6 +6,14 @@
 //! piece of its prompt, as long as the budget lasts, so several new rows can share one step.
 //! The step whose piece ends a prompt asks for that position's logits; the row's first token
 //! comes from them, and the row joins the live rows from the next step on.
+//!
+//! Piece boundaries follow the target's prefill granule ([`Target::prefill_granule`]): the
+//! prompt's body (its length rounded down to a multiple of the granule) is cut only at
+//! multiples of it, and the rest (shorter than one granule) runs as its own piece(s). A whole
+//! prefill ([`whole_pieces`]) cuts the same way, so every schedule computes a prompt's state
+//! in the same order — for the Qwen 3.5 hybrid the gated delta rule then runs the same
+//! 64-token chunks and the same token-by-token tail whatever the budget. Llama-family
+//! targets have granule 1.
 
 use std::ops::Range;
 use std::time::Instant;
@@ -14,6 +22,30 @@ use crate::sampling::SamplingParams;
 
 /// Tokens a step may run by default: live rows' tokens plus prefill pieces.
 pub const DEFAULT_BATCH_TOKENS: usize = 512;
+
+/// Longest prompt piece of a whole prefill (bounds activation memory; a multiple of every
+/// target's granule).
+pub const PREFILL_CHUNK: usize = 512;
+
+/// Where the body of a prompt of `len` tokens ends: `len` rounded down to a multiple of
+/// `granule`.
+fn body_end(len: usize, granule: usize) -> usize {
+    len - len % granule.max(1)
+}
+
+/// The pieces of a whole prefill of `len` tokens: the body in pieces of at most
+/// [`PREFILL_CHUNK`], then the tail.
+pub(crate) fn whole_pieces(len: usize, granule: usize) -> Vec<Range<usize>> {
+    let body = body_end(len, granule);
+    let mut out: Vec<Range<usize>> = (0..body)
+        .step_by(PREFILL_CHUNK)
+        .map(|s| s..(s + PREFILL_CHUNK).min(body))
+        .collect();
+    if body < len {
+        out.push(body..len);
+    }
+    out
+}
 
 /// A row whose prompt is still being fed; `extra` is the decoder's own per-row data.
 pub(crate) struct Queued<X> {
@@ -78,15 +110,23 @@ impl<X> PrefillQueue<X> {
         Some(self.rows.remove(at))
     }
 
-    /// The pieces of a step with `budget` tokens for prefill, in arrival order.
-    pub fn plan(&self, budget: usize) -> Vec<Piece> {
+    /// The pieces of a step with `budget` tokens for prefill, in arrival order; body pieces
+    /// are whole multiples of `granule` (a row that cannot take one waits, and so do the rows
+    /// after it).
+    pub fn plan(&self, budget: usize, granule: usize) -> Vec<Piece> {
+        let g = granule.max(1);
         let mut left = budget;
         let mut pieces = Vec::new();
         for (at, q) in self.rows.iter().enumerate() {
-            if left == 0 {
+            let body = body_end(q.prompt.len(), g);
+            let n = if q.fed < body {
+                (body - q.fed).min(left / g * g)
+            } else {
+                (q.prompt.len() - q.fed).min(left)
+            };
+            if n == 0 {
                 break;
             }
-            let n = (q.prompt.len() - q.fed).min(left);
             left -= n;
             pieces.push(Piece {
                 at,
@@ -130,7 +170,7 @@ mod tests {
     #[test]
     fn pieces_fill_the_budget_in_arrival_order() {
         let mut q = queue(&[10, 3, 7]);
-        let p = q.plan(12);
+        let p = q.plan(12, 1);
         assert_eq!(
             p,
             vec![
@@ -149,15 +189,15 @@ mod tests {
         let done = q.advance(&p, Instant::now());
         assert_eq!(done.iter().map(|d| d.row).collect::<Vec<_>>(), [0]);
         assert_eq!(q.len(), 2);
-        let p = q.plan(4);
+        let p = q.plan(4, 1);
         assert_eq!(p[0].range, 2..3);
         assert!(p[0].last);
         assert_eq!(p[1].range, 0..3);
         assert!(!p[1].last);
         let done = q.advance(&p, Instant::now());
         assert_eq!(done.iter().map(|d| d.row).collect::<Vec<_>>(), [1]);
-        assert!(q.plan(0).is_empty());
-        let p = q.plan(100);
+        assert!(q.plan(0, 1).is_empty());
+        let p = q.plan(100, 1);
         assert_eq!(p[0].range, 3..7);
         assert_eq!(q.advance(&p, Instant::now()).len(), 1);
         assert!(q.is_empty());
@@ -166,9 +206,35 @@ mod tests {
     #[test]
     fn several_rows_finish_in_one_step() {
         let mut q = queue(&[2, 3, 4]);
-        let p = q.plan(9);
+        let p = q.plan(9, 1);
         let done = q.advance(&p, Instant::now());
         assert_eq!(done.iter().map(|d| d.row).collect::<Vec<_>>(), [0, 1, 2]);
         assert!(done.iter().all(|d| d.fed == d.prompt.len()));
+    }
+
+    #[test]
+    fn granule_aligned_pieces_cut_the_body_at_multiples_and_the_tail_apart() {
+        // 150 = body 128 + tail 22 at granule 64.
+        assert_eq!(whole_pieces(150, 64), vec![0..128, 128..150]);
+        assert_eq!(whole_pieces(1100, 1), vec![0..512, 512..1024, 1024..1100]);
+        assert_eq!(whole_pieces(40, 64), vec![0..40]);
+        let mut q = queue(&[150, 30, 64]);
+        // 100 tokens: one 64-token body piece, then the 30-token prompt (all tail) whole; the
+        // third row's 64-token body does not fit what is left, so it waits.
+        let p = q.plan(100, 64);
+        assert_eq!(p.len(), 2);
+        assert_eq!((p[0].range.clone(), p[0].last), (0..64, false));
+        assert_eq!((p[1].range.clone(), p[1].last), (0..30, true));
+        assert_eq!(q.advance(&p, Instant::now()).len(), 1);
+        // 63 tokens cannot hold a body piece: nothing runs.
+        assert!(q.plan(63, 64).is_empty());
+        let p = q.plan(80, 64);
+        assert_eq!(p.len(), 1);
+        assert_eq!(p[0].range, 64..128);
+        q.advance(&p, Instant::now());
+        // The tail may be split freely.
+        let p = q.plan(10, 64);
+        assert_eq!(p[0].range, 128..138);
+        assert!(!p[0].last);
     }
 }

@@ -65,6 +65,9 @@ impl<B: Backend> Target for TargetModel<B> {
     fn kv_usage(&self) -> KvUsage {
         each!(self, m => m.kv_usage())
     }
+    fn prefill_granule(&self) -> usize {
+        each!(self, m => m.prefill_granule())
+    }
     fn row_len(&self, row: usize) -> usize {
         each!(self, m => m.row_len(row))
     }

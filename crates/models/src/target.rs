@@ -65,6 +65,14 @@ pub trait Target: Send {
     /// Output projection (shared with drafters).
     fn lm_head(&self) -> &<Self::B as Backend>::Weight;
 
+    /// Prompt positions a prefill piece should start and end at multiples of (except the
+    /// prompt's last, shorter-than-one-granule part): a target whose numerics depend on how a
+    /// prompt is cut (the chunked gated delta rule) names its chunk, so every prefill schedule
+    /// computes the same bits.
+    fn prefill_granule(&self) -> usize {
+        1
+    }
+
     /// Whether the rows of one batch can each keep a different number of a verified block's
     /// tokens (every row truncated to its own length, its valid prefix staying contiguous).
     /// A layout that cannot — one rectangular cache shared by the batch — makes DFlash commit

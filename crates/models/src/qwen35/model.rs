@@ -558,6 +558,12 @@ impl<B: Backend> Target for Qwen35Model<B> {
         Ok(())
     }
 
+    /// Pieces of [`CHUNKED_MIN_TOKENS`] (the chunk of the GDN chunked form) and a shorter tail
+    /// (token by token) give the same state whatever the schedule.
+    fn prefill_granule(&self) -> usize {
+        CHUNKED_MIN_TOKENS
+    }
+
     fn kv_usage(&self) -> KvUsage {
         let c = &self.cfg;
         let attn = c
