@@ -10,6 +10,10 @@
 //!   whole prefill (`Batch::admit`), AR and DFlash with the trained drafter; DFlash rows also
 //!   accept exactly the same drafts at every block position, so the drafter's context (fed
 //!   from the pieces' taps) is exactly what a whole prefill gives it.
+//! - On the Qwen 3.5 hybrid (the tiny fixture), where the gated delta rule's form depends on
+//!   how a prompt is cut, pieces follow the target's 64-token granule: AR tokens and the
+//!   log-probabilities behind every token are bit for bit those of a whole prefill, for
+//!   prompts of 3..200 tokens under budgets that cut them differently.
 //! - A row with a token limit near the whole context reserves KV cache for what it holds,
 //!   not for its limit; cancelling it frees its cache.
 
@@ -135,6 +139,47 @@ fn a_row_reserves_cache_for_what_it_holds_not_its_token_limit() {
     assert!(kv.bytes > 0);
     assert!(batch.cancel(&mut dec, &tok, 0).is_some());
     assert_eq!(dec.kv_usage(), Default::default());
+}
+
+#[test]
+fn hybrid_target_pieces_follow_its_granule_exactly() {
+    use rand::{Rng, SeedableRng};
+    let b = backend();
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tests/fixtures/tiny_qwen35");
+    let m = dflash_models::load_model(b.clone(), &dir).unwrap();
+    assert_eq!(m.model.prefill_granule(), 64);
+    let vocab = m.model.vocab() as u32;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(64);
+    let requests: Vec<Request> = [3, 70, 11, 129, 200, 40, 90]
+        .iter()
+        .map(|&n| {
+            let prompt = (0..n).map(|_| rng.random_range(0..vocab - 3)).collect();
+            let mut params = SamplingParams::greedy();
+            params.logprobs = Some(0);
+            request(prompt, 24, params)
+        })
+        .collect();
+    let tok = m.tokenizer;
+    let mut ar = ArDecoder::new(m.model);
+    let want: Vec<Completion> = requests
+        .iter()
+        .map(|r| whole_prefill(&mut ar, &tok, r))
+        .collect();
+    for (tokens, live) in [(64, 1), (100, 3), (150, 2), (512, 7)] {
+        ar.set_batch_tokens(tokens);
+        let got = run_scheduled(&mut ar, &tok, &requests, live, &mut |_, _| {}).unwrap();
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g.tokens, w.tokens, "budget {tokens}, {live} rows: request {i}");
+            let bits = |c: &Completion| -> Vec<u32> {
+                c.logprobs.iter().map(|l| l.logprob.to_bits()).collect()
+            };
+            assert_eq!(
+                bits(g),
+                bits(w),
+                "budget {tokens}, {live} rows: request {i} log-probabilities"
+            );
+        }
+    }
 }
 
 /// Ragged chat prompts plus two longer than every budget below (over 64 tokens).
