@@ -64,7 +64,10 @@ fn load_report_counts_every_request() {
     );
     assert!((1..=2).contains(&rows), "KV peak {kv}");
     assert!(positions > 0 && positions <= reserved, "KV peak {kv}");
-    assert!(reserved < CONTEXT as u64, "rows reserved their context: {kv}");
+    assert!(
+        reserved < CONTEXT as u64,
+        "rows reserved their context: {kv}"
+    );
     assert!(kv["bytes"].as_u64().unwrap() > 0, "KV peak {kv}");
     assert!(err.contains("5 requests, 2 live"), "table: {err}");
     assert!(err.contains("KV peak"), "table: {err}");
@@ -119,7 +122,10 @@ fn bad_load_flags_are_errors() {
     for (args, needle) in [
         (vec!["--requests", "0"], "at least 1"),
         (vec!["--requests", "3", "--max-live", "0"], "at least 1"),
-        (vec!["--requests", "3", "--max-batch-tokens", "0"], "at least 1"),
+        (
+            vec!["--requests", "3", "--max-batch-tokens", "0"],
+            "at least 1",
+        ),
         (vec!["--max-live", "2"], "--requests"),
         (
             vec!["--requests", "3", "--batch", "2"],

@@ -329,7 +329,10 @@ impl<T: Target> Decoder for ArDecoder<T> {
 
 /// The forward steps of prefill `pieces` of `queue`: the last piece of a prompt asks for its
 /// last position's logits.
-pub(crate) fn prefill_steps<'a, X>(queue: &'a PrefillQueue<X>, pieces: &[Piece]) -> Vec<RowStep<'a>> {
+pub(crate) fn prefill_steps<'a, X>(
+    queue: &'a PrefillQueue<X>,
+    pieces: &[Piece],
+) -> Vec<RowStep<'a>> {
     pieces
         .iter()
         .map(|p| {

@@ -42,8 +42,12 @@ pub trait Decoder {
     /// with the other rows' tokens, fit the step's token budget ([`Decoder::set_batch_tokens`]).
     /// The step that feeds the last piece emits the row's first token, chosen from that
     /// piece's last logits.
-    fn queue_row(&mut self, prompt: &[u32], capacity: usize, params: &SamplingParams)
-        -> Result<RowId>;
+    fn queue_row(
+        &mut self,
+        prompt: &[u32],
+        capacity: usize,
+        params: &SamplingParams,
+    ) -> Result<RowId>;
 
     /// Tokens one step may run (at least 1): the live rows' own tokens (one per AR row, a
     /// verify block per DFlash row) always run; queued rows' prompt pieces fill what is left,

@@ -26,8 +26,8 @@ use dflash_runtime::Backend;
 
 use crate::ar::{check_row, choose_next, first_stats, prefill, prefill_steps, HostChoice};
 use crate::choose::{copy_rows, split, with_rows, Layout, RowSampling};
-use crate::prefill::{Piece, PrefillQueue, DEFAULT_BATCH_TOKENS};
 use crate::decoder::{Decoder, EngineError, Result, RowId};
+use crate::prefill::{Piece, PrefillQueue, DEFAULT_BATCH_TOKENS};
 use crate::sampling::{Dist, SamplingParams};
 use crate::selector_walk::walk;
 use crate::spec_gate::{SpecGate, SpecMode};
@@ -177,7 +177,13 @@ impl<T: Target, D: Drafter<B = T::B>> DflashDecoder<T, D> {
     /// the logits of the pieces that end a prompt from logits row `logit0` on): the rows whose
     /// prefill ended choose their first tokens and join the live rows. Their drafter context
     /// must already hold every prompt position.
-    fn join(&mut self, pieces: &[Piece], logit0: usize, t0: Instant, out: &mut Vec<(RowId, Vec<u32>)>) {
+    fn join(
+        &mut self,
+        pieces: &[Piece],
+        logit0: usize,
+        t0: Instant,
+        out: &mut Vec<(RowId, Vec<u32>)>,
+    ) {
         let joined = self.queue.advance(pieces, t0);
         if joined.is_empty() {
             return;
@@ -212,7 +218,13 @@ impl<T: Target, D: Drafter<B = T::B>> DflashDecoder<T, D> {
 
     /// The drafter context entries of prefill `pieces` whose taps start at tap row `tap0`:
     /// appended to `rows` and `tap_rows`.
-    fn piece_context(&self, pieces: &[Piece], tap0: usize, rows: &mut Vec<(usize, usize)>, tap_rows: &mut Vec<u32>) {
+    fn piece_context(
+        &self,
+        pieces: &[Piece],
+        tap0: usize,
+        rows: &mut Vec<(usize, usize)>,
+        tap_rows: &mut Vec<u32>,
+    ) {
         let mut at = tap0;
         for p in pieces {
             let n = p.range.len();
@@ -227,11 +239,8 @@ impl<T: Target, D: Drafter<B = T::B>> DflashDecoder<T, D> {
         let t0 = Instant::now();
         let granule = self.target.prefill_granule();
         // With no live row the step feeds at least one granule, so the queue always moves.
-        let pieces = self
-            .queue
-            .plan(self.batch_tokens.max(granule), granule);
-        self.target
-            .forward(&prefill_steps(&self.queue, &pieces))?;
+        let pieces = self.queue.plan(self.batch_tokens.max(granule), granule);
+        self.target.forward(&prefill_steps(&self.queue, &pieces))?;
         let (mut rows, mut tap_rows) = (Vec::new(), Vec::new());
         self.piece_context(&pieces, 0, &mut rows, &mut tap_rows);
         self.drafter.extend(&rows, self.target.taps(), &tap_rows)?;

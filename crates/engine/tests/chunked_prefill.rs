@@ -169,7 +169,10 @@ fn hybrid_target_pieces_follow_its_granule_exactly() {
         ar.set_batch_tokens(tokens);
         let got = run_scheduled(&mut ar, &tok, &requests, live, &mut |_, _| {}).unwrap();
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            assert_eq!(g.tokens, w.tokens, "budget {tokens}, {live} rows: request {i}");
+            assert_eq!(
+                g.tokens, w.tokens,
+                "budget {tokens}, {live} rows: request {i}"
+            );
             let bits = |c: &Completion| -> Vec<u32> {
                 c.logprobs.iter().map(|l| l.logprob.to_bits()).collect()
             };
@@ -209,7 +212,10 @@ fn check_chunked(
     let got = run_scheduled(dec, tok, requests, live, &mut |_, _| {}).unwrap();
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
         assert_eq!(g.tokens, w.tokens, "{label}: request {i} tokens");
-        assert_eq!(g.finish_reason, w.finish_reason, "{label}: request {i} finish");
+        assert_eq!(
+            g.finish_reason, w.finish_reason,
+            "{label}: request {i} finish"
+        );
         assert_eq!(
             g.stats.accepted_at, w.stats.accepted_at,
             "{label}: request {i} accepts by block position"
@@ -262,5 +268,12 @@ fn chunked_admission_equals_whole_prefill_ar_and_dflash() {
     );
     check_chunked(&mut df, &tok, &requests, &want_df, (20, 1), "DFlash B=1");
     check_chunked(&mut df, &tok, &requests, &want_df, (64, 3), "DFlash 3 rows");
-    check_chunked(&mut df, &tok, &requests, &want_df, (512, 7), "DFlash 7 rows");
+    check_chunked(
+        &mut df,
+        &tok,
+        &requests,
+        &want_df,
+        (512, 7),
+        "DFlash 7 rows",
+    );
 }

@@ -18,9 +18,9 @@ pub use crate::drafter_config::{
     build_target_layer_ids, Dflash2Params, DrafterConfig, DrafterKind, LayerAttention,
 };
 use crate::error::{ModelError, Result};
+use crate::kv_usage::KvUsage;
 use crate::llama::{load_matrix, load_vector};
 use crate::paths::{path_of, ProjectionPath};
-use crate::kv_usage::KvUsage;
 use crate::rows::RowTable;
 use crate::selector::CandidateLattice;
 use crate::source::safetensors_dir::SafetensorsDir;

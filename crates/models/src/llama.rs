@@ -6,8 +6,8 @@ use dflash_runtime::Backend;
 
 use crate::config::LlamaConfig;
 use crate::error::{ModelError, Result};
-use crate::paths::{path_of, ProjectionPath};
 use crate::kv_usage::KvUsage;
+use crate::paths::{path_of, ProjectionPath};
 use crate::rows::RowTable;
 use crate::source::TensorSource;
 use crate::target::{LogitRows, RowStep, Target};

@@ -7,7 +7,6 @@ use std::sync::atomic::AtomicU64;
 
 use dflash_engine::RowStats;
 use dflash_models::KvUsage;
-use serde_json::{json, Value};
 use prometheus_client::encoding::text::encode;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -15,6 +14,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
+use serde_json::{json, Value};
 
 /// `endpoint` and `status` of a finished HTTP request.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]

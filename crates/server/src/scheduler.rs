@@ -324,8 +324,7 @@ impl Scheduler {
             self.next_id += 1;
             let prompt_tokens = job.request.prompt.len();
             let admitted = catch_unwind(AssertUnwindSafe(|| {
-                self.batch
-                    .enqueue(self.decoder.as_mut(), id, &job.request)
+                self.batch.enqueue(self.decoder.as_mut(), id, &job.request)
             }));
             match admitted {
                 Ok(Ok(())) => {

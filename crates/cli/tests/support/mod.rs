@@ -148,4 +148,3 @@ pub fn random_drafter_dir(root: &Path) -> PathBuf {
     );
     dir
 }
-

@@ -18,9 +18,9 @@ use dflash_runtime::{Backend, HostWeight, WeightBytes};
 
 use super::config::{LayerKind, Qwen35Config};
 use crate::error::{ModelError, Result};
+use crate::kv_usage::KvUsage;
 use crate::llama::{load_matrix, load_vector};
 use crate::paths::{path_of, ProjectionPath};
-use crate::kv_usage::KvUsage;
 use crate::rows::RowTable;
 use crate::source::TensorSource;
 use crate::step::StepPlan;
