@@ -173,8 +173,8 @@ impl<T: Target, D: Drafter<B = T::B>> DflashDecoder<T, D> {
         }
     }
 
-    /// After a forward that ran prefill `pieces` (their tokens' taps from tap row `tap0` on,
-    /// the logits of the pieces that end a prompt from logits row `logit0` on): the rows whose
+    /// After a forward that ran prefill `pieces` (the logits of the pieces that end a prompt
+    /// from logits row `logit0` on, started at `t0`): records the pieces, and the rows whose
     /// prefill ended choose their first tokens and join the live rows. Their drafter context
     /// must already hold every prompt position.
     fn join(
@@ -539,7 +539,7 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
                 b
             })
             .collect();
-        let steps: Vec<RowStep<'_>> = live
+        let mut steps: Vec<RowStep<'_>> = live
             .iter()
             .zip(&blocks)
             .map(|(&r, b)| RowStep {
@@ -554,7 +554,6 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
             self.batch_tokens.saturating_sub(batch * block),
             self.target.prefill_granule(),
         );
-        let mut steps = steps;
         steps.extend(prefill_steps(&self.queue, &pieces));
         let starts: Vec<usize> = live.iter().map(|&r| self.target.row_len(r)).collect();
         self.target.forward(&steps)?;
