@@ -151,6 +151,10 @@ impl<B: Backend> Drafter for WalkDrafter<B> {
     fn release_row(&mut self, row: usize) {
         self.rows[row] = None;
     }
+    /// The walk keeps no KV cache.
+    fn kv_usage(&self) -> dflash_models::KvUsage {
+        dflash_models::KvUsage::default()
+    }
     fn context_len(&self, row: usize) -> usize {
         self.rows[row].as_ref().map_or(0, |r| r.2)
     }

@@ -11,6 +11,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use dflash_engine::dflash::AcceptPolicy;
+use dflash_engine::prefill::DEFAULT_BATCH_TOKENS;
 use dflash_engine::session::run_scheduled;
 use dflash_engine::{Decoder, Request, RowStats, SamplingParams};
 use dflash_models::chat::{conversation_ids, Message};
@@ -50,6 +51,10 @@ pub struct BenchArgs {
     /// Rows decoding at once under --requests (waiting requests join as rows finish).
     #[arg(long, default_value_t = 16, requires = "requests")]
     pub max_live: usize,
+    /// Most tokens one decoding step runs in the batched and --requests runs: the live rows'
+    /// own tokens, then pieces of joining rows' prompts (chunked prefill) in the rest.
+    #[arg(long, default_value_t = DEFAULT_BATCH_TOKENS)]
+    pub max_batch_tokens: usize,
     /// Chat prompts for the decode comparisons (JSONL lines: a string or {"prompt": ...});
     /// default: a built-in set of eight.
     #[arg(long)]
@@ -250,6 +255,7 @@ fn run_load(args: &BenchArgs, plain: Loaded, drafter: Option<PathBuf>, n: usize)
         "cpu": cpu_name(),
         "requests": n,
         "max_live": args.max_live,
+        "max_batch_tokens": args.max_batch_tokens,
         "max_tokens": args.gen_tokens,
         "repetitions": args.repetitions,
         "warmup_runs": 1,
@@ -260,10 +266,9 @@ fn run_load(args: &BenchArgs, plain: Loaded, drafter: Option<PathBuf>, n: usize)
     if let Some(dir) = drafter {
         let mut per_row = args.draft.clone();
         per_row.batch_accept = BatchAccept::PerRow;
-        arms.push((
-            "dflash",
-            decoder(load_target(&args.model)?, Some(&dir), &per_row)?,
-        ));
+        let mut spec = decoder(load_target(&args.model)?, Some(&dir), &per_row)?;
+        spec.decoder.set_batch_tokens(args.max_batch_tokens);
+        arms.push(("dflash", spec));
         report["drafter"] = json!(dir);
     }
     let mut runs: Vec<Vec<LoadRun>> = vec![Vec::new(); arms.len()];
@@ -334,8 +339,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if args.batch == Some(0) {
         bail!("--batch must be at least 1");
     }
-    if args.requests == Some(0) || args.max_live == 0 {
-        bail!("--requests and --max-live must be at least 1");
+    if args.requests == Some(0) || args.max_live == 0 || args.max_batch_tokens == 0 {
+        bail!("--requests, --max-live and --max-batch-tokens must be at least 1");
     }
     let probe = load_target(&args.model)?;
     #[cfg(feature = "cuda")]
@@ -347,6 +352,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let mut plain_args = args.draft.clone();
     plain_args.no_draft = true;
     let mut plain = decoder(probe, None, &plain_args)?;
+    plain.decoder.set_batch_tokens(args.max_batch_tokens);
     if let Some(n) = args.requests {
         return run_load(&args, plain, drafter, n);
     }
@@ -431,6 +437,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         let mut clamp_args = args.draft.clone();
         clamp_args.batch_accept = BatchAccept::Clamp;
         let mut spec = decoder(load_target(&args.model)?, Some(&dir), &per_row_args)?;
+        spec.decoder.set_batch_tokens(args.max_batch_tokens);
         report["drafter"] = json!(dir);
         report["matmul"] = paths_json(&spec.matmul);
         matmul = spec.matmul.clone();

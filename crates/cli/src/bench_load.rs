@@ -1,6 +1,8 @@
 //! `dflash bench --requests R`: a serving-style load on the engine alone. All R requests are
 //! queued at once; at most `--max-live` rows decode together and waiting requests join as
-//! rows finish (continuous batching, as `dflash serve` schedules them). Plain decoding and
+//! rows finish, their prompts fed in pieces inside the live rows' steps (continuous batching
+//! with chunked prefill, `--max-batch-tokens` per step, as `dflash serve` schedules them).
+//! The run is the session scheduler's (`run_observed`), watched for token times and KV memory. Plain decoding and
 //! DFlash (per-row accepts) alternate, one warm-up run each, then `--repetitions` timed runs.
 //!
 //! Per arm: generated tokens per second over the run's wall time (median over runs), requests
@@ -8,13 +10,15 @@
 //! (from the start of the run, so queueing is included, as a client measures it) and of the
 //! inter-token latency (a request's time from its first to its last token divided by the
 //! tokens after the first; a DFlash round delivers several tokens at once, this spreads its
-//! time over them).
+//! time over them), and the KV cache memory at the step that held the most.
 
 use std::time::Instant;
 
 use anyhow::Result;
-use dflash_engine::{Batch, Decoder, Event, Request, RowStats};
+use dflash_engine::session::{run_observed, Observer};
+use dflash_engine::{Decoder, Event, Request, RowStats};
 use dflash_models::tokenizer::TextTokenizer;
+use dflash_models::KvUsage;
 use serde_json::{json, Value};
 
 use crate::bench::median;
@@ -35,61 +39,61 @@ pub struct LoadRun {
     ttft_s: Vec<f64>,
     itl_s: Vec<f64>,
     pub stats: RowStats,
+    /// The KV cache memory after the step that held the most bytes.
+    pub kv_peak: KvUsage,
 }
 
-/// Runs every request, at most `max_live` at a time, recording each one's token times.
+/// Records each request's token times and the KV peak as the run goes.
+struct Recorder {
+    t0: Instant,
+    timing: Vec<Timing>,
+    kv_peak: KvUsage,
+}
+
+impl Observer for Recorder {
+    fn event(&mut self, e: &Event<usize>) {
+        if let Event::Progress { key, ids, .. } = e {
+            if !ids.is_empty() {
+                let t = self.t0.elapsed().as_secs_f64();
+                let tm = &mut self.timing[*key];
+                tm.first.get_or_insert(t);
+                tm.last = t;
+                tm.tokens += ids.len();
+            }
+        }
+    }
+
+    fn stepped(&mut self, decoder: &dyn Decoder) {
+        let kv = decoder.kv_usage();
+        if kv.bytes > self.kv_peak.bytes {
+            self.kv_peak = kv;
+        }
+    }
+}
+
+/// Runs every request, at most `max_live` at a time (the session scheduler, chunked
+/// prefill within the decoder's token budget), recording each one's token times.
 pub fn load_run(
     decoder: &mut dyn Decoder,
     tok: &TextTokenizer,
     requests: &[Request],
     max_live: usize,
 ) -> Result<LoadRun> {
-    let max_live = max_live.max(1);
-    let mut timing = vec![Timing::default(); requests.len()];
-    let mut stats = RowStats::default();
-    let mut batch = Batch::new();
-    let mut events = Vec::new();
-    let mut next = 0usize;
-    let t0 = Instant::now();
-    let mut record = |events: &mut Vec<Event<usize>>, t: f64| {
-        for e in events.drain(..) {
-            match e {
-                Event::Progress { key, ids, .. } if !ids.is_empty() => {
-                    let tm = &mut timing[key];
-                    tm.first.get_or_insert(t);
-                    tm.last = t;
-                    tm.tokens += ids.len();
-                }
-                Event::Progress { .. } => {}
-                Event::Done { completion, .. } => stats.merge(&completion.stats),
-            }
-        }
+    let mut rec = Recorder {
+        t0: Instant::now(),
+        timing: vec![Timing::default(); requests.len()],
+        kv_peak: KvUsage::default(),
     };
-    let result = (|| -> Result<()> {
-        loop {
-            while next < requests.len() && batch.len() < max_live {
-                batch.admit(decoder, tok, next, &requests[next], &mut events)?;
-                next += 1;
-                record(&mut events, t0.elapsed().as_secs_f64());
-            }
-            if batch.is_empty() {
-                return Ok(());
-            }
-            batch.step(decoder, tok, &mut events)?;
-            record(&mut events, t0.elapsed().as_secs_f64());
-        }
-    })();
-    if let Err(e) = result {
-        batch.abort(decoder);
-        return Err(e);
-    }
-    let wall_s = t0.elapsed().as_secs_f64();
+    let done = run_observed(decoder, tok, requests, max_live, &mut rec)?;
     let mut run = LoadRun {
-        wall_s,
-        stats,
+        wall_s: rec.t0.elapsed().as_secs_f64(),
+        kv_peak: rec.kv_peak,
         ..LoadRun::default()
     };
-    for tm in &timing {
+    for c in &done {
+        run.stats.merge(&c.stats);
+    }
+    for tm in &rec.timing {
         run.tokens += tm.tokens;
         if let Some(first) = tm.first {
             run.ttft_s.push(first);
@@ -145,6 +149,7 @@ pub fn arm_report(name: &str, runs: &[LoadRun]) -> Value {
         "itl_ms": percentiles_ms(&itl),
         "tau": stats.tau(),
         "rounds": stats.rounds,
+        "kv_peak": runs.iter().map(|r| r.kv_peak).max_by_key(|k| k.bytes).unwrap_or_default(),
     })
 }
 
@@ -152,7 +157,7 @@ pub fn arm_report(name: &str, runs: &[LoadRun]) -> Value {
 pub fn arm_line(r: &Value) -> String {
     let f = |v: &Value| v.as_f64().unwrap_or(0.0);
     format!(
-        "| {} | {:.1} tok/s | {:.2} req/s | TTFT p50/p90/p99 {:.0}/{:.0}/{:.0} ms | ITL p50/p90/p99 {:.1}/{:.1}/{:.1} ms | tau {:.2} |",
+        "| {} | {:.1} tok/s | {:.2} req/s | TTFT p50/p90/p99 {:.0}/{:.0}/{:.0} ms | ITL p50/p90/p99 {:.1}/{:.1}/{:.1} ms | tau {:.2} | KV peak {:.1} MiB, {} rows, {} positions |",
         r["arm"].as_str().unwrap_or("?"),
         f(&r["tok_per_s"]),
         f(&r["requests_per_s"]),
@@ -163,6 +168,9 @@ pub fn arm_line(r: &Value) -> String {
         f(&r["itl_ms"]["p90"]),
         f(&r["itl_ms"]["p99"]),
         f(&r["tau"]),
+        f(&r["kv_peak"]["bytes"]) / (1 << 20) as f64,
+        r["kv_peak"]["rows"],
+        r["kv_peak"]["positions"],
     )
 }
 

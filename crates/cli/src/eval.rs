@@ -12,8 +12,8 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::{ArgGroup, Args, ValueEnum};
-use dflash_engine::session::run_scheduled;
-use dflash_engine::{Completion, Decoder, FinishReason, Request, RowId, RowStats, SamplingParams};
+use dflash_engine::session::{run_observed, Observer};
+use dflash_engine::{Completion, Event, FinishReason, Request, RowStats, SamplingParams};
 use dflash_models::dflash::DrafterConfig;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{json, Value};
@@ -193,46 +193,14 @@ fn dataset_path(d: Dataset) -> Result<PathBuf> {
     })
 }
 
-/// A decoder that reports every finished row (for the progress bar).
-struct Tally<'a> {
-    inner: &'a mut dyn Decoder,
-    on_finish: &'a mut dyn FnMut(&RowStats),
-}
+/// Reports every finished request (for the progress bar).
+struct Tally<'a>(&'a mut dyn FnMut(&RowStats));
 
-impl Decoder for Tally<'_> {
-    fn start_row(
-        &mut self,
-        prompt: &[u32],
-        capacity: usize,
-        params: &SamplingParams,
-    ) -> dflash_engine::decoder::Result<(RowId, u32)> {
-        self.inner.start_row(prompt, capacity, params)
-    }
-
-    fn step(&mut self, out: &mut Vec<(RowId, Vec<u32>)>) -> dflash_engine::decoder::Result<()> {
-        self.inner.step(out)
-    }
-
-    fn finish_row(&mut self, row: RowId) -> RowStats {
-        let stats = self.inner.finish_row(row);
-        (self.on_finish)(&stats);
-        stats
-    }
-
-    fn token_logits(&self, row: RowId) -> &[f32] {
-        self.inner.token_logits(row)
-    }
-
-    fn live_rows(&self) -> usize {
-        self.inner.live_rows()
-    }
-
-    fn context_length(&self) -> usize {
-        self.inner.context_length()
-    }
-
-    fn lookahead(&self) -> usize {
-        self.inner.lookahead()
+impl Observer for Tally<'_> {
+    fn event(&mut self, e: &Event<usize>) {
+        if let Event::Done { completion, .. } = e {
+            (self.0)(&completion.stats);
+        }
     }
 }
 
@@ -398,17 +366,13 @@ pub fn run(args: EvalArgs) -> Result<()> {
         bar.set_message(format!("eval tau {:.2}", live.tau()));
         bar.inc(1);
     };
-    let mut tally = Tally {
-        inner: loaded.decoder.as_mut(),
-        on_finish: &mut on_finish,
-    };
     let t0 = Instant::now();
-    let results = run_scheduled(
-        &mut tally,
+    let results = run_observed(
+        loaded.decoder.as_mut(),
         &loaded.tokenizer,
         &requests,
         args.batch,
-        &mut |_, _| {},
+        &mut Tally(&mut on_finish),
     );
     let wall_s = t0.elapsed().as_secs_f64();
     bar.finish_and_clear();

@@ -4,6 +4,7 @@ use std::io::Read;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use dflash_engine::prefill::DEFAULT_BATCH_TOKENS;
 use dflash_engine::session::run_scheduled;
 use dflash_engine::{Batch, Completion, Event, Request, RowStats};
 use dflash_models::ProjectionPath;
@@ -33,6 +34,10 @@ pub struct GenerateArgs {
     /// Most rows decoding at once with --batch (others join as rows finish).
     #[arg(long, default_value_t = 16)]
     pub max_batch: usize,
+    /// Most tokens one decoding step runs with --batch: the live rows' own tokens, then
+    /// pieces of joining rows' prompts (chunked prefill) in the rest.
+    #[arg(long, default_value_t = DEFAULT_BATCH_TOKENS)]
+    pub max_batch_tokens: usize,
     /// Most tokens to generate.
     #[arg(short = 'n', long, default_value_t = 256)]
     pub max_tokens: usize,
@@ -163,8 +168,8 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     if args.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
     }
-    if args.max_batch == 0 {
-        bail!("--max-batch must be at least 1");
+    if args.max_batch == 0 || args.max_batch_tokens == 0 {
+        bail!("--max-batch and --max-batch-tokens must be at least 1");
     }
     if let Some(path) = &args.batch {
         if args.output_format == OutputFormat::Json {
@@ -239,6 +244,7 @@ fn run_batch_file(
 ) -> Result<()> {
     let lines = read_batch(path)?;
     let mut loaded = load(&args.model, &generate_draft_args(&args.draft))?;
+    loaded.decoder.set_batch_tokens(args.max_batch_tokens);
     let mut requests = Vec::with_capacity(lines.len());
     for (i, l) in lines.iter().enumerate() {
         let mut p = params.clone();

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Result};
 use clap::Args;
+use dflash_engine::prefill::DEFAULT_BATCH_TOKENS;
 use dflash_server::scheduler::SchedulerLimits;
 use dflash_server::{HttpLimits, ServedModel, ServerConfig};
 
@@ -29,6 +30,10 @@ pub struct ServeArgs {
     /// Most requests decoding together (others wait in the queue and join between rounds).
     #[arg(long, default_value_t = 16)]
     pub max_batch: usize,
+    /// Most tokens one decoding step runs: the live rows' own tokens, then pieces of new
+    /// requests' prompts in the rest (chunked prefill: rows join while others decode).
+    #[arg(long, default_value_t = DEFAULT_BATCH_TOKENS)]
+    pub max_batch_tokens: usize,
     /// Most requests waiting for a row; more are answered 429 with Retry-After.
     #[arg(long, default_value_t = 256)]
     pub max_queue: usize,
@@ -47,6 +52,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
     if args.max_batch == 0 {
         bail!("--max-batch must be at least 1");
     }
+    if args.max_batch_tokens == 0 {
+        bail!("--max-batch-tokens must be at least 1");
+    }
     if args.max_body_bytes < 1024 {
         bail!("--max-body-bytes must be at least 1024");
     }
@@ -60,6 +68,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         scheduler: SchedulerLimits {
             max_batch: args.max_batch,
             max_queue: args.max_queue,
+            max_batch_tokens: args.max_batch_tokens,
         },
         http: HttpLimits {
             max_body_bytes: args.max_body_bytes,

@@ -1,37 +1,17 @@
-//! `dflash bench --requests R`: a serving-style load on a tiny synthetic target gives a JSON
-//! report whose counts and percentiles hang together; bad values are clear errors.
+//! `dflash bench --requests R`: a serving-style load on a tiny synthetic target (plain, and
+//! DFlash with a random drafter) gives a JSON report whose counts, percentiles and KV cache
+//! peak hang together, with prompts longer than the step's token budget (chunked prefill);
+//! bad values are clear errors.
 
-use std::path::PathBuf;
-use std::process::{Command, Output};
+mod support;
 
-use dflash_models::synthetic::{synthetic_gguf, SyntheticSpec};
 use serde_json::Value;
-
-fn dflash(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_dflash"))
-        .args(args)
-        .env(
-            "DFLASH_CACHE_DIR",
-            std::env::temp_dir().join("dflash-test-no-cache"),
-        )
-        .env_remove("DFLASH_MODEL")
-        .env_remove("DFLASH_DRAFT")
-        .output()
-        .expect("the binary runs")
-}
-
-fn tiny_model(dir: &std::path::Path) -> PathBuf {
-    let mut spec = SyntheticSpec::tiny();
-    spec.context_length = 1024;
-    let p = dir.join("tiny.gguf");
-    std::fs::write(&p, synthetic_gguf(&spec)).unwrap();
-    p
-}
+use support::*;
 
 #[test]
 fn load_report_counts_every_request() {
     let dir = tempfile::tempdir().unwrap();
-    let model = tiny_model(dir.path());
+    let model = tiny(dir.path());
     let out = dflash(&[
         "bench",
         "--model",
@@ -75,17 +55,77 @@ fn load_report_counts_every_request() {
             "{key} percentiles out of order: {p}"
         );
     }
+    // Two rows of at most 6 positions beyond their prompts, never their whole context.
+    let kv = &ar["kv_peak"];
+    let (rows, positions, reserved) = (
+        kv["rows"].as_u64().unwrap(),
+        kv["positions"].as_u64().unwrap(),
+        kv["reserved_positions"].as_u64().unwrap(),
+    );
+    assert!((1..=2).contains(&rows), "KV peak {kv}");
+    assert!(positions > 0 && positions <= reserved, "KV peak {kv}");
+    assert!(
+        reserved < CONTEXT as u64,
+        "rows reserved their context: {kv}"
+    );
+    assert!(kv["bytes"].as_u64().unwrap() > 0, "KV peak {kv}");
     assert!(err.contains("5 requests, 2 live"), "table: {err}");
+    assert!(err.contains("KV peak"), "table: {err}");
+}
+
+#[test]
+fn dflash_load_with_prompts_longer_than_the_step_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let drafter = random_drafter_dir(dir.path());
+    let out = dflash(&[
+        "bench",
+        "--model",
+        model.to_str().unwrap(),
+        "--draft",
+        drafter.to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--requests",
+        "4",
+        "--max-live",
+        "3",
+        "--max-batch-tokens",
+        "24",
+        "-n",
+        "8",
+        "-r",
+        "1",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "bench failed: {err}");
+    let report: Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    assert_eq!(report["max_batch_tokens"], 24);
+    let arms = report["arms"].as_array().expect("arms");
+    assert_eq!(arms.len(), 2, "plain and DFlash arms");
+    // Greedy DFlash is lossless: both arms generate the same number of tokens.
+    assert_eq!(arms[0]["generated_tokens"], arms[1]["generated_tokens"]);
+    for arm in arms {
+        let kv = &arm["kv_peak"];
+        assert!(kv["rows"].as_u64().unwrap() >= 1, "{arm}");
+        assert!(kv["bytes"].as_u64().unwrap() > 0, "{arm}");
+    }
+    // The DFlash arm counts target and drafter rows.
+    assert!(arms[1]["kv_peak"]["rows"].as_u64().unwrap() >= 2);
 }
 
 #[test]
 fn bad_load_flags_are_errors() {
     let dir = tempfile::tempdir().unwrap();
-    let model = tiny_model(dir.path());
+    let model = tiny(dir.path());
     let m = model.to_str().unwrap();
     for (args, needle) in [
         (vec!["--requests", "0"], "at least 1"),
         (vec!["--requests", "3", "--max-live", "0"], "at least 1"),
+        (
+            vec!["--requests", "3", "--max-batch-tokens", "0"],
+            "at least 1",
+        ),
         (vec!["--max-live", "2"], "--requests"),
         (
             vec!["--requests", "3", "--batch", "2"],

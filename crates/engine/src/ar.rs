@@ -2,50 +2,59 @@
 
 use std::time::Instant;
 
-use dflash_models::{LogitRows, RowStep, Target};
+use dflash_models::{KvUsage, LogitRows, RowStep, Target};
 use dflash_runtime::choice::SampleRow;
 use dflash_runtime::Backend;
 
-use crate::choose::{copy_rows, split, with_rows, RowSampling};
+use crate::choose::{copy_rows, split, with_rows, Layout, RowSampling};
 use crate::decoder::{Decoder, EngineError, Result, RowId};
+use crate::prefill::{whole_pieces, Piece, PrefillQueue, DEFAULT_BATCH_TOKENS};
 use crate::sampling::SamplingParams;
 use crate::stats::RowStats;
 
-/// Longest prompt piece prefilled in one forward (bounds activation memory).
-pub const PREFILL_CHUNK: usize = 512;
-
-/// Feeds `prompt` into row `row` of `target` in chunks; the last position's logits are left
-/// in `target.logits()`.
-pub(crate) fn prefill<T: Target>(target: &mut T, row: usize, prompt: &[u32]) -> Result<()> {
+/// Feeds `prompt` into row `row` of `target` whole ([`whole_pieces`]); the last position's
+/// logits are left in `target.logits()`. `on_piece(target, len)` runs after each piece's
+/// forward (the DFlash decoder feeds its drafter there).
+pub(crate) fn prefill<T: Target>(
+    target: &mut T,
+    row: usize,
+    prompt: &[u32],
+    on_piece: &mut dyn FnMut(&T, usize) -> Result<()>,
+) -> Result<()> {
     if prompt.is_empty() {
         return Err(EngineError::Invalid("the prompt is empty".into()));
     }
-    let chunks: Vec<&[u32]> = prompt.chunks(PREFILL_CHUNK).collect();
-    for (i, chunk) in chunks.iter().enumerate() {
-        let last = i + 1 == chunks.len();
+    let pieces = whole_pieces(prompt.len(), target.prefill_granule());
+    let n = pieces.len();
+    for (i, r) in pieces.into_iter().enumerate() {
+        let len = r.len();
         target.forward(&[RowStep {
             row,
-            tokens: chunk,
-            logits: if last {
+            tokens: &prompt[r],
+            logits: if i + 1 == n {
                 LogitRows::Last
             } else {
                 LogitRows::None
             },
         }])?;
+        on_piece(target, len)?;
     }
     Ok(())
 }
 
-/// Chooses one token for each row of `logits` (`rows[i]` for tensor row i), on the device
-/// where it can, and records it in the row's history (and, when kept, its logits).
+/// Chooses one token for each of `rows` from the rows of `logits` from `first` on (`rows[i]`
+/// for tensor row `first + i`), on the device where it can, and records it in the row's
+/// history (and, when kept, its logits).
 pub(crate) fn choose_next<B: Backend>(
     b: &B,
     logits: &B::Tensor,
+    first: usize,
     rows: &mut [&mut RowSampling],
     host: &mut HostChoice<B>,
 ) -> Vec<u32> {
     let vocab = b.shape(logits).1;
     let batch = rows.len();
+    let at = Layout { first, per: 1 };
     let us: Vec<f32> = rows.iter_mut().map(|r| r.uniform()).collect();
     let mut out = vec![0u32; batch];
     let (mut device, mut on_host) = split(rows.iter().map(|r| &**r));
@@ -58,7 +67,7 @@ pub(crate) fn choose_next<B: Backend>(
                 u: us[i],
             })
             .collect();
-        match with_rows(b, logits, 1, &device, batch, &mut host.tmp, |t| {
+        match with_rows(b, logits, at, &device, &mut host.tmp, |t| {
             b.sample_rows(t, &spec)
         }) {
             Some(ids) => {
@@ -73,15 +82,7 @@ pub(crate) fn choose_next<B: Backend>(
         }
     }
     if !on_host.is_empty() {
-        copy_rows(
-            b,
-            logits,
-            1,
-            &on_host,
-            batch,
-            &mut host.tmp,
-            &mut host.logits,
-        );
+        copy_rows(b, logits, at, &on_host, &mut host.tmp, &mut host.logits);
         for (k, &i) in on_host.iter().enumerate() {
             let row = &host.logits[k * vocab..(k + 1) * vocab];
             out[i] = rows[i].choose_host(row, us[i], &mut host.scratch);
@@ -126,6 +127,8 @@ struct ArRow {
 pub struct ArDecoder<T: Target> {
     pub target: T,
     rows: Vec<Option<ArRow>>,
+    queue: PrefillQueue<()>,
+    batch_tokens: usize,
     host: HostChoice<T::B>,
 }
 
@@ -134,9 +137,37 @@ impl<T: Target> ArDecoder<T> {
         Self {
             target,
             rows: Vec::new(),
+            queue: PrefillQueue::default(),
+            batch_tokens: DEFAULT_BATCH_TOKENS,
             host: HostChoice::new(),
         }
     }
+
+    fn insert(&mut self, row: usize, r: ArRow) {
+        if self.rows.len() <= row {
+            self.rows.resize_with(row + 1, || None);
+        }
+        self.rows[row] = Some(r);
+    }
+}
+
+/// A row's statistics when its prefill of `prompt_tokens` ends (begun at `t0`).
+pub(crate) fn first_stats(prompt_tokens: usize, t0: Instant) -> RowStats {
+    RowStats {
+        prompt_tokens,
+        generated_tokens: 1,
+        prefill_s: t0.elapsed().as_secs_f64(),
+        ..Default::default()
+    }
+}
+
+/// Checks a new row's prompt and parameters.
+pub(crate) fn check_row(prompt: &[u32], params: &SamplingParams) -> Result<()> {
+    params.validate().map_err(|e| EngineError::Invalid(e.0))?;
+    if prompt.is_empty() {
+        return Err(EngineError::Invalid("the prompt is empty".into()));
+    }
+    Ok(())
 }
 
 impl<T: Target> Decoder for ArDecoder<T> {
@@ -146,10 +177,10 @@ impl<T: Target> Decoder for ArDecoder<T> {
         capacity: usize,
         params: &SamplingParams,
     ) -> Result<(RowId, u32)> {
-        params.validate().map_err(|e| EngineError::Invalid(e.0))?;
+        check_row(prompt, params)?;
         let t0 = Instant::now();
         let row = self.target.new_row(capacity)?;
-        if let Err(e) = prefill(&mut self.target, row, prompt) {
+        if let Err(e) = prefill(&mut self.target, row, prompt, &mut |_, _| Ok(())) {
             self.target.release_row(row);
             return Err(e);
         }
@@ -157,24 +188,36 @@ impl<T: Target> Decoder for ArDecoder<T> {
         let first = choose_next(
             self.target.backend(),
             self.target.logits(),
+            0,
             &mut [&mut sampling],
             &mut self.host,
         )[0];
-        let stats = RowStats {
-            prompt_tokens: prompt.len(),
-            generated_tokens: 1,
-            prefill_s: t0.elapsed().as_secs_f64(),
-            ..Default::default()
-        };
-        if self.rows.len() <= row {
-            self.rows.resize_with(row + 1, || None);
-        }
-        self.rows[row] = Some(ArRow {
-            pending: first,
-            sampling,
-            stats,
-        });
+        let stats = first_stats(prompt.len(), t0);
+        self.insert(
+            row,
+            ArRow {
+                pending: first,
+                sampling,
+                stats,
+            },
+        );
         Ok((row, first))
+    }
+
+    fn queue_row(
+        &mut self,
+        prompt: &[u32],
+        capacity: usize,
+        params: &SamplingParams,
+    ) -> Result<RowId> {
+        check_row(prompt, params)?;
+        let row = self.target.new_row(capacity)?;
+        self.queue.push(row, prompt, params, ());
+        Ok(row)
+    }
+
+    fn set_batch_tokens(&mut self, tokens: usize) {
+        self.batch_tokens = tokens.max(1);
     }
 
     fn step(&mut self, out: &mut Vec<(RowId, Vec<u32>)>) -> Result<()> {
@@ -185,11 +228,19 @@ impl<T: Target> Decoder for ArDecoder<T> {
             .enumerate()
             .filter_map(|(i, r)| r.as_ref().map(|r| (i, r.pending)))
             .collect();
-        if live.is_empty() {
+        let granule = self.target.prefill_granule();
+        // With no live row the step feeds at least one granule, so the queue always moves.
+        let budget = if live.is_empty() {
+            self.batch_tokens.max(granule)
+        } else {
+            self.batch_tokens.saturating_sub(live.len())
+        };
+        let pieces = self.queue.plan(budget, granule);
+        if live.is_empty() && pieces.is_empty() {
             return Ok(());
         }
         let tokens: Vec<[u32; 1]> = live.iter().map(|&(_, t)| [t]).collect();
-        let steps: Vec<RowStep<'_>> = live
+        let mut steps: Vec<RowStep<'_>> = live
             .iter()
             .zip(&tokens)
             .map(|(&(row, _), tok)| RowStep {
@@ -198,13 +249,24 @@ impl<T: Target> Decoder for ArDecoder<T> {
                 logits: LogitRows::Last,
             })
             .collect();
+        steps.extend(prefill_steps(&self.queue, &pieces));
         self.target.forward(&steps)?;
+        let joined = self.queue.advance(&pieces, t0);
+        // Logits rows: the live rows' in order, then those of the rows whose prefill ended.
+        let mut fresh: Vec<RowSampling> = joined
+            .iter()
+            .map(|q| RowSampling::new(&q.params, &q.prompt))
+            .collect();
         let mut rows: Vec<&mut ArRow> = self.rows.iter_mut().flatten().collect();
-        let mut sampling: Vec<&mut RowSampling> =
-            rows.iter_mut().map(|r| &mut r.sampling).collect();
+        let mut sampling: Vec<&mut RowSampling> = rows
+            .iter_mut()
+            .map(|r| &mut r.sampling)
+            .chain(fresh.iter_mut())
+            .collect();
         let chosen = choose_next(
             self.target.backend(),
             self.target.logits(),
+            0,
             &mut sampling,
             &mut self.host,
         );
@@ -215,11 +277,29 @@ impl<T: Target> Decoder for ArDecoder<T> {
             r.stats.decode_s += dt;
             out.push((row, vec![t]));
         }
+        for ((q, sampling), &first) in joined.into_iter().zip(fresh).zip(&chosen[live.len()..]) {
+            let stats = first_stats(q.prompt.len(), q.started.unwrap_or(t0));
+            self.insert(
+                q.row,
+                ArRow {
+                    pending: first,
+                    sampling,
+                    stats,
+                },
+            );
+            out.push((q.row, vec![first]));
+        }
         Ok(())
     }
 
     fn finish_row(&mut self, row: RowId) -> RowStats {
         self.target.release_row(row);
+        if let Some(q) = self.queue.remove(row) {
+            return RowStats {
+                prompt_tokens: q.prompt.len(),
+                ..Default::default()
+            };
+        }
         self.rows
             .get_mut(row)
             .and_then(Option::take)
@@ -234,11 +314,38 @@ impl<T: Target> Decoder for ArDecoder<T> {
             .map_or(&[], |r| &r.sampling.logits)
     }
 
+    fn kv_usage(&self) -> KvUsage {
+        self.target.kv_usage()
+    }
+
     fn live_rows(&self) -> usize {
-        self.rows.iter().filter(|r| r.is_some()).count()
+        self.rows.iter().filter(|r| r.is_some()).count() + self.queue.len()
     }
 
     fn context_length(&self) -> usize {
         self.target.context_length()
     }
+}
+
+/// The forward steps of prefill `pieces` of `queue`: the last piece of a prompt asks for its
+/// last position's logits.
+pub(crate) fn prefill_steps<'a, X>(
+    queue: &'a PrefillQueue<X>,
+    pieces: &[Piece],
+) -> Vec<RowStep<'a>> {
+    pieces
+        .iter()
+        .map(|p| {
+            let q = queue.get(p.at);
+            RowStep {
+                row: q.row,
+                tokens: &q.prompt[p.range.clone()],
+                logits: if p.last {
+                    LogitRows::Last
+                } else {
+                    LogitRows::None
+                },
+            }
+        })
+        .collect()
 }

@@ -39,6 +39,18 @@ struct Live<K> {
     logprobs: Vec<TokenLogprob>,
 }
 
+impl<K> Live<K> {
+    fn new(key: K, row: RowId, max_tokens: usize, req: &Request) -> Self {
+        Self {
+            key,
+            row,
+            out: Output::new(max_tokens, &req.stop_strings),
+            top_logprobs: req.params.logprobs,
+            logprobs: Vec::new(),
+        }
+    }
+}
+
 /// The requests decoding together on one decoder.
 pub struct Batch<K> {
     live: Vec<Live<K>>,
@@ -55,7 +67,7 @@ impl<K: Copy + PartialEq> Batch<K> {
         Self::default()
     }
 
-    /// Live requests.
+    /// Live requests (those still in their prefill included).
     pub fn len(&self) -> usize {
         self.live.len()
     }
@@ -69,8 +81,9 @@ impl<K: Copy + PartialEq> Batch<K> {
         self.live.iter().map(|l| l.key)
     }
 
-    /// Starts `req` in a new row (its prefill yields the first token). The request may end at
-    /// once (a one-token limit, an immediate end of sequence). On error nothing was added.
+    /// Starts `req` in a new row with a whole prefill before this returns (its first token
+    /// comes now). The request may end at once (a one-token limit, an immediate end of
+    /// sequence). On error nothing was added.
     pub fn admit(
         &mut self,
         decoder: &mut dyn Decoder,
@@ -79,22 +92,9 @@ impl<K: Copy + PartialEq> Batch<K> {
         req: &Request,
         events: &mut Vec<Event<K>>,
     ) -> Result<()> {
-        let ctx = decoder.context_length();
-        req.check(ctx)?;
-        // Never run past the context: the token limit is cut to what fits.
-        let max_tokens = req.max_tokens.min(ctx - req.prompt.len());
-        let capacity = req.prompt.len() + max_tokens + decoder.lookahead() + 1;
-        let mut params = req.params.clone();
-        // Log-probabilities are computed here from the logits behind each emitted token.
-        params.keep_logits |= params.logprobs.is_some();
-        let (row, first) = decoder.start_row(&req.prompt, capacity.min(ctx), &params)?;
-        self.live.push(Live {
-            key,
-            row,
-            out: Output::new(max_tokens, &req.stop_strings),
-            top_logprobs: req.params.logprobs,
-            logprobs: Vec::new(),
-        });
+        let (max_tokens, capacity, params) = Self::prepare(decoder, req)?;
+        let (row, first) = decoder.start_row(&req.prompt, capacity, &params)?;
+        self.live.push(Live::new(key, row, max_tokens, req));
         let at = self.live.len() - 1;
         if let Err(e) = self.take(decoder, tok, at, &[first], events) {
             let l = self.live.swap_remove(at);
@@ -102,6 +102,35 @@ impl<K: Copy + PartialEq> Batch<K> {
             return Err(e);
         }
         Ok(())
+    }
+
+    /// Starts `req` in a new row whose prompt the next steps feed in pieces, inside the
+    /// decoder's token budget, together with the other rows' tokens (chunked prefill); its
+    /// first token comes from the step that feeds the last piece. On error nothing was added.
+    pub fn enqueue(&mut self, decoder: &mut dyn Decoder, key: K, req: &Request) -> Result<()> {
+        let (max_tokens, capacity, params) = Self::prepare(decoder, req)?;
+        let row = decoder.queue_row(&req.prompt, capacity, &params)?;
+        self.live.push(Live::new(key, row, max_tokens, req));
+        Ok(())
+    }
+
+    /// Checks `req`; returns its token limit (cut to what fits the context), the positions
+    /// its row starts with, and its decoder parameters.
+    fn prepare(
+        decoder: &dyn Decoder,
+        req: &Request,
+    ) -> Result<(usize, usize, crate::SamplingParams)> {
+        let ctx = decoder.context_length();
+        req.check(ctx)?;
+        // Never run past the context: the token limit is cut to what fits.
+        let max_tokens = req.max_tokens.min(ctx - req.prompt.len());
+        // Room for the prompt and the first round; the row's cache grows as it generates, so
+        // no row holds its whole token limit's worth of cache up front.
+        let capacity = (req.prompt.len() + decoder.lookahead() + 1).min(ctx);
+        let mut params = req.params.clone();
+        // Log-probabilities are computed here from the logits behind each emitted token.
+        params.keep_logits |= params.logprobs.is_some();
+        Ok((max_tokens, capacity, params))
     }
 
     /// One decoding round for every live request.

@@ -71,42 +71,56 @@ pub(crate) fn split<'a>(rows: impl Iterator<Item = &'a RowSampling>) -> (Vec<usi
     (device, host)
 }
 
-/// Tensor row indices of the batch rows `rows`, each owning `per` consecutive tensor rows.
-fn tensor_rows(rows: &[usize], per: usize) -> Vec<u32> {
+/// Tensor row indices of the batch rows `rows`, each owning `per` consecutive tensor rows
+/// from tensor row `first` on.
+fn tensor_rows(first: usize, rows: &[usize], per: usize) -> Vec<u32> {
     rows.iter()
-        .flat_map(|&i| (i * per..(i + 1) * per).map(|r| r as u32))
+        .flat_map(|&i| (first + i * per..first + (i + 1) * per).map(|r| r as u32))
         .collect()
 }
 
-/// Runs `f` on the tensor rows of batch rows `rows` (`per` each) of `t`, which holds
-/// `batch * per` rows: on `t` itself when every row is wanted, else on a gathered copy in
-/// `tmp`.
+/// Where a batch's rows sit in a tensor: batch row i owns tensor rows
+/// `first + i * per .. first + (i + 1) * per`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Layout {
+    pub first: usize,
+    pub per: usize,
+}
+
+impl Layout {
+    /// `per` rows each from the tensor's first row.
+    pub fn from_start(per: usize) -> Self {
+        Self { first: 0, per }
+    }
+}
+
+/// Runs `f` on the tensor rows of batch rows `rows` (distinct, ascending) of `t`, laid out
+/// as `at`: on `t` itself when those are all of its rows, else on a gathered copy in `tmp`.
 pub(crate) fn with_rows<B: Backend, R>(
     b: &B,
     t: &B::Tensor,
-    per: usize,
+    at: Layout,
     rows: &[usize],
-    batch: usize,
     tmp: &mut Option<B::Tensor>,
     f: impl FnOnce(&B::Tensor) -> R,
 ) -> R {
-    if rows.len() == batch {
+    if at.first == 0 && rows.len() * at.per == b.shape(t).0 {
         return f(t);
     }
     let out = tmp.get_or_insert_with(|| b.tensor(0, 0));
-    b.gather_rows(t, &tensor_rows(rows, per), out);
+    b.gather_rows(t, &tensor_rows(at.first, rows, at.per), out);
     f(out)
 }
 
-/// Copies the tensor rows of batch rows `rows` (`per` each) of `t` to `out`, in that order.
+/// Copies the tensor rows of batch rows `rows` (laid out as `at`) of `t` to `out`, in that
+/// order.
 pub(crate) fn copy_rows<B: Backend>(
     b: &B,
     t: &B::Tensor,
-    per: usize,
+    at: Layout,
     rows: &[usize],
-    batch: usize,
     tmp: &mut Option<B::Tensor>,
     out: &mut Vec<f32>,
 ) {
-    with_rows(b, t, per, rows, batch, tmp, |x| b.copy_to_host(x, out));
+    with_rows(b, t, at, rows, tmp, |x| b.copy_to_host(x, out));
 }

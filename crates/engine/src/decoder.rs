@@ -1,6 +1,6 @@
 //! The decoder interface: a strategy that advances a batch of rows by one or more tokens.
 
-use dflash_models::ModelError;
+use dflash_models::{KvUsage, ModelError};
 
 use crate::sampling::SamplingParams;
 use crate::stats::RowStats;
@@ -21,8 +21,10 @@ pub type Result<T> = std::result::Result<T, EngineError>;
 
 /// A decoding strategy over rows that run together.
 ///
-/// Each row starts with a prefill that yields its first token; every later [`Decoder::step`]
-/// yields at least one more token for every live row. Tokens come out in order and are exactly
+/// A row starts either with a whole prefill that yields its first token at once
+/// ([`Decoder::start_row`]) or queued ([`Decoder::queue_row`]): then the steps feed its prompt
+/// in pieces and the step that feeds the last piece yields its first token. Every
+/// [`Decoder::step`] yields at least one more token for every row past its prefill. Tokens come out in order and are exactly
 /// what the strategy commits; the caller decides when a row is done and calls
 /// [`Decoder::finish_row`].
 pub trait Decoder {
@@ -35,13 +37,35 @@ pub trait Decoder {
         params: &SamplingParams,
     ) -> Result<(RowId, u32)>;
 
-    /// Advances every live row; appends `(row, new tokens)` to `out` (at least one token each).
+    /// Opens a row for `prompt` with room for `capacity` positions to begin with (the cache
+    /// grows as the row does) without running it: later steps feed the prompt in pieces that,
+    /// with the other rows' tokens, fit the step's token budget ([`Decoder::set_batch_tokens`]).
+    /// The step that feeds the last piece emits the row's first token, chosen from that
+    /// piece's last logits.
+    fn queue_row(
+        &mut self,
+        prompt: &[u32],
+        capacity: usize,
+        params: &SamplingParams,
+    ) -> Result<RowId>;
+
+    /// Tokens one step may run (at least 1): the live rows' own tokens (one per AR row, a
+    /// verify block per DFlash row) always run; queued rows' prompt pieces fill what is left,
+    /// in the order the rows were queued.
+    fn set_batch_tokens(&mut self, tokens: usize);
+
+    /// Advances every live row and feeds queued rows' prompts; appends `(row, new tokens)` to
+    /// `out` (at least one token for each row past its prefill, the first token for a row
+    /// whose prefill ended).
     fn step(&mut self, out: &mut Vec<(RowId, Vec<u32>)>) -> Result<()>;
 
     /// Ends a row and frees its slot.
     fn finish_row(&mut self, row: RowId) -> RowStats;
 
-    /// Number of live rows.
+    /// KV cache memory of the open rows (target and drafter together).
+    fn kv_usage(&self) -> KvUsage;
+
+    /// Number of live rows (queued ones included).
     fn live_rows(&self) -> usize;
 
     /// Positions the model can hold per row.

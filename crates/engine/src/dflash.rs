@@ -20,13 +20,14 @@
 
 use std::time::Instant;
 
-use dflash_models::{Drafter, LogitRows, RowStep, Target};
+use dflash_models::{Drafter, KvUsage, LogitRows, RowStep, Target};
 use dflash_runtime::choice::{DraftRow, Verdict, VerifyRow};
 use dflash_runtime::Backend;
 
-use crate::ar::{choose_next, HostChoice, PREFILL_CHUNK};
-use crate::choose::{copy_rows, split, with_rows, RowSampling};
+use crate::ar::{check_row, choose_next, first_stats, prefill, prefill_steps, HostChoice};
+use crate::choose::{copy_rows, split, with_rows, Layout, RowSampling};
 use crate::decoder::{Decoder, EngineError, Result, RowId};
+use crate::prefill::{Piece, PrefillQueue, DEFAULT_BATCH_TOKENS};
 use crate::sampling::{Dist, SamplingParams};
 use crate::selector_walk::walk;
 use crate::spec_gate::{SpecGate, SpecMode};
@@ -90,6 +91,9 @@ pub struct DflashDecoder<T: Target, D: Drafter<B = T::B>> {
     policy: AcceptPolicy,
     gate: SpecGate,
     rows: Vec<Option<SpecRow>>,
+    /// Rows whose prompts are still being fed, with their drafter rows.
+    queue: PrefillQueue<usize>,
+    batch_tokens: usize,
     host: HostChoice<T::B>,
     /// The drafter's logits of the rows drafting on the host.
     draft_host: Vec<f32>,
@@ -134,6 +138,8 @@ impl<T: Target, D: Drafter<B = T::B>> DflashDecoder<T, D> {
             policy,
             gate: SpecGate::new(SpecMode::Always),
             rows: Vec::new(),
+            queue: PrefillQueue::default(),
+            batch_tokens: DEFAULT_BATCH_TOKENS,
             host: HostChoice::new(),
             draft_host: Vec::new(),
             draft_tmp: None,
@@ -153,6 +159,93 @@ impl<T: Target, D: Drafter<B = T::B>> DflashDecoder<T, D> {
 
     pub fn spec_mode(&self) -> SpecMode {
         self.gate.mode()
+    }
+
+    /// Opens a target row and its drafter row.
+    fn open_rows(&mut self, capacity: usize) -> Result<(usize, usize)> {
+        let trow = self.target.new_row(capacity)?;
+        match self.drafter.new_row(capacity) {
+            Ok(drow) => Ok((trow, drow)),
+            Err(e) => {
+                self.target.release_row(trow);
+                Err(e.into())
+            }
+        }
+    }
+
+    /// After a forward that ran prefill `pieces` (the logits of the pieces that end a prompt
+    /// from logits row `logit0` on, started at `t0`): records the pieces, and the rows whose
+    /// prefill ended choose their first tokens and join the live rows. Their drafter context
+    /// must already hold every prompt position.
+    fn join(
+        &mut self,
+        pieces: &[Piece],
+        logit0: usize,
+        t0: Instant,
+        out: &mut Vec<(RowId, Vec<u32>)>,
+    ) {
+        let joined = self.queue.advance(pieces, t0);
+        if joined.is_empty() {
+            return;
+        }
+        let mut fresh: Vec<RowSampling> = joined
+            .iter()
+            .map(|q| RowSampling::new(&q.params, &q.prompt))
+            .collect();
+        let firsts = choose_next(
+            self.target.backend(),
+            self.target.logits(),
+            logit0,
+            &mut fresh.iter_mut().collect::<Vec<_>>(),
+            &mut self.host,
+        );
+        for ((q, sampling), first) in joined.into_iter().zip(fresh).zip(firsts) {
+            if self.rows.len() <= q.row {
+                self.rows.resize_with(q.row + 1, || None);
+            }
+            self.rows[q.row] = Some(SpecRow {
+                drow: q.extra,
+                cur: first,
+                sampling,
+                stats: RowStats {
+                    accepted_at: vec![0; self.block - 1],
+                    ..first_stats(q.prompt.len(), q.started.unwrap_or(t0))
+                },
+            });
+            out.push((q.row, vec![first]));
+        }
+    }
+
+    /// The drafter context entries of prefill `pieces` whose taps start at tap row `tap0`:
+    /// appended to `rows` and `tap_rows`.
+    fn piece_context(
+        &self,
+        pieces: &[Piece],
+        tap0: usize,
+        rows: &mut Vec<(usize, usize)>,
+        tap_rows: &mut Vec<u32>,
+    ) {
+        let mut at = tap0;
+        for p in pieces {
+            let n = p.range.len();
+            rows.push((self.queue.get(p.at).extra, n));
+            tap_rows.extend((at..at + n).map(|j| j as u32));
+            at += n;
+        }
+    }
+
+    /// A step with no live rows: feeds queued prompts only.
+    fn prefill_step(&mut self, out: &mut Vec<(RowId, Vec<u32>)>) -> Result<()> {
+        let t0 = Instant::now();
+        let granule = self.target.prefill_granule();
+        // With no live row the step feeds at least one granule, so the queue always moves.
+        let pieces = self.queue.plan(self.batch_tokens.max(granule), granule);
+        self.target.forward(&prefill_steps(&self.queue, &pieces))?;
+        let (mut rows, mut tap_rows) = (Vec::new(), Vec::new());
+        self.piece_context(&pieces, 0, &mut rows, &mut tap_rows);
+        self.drafter.extend(&rows, self.target.taps(), &tap_rows)?;
+        self.join(&pieces, 0, t0, out);
+        Ok(())
     }
 }
 
@@ -253,38 +346,14 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
         capacity: usize,
         params: &SamplingParams,
     ) -> Result<(RowId, u32)> {
-        params.validate().map_err(|e| EngineError::Invalid(e.0))?;
-        if prompt.is_empty() {
-            return Err(EngineError::Invalid("the prompt is empty".into()));
-        }
+        check_row(prompt, params)?;
         let t0 = Instant::now();
-        let trow = self.target.new_row(capacity)?;
-        let drow = match self.drafter.new_row(capacity) {
-            Ok(r) => r,
-            Err(e) => {
-                self.target.release_row(trow);
-                return Err(e.into());
-            }
-        };
-        let prefill = (|| -> Result<()> {
-            let chunks: Vec<&[u32]> = prompt.chunks(PREFILL_CHUNK).collect();
-            for (i, chunk) in chunks.iter().enumerate() {
-                let last = i + 1 == chunks.len();
-                self.target.forward(&[RowStep {
-                    row: trow,
-                    tokens: chunk,
-                    logits: if last {
-                        LogitRows::Last
-                    } else {
-                        LogitRows::None
-                    },
-                }])?;
-                let rows: Vec<u32> = (0..chunk.len() as u32).collect();
-                self.drafter
-                    .extend(&[(drow, chunk.len())], self.target.taps(), &rows)?;
-            }
-            Ok(())
-        })();
+        let (trow, drow) = self.open_rows(capacity)?;
+        let drafter = &mut self.drafter;
+        let prefill = prefill(&mut self.target, trow, prompt, &mut |t, len| {
+            let rows: Vec<u32> = (0..len as u32).collect();
+            Ok(drafter.extend(&[(drow, len)], t.taps(), &rows)?)
+        });
         if let Err(e) = prefill {
             self.target.release_row(trow);
             self.drafter.release_row(drow);
@@ -294,6 +363,7 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
         let first = choose_next(
             self.target.backend(),
             self.target.logits(),
+            0,
             &mut [&mut sampling],
             &mut self.host,
         )[0];
@@ -305,14 +375,27 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
             cur: first,
             sampling,
             stats: RowStats {
-                prompt_tokens: prompt.len(),
-                generated_tokens: 1,
-                prefill_s: t0.elapsed().as_secs_f64(),
                 accepted_at: vec![0; self.block - 1],
-                ..Default::default()
+                ..first_stats(prompt.len(), t0)
             },
         });
         Ok((trow, first))
+    }
+
+    fn queue_row(
+        &mut self,
+        prompt: &[u32],
+        capacity: usize,
+        params: &SamplingParams,
+    ) -> Result<RowId> {
+        check_row(prompt, params)?;
+        let (trow, drow) = self.open_rows(capacity)?;
+        self.queue.push(trow, prompt, params, drow);
+        Ok(trow)
+    }
+
+    fn set_batch_tokens(&mut self, tokens: usize) {
+        self.batch_tokens = tokens.max(1);
     }
 
     fn step(&mut self, out: &mut Vec<(RowId, Vec<u32>)>) -> Result<()> {
@@ -320,7 +403,11 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
             .filter(|&r| self.rows[r].is_some())
             .collect();
         if live.is_empty() {
-            return Ok(());
+            return if self.queue.is_empty() {
+                Ok(())
+            } else {
+                self.prefill_step(out)
+            };
         }
         let vocab = self.target.vocab();
         let ctx = self.target.context_length();
@@ -356,6 +443,8 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
 
         // Draft.
         let t_draft = Instant::now();
+        let drafted = Layout::from_start(n);
+        let blocks_at = Layout::from_start(block);
         let mut drafts: Vec<Vec<u32>> = vec![Vec::new(); batch];
         let mut qs: Vec<Vec<Dist>> = vec![Vec::new(); batch];
         // Rows whose drafts were chosen on the device (they verify there too).
@@ -397,7 +486,7 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
                             u: &draws[i].draft,
                         })
                         .collect();
-                    match with_rows(backend, dlog, n, &device, batch, &mut self.host.tmp, |t| {
+                    match with_rows(backend, dlog, drafted, &device, &mut self.host.tmp, |t| {
                         backend.draft_rows(t, n, &spec)
                     }) {
                         Some(ids) => {
@@ -417,9 +506,8 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
                     copy_rows(
                         backend,
                         dlog,
-                        n,
+                        drafted,
                         &host,
-                        batch,
                         &mut self.host.tmp,
                         &mut self.draft_host,
                     );
@@ -451,7 +539,7 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
                 b
             })
             .collect();
-        let steps: Vec<RowStep<'_>> = live
+        let mut steps: Vec<RowStep<'_>> = live
             .iter()
             .zip(&blocks)
             .map(|(&r, b)| RowStep {
@@ -460,6 +548,13 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
                 logits: LogitRows::All,
             })
             .collect();
+        // Queued prompts' pieces ride in the same forward, in what the blocks leave of the
+        // step's budget.
+        let pieces = self.queue.plan(
+            self.batch_tokens.saturating_sub(batch * block),
+            self.target.prefill_granule(),
+        );
+        steps.extend(prefill_steps(&self.queue, &pieces));
         let starts: Vec<usize> = live.iter().map(|&r| self.target.row_len(r)).collect();
         self.target.forward(&steps)?;
         let verify_s = t_verify.elapsed().as_secs_f64();
@@ -498,19 +593,11 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
                 .collect();
             let dlog = self.drafter.logits();
             let draft_tmp = &mut self.draft_tmp;
-            let found = with_rows(
-                backend,
-                tlog,
-                block,
-                &device,
-                batch,
-                &mut self.host.tmp,
-                |t| {
-                    with_rows(backend, dlog, n, &device, batch, draft_tmp, |d| {
-                        backend.verify_rows(t, d, block, &spec)
-                    })
-                },
-            );
+            let found = with_rows(backend, tlog, blocks_at, &device, &mut self.host.tmp, |t| {
+                with_rows(backend, dlog, drafted, &device, draft_tmp, |d| {
+                    backend.verify_rows(t, d, block, &spec)
+                })
+            });
             match found {
                 Some(v) => {
                     for (&i, v) in device.iter().zip(v) {
@@ -536,9 +623,8 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
             copy_rows(
                 backend,
                 tlog,
-                block,
+                blocks_at,
                 &host,
-                batch,
                 &mut self.host.tmp,
                 &mut self.host.logits,
             );
@@ -599,12 +685,16 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
             st.generated_tokens += emitted.len();
             out.push((r, emitted));
         }
+        self.piece_context(&pieces, batch * block, &mut extend_rows, &mut tap_rows);
         self.drafter
             .extend(&extend_rows, self.target.taps(), &tap_rows)?;
         let commit_s = t_commit.elapsed().as_secs_f64();
         let committed: usize = verdicts.iter().map(|v| v.accepted + 1).sum();
-        self.gate
-            .record(block >= 2, committed, t_round.elapsed().as_secs_f64());
+        // A round that also fed prompts does not measure what drafting pays.
+        if pieces.is_empty() {
+            self.gate
+                .record(block >= 2, committed, t_round.elapsed().as_secs_f64());
+        }
         for &r in &live {
             let st = &mut self.rows[r].as_mut().expect("live").stats;
             st.draft_s += draft_s;
@@ -612,10 +702,20 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
             st.commit_s += commit_s;
             st.decode_s += draft_s + verify_s + commit_s;
         }
+        self.join(&pieces, batch * block, t_round, out);
         Ok(())
     }
 
     fn finish_row(&mut self, row: RowId) -> RowStats {
+        if let Some(q) = self.queue.remove(row) {
+            self.target.release_row(row);
+            self.drafter.release_row(q.extra);
+            return RowStats {
+                prompt_tokens: q.prompt.len(),
+                accepted_at: vec![0; self.block - 1],
+                ..Default::default()
+            };
+        }
         match self.rows.get_mut(row).and_then(Option::take) {
             Some(r) => {
                 self.target.release_row(row);
@@ -633,8 +733,12 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
             .map_or(&[], |r| &r.sampling.logits)
     }
 
+    fn kv_usage(&self) -> KvUsage {
+        self.target.kv_usage().plus(self.drafter.kv_usage())
+    }
+
     fn live_rows(&self) -> usize {
-        self.rows.iter().filter(|r| r.is_some()).count()
+        self.rows.iter().filter(|r| r.is_some()).count() + self.queue.len()
     }
 
     fn context_length(&self) -> usize {

@@ -11,6 +11,7 @@ pub mod decoder;
 pub mod dflash;
 pub mod logprobs;
 mod output;
+pub mod prefill;
 pub mod sampling;
 pub mod selector_walk;
 pub mod session;

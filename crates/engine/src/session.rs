@@ -1,6 +1,7 @@
-//! The session driver: runs a list of requests through a decoder with continuous batching
-//! ([`crate::batch::Batch`]), turning tokens into streamed text, and ends each row exactly
-//! where plain decoding would (EOS, stop strings, token limit).
+//! The session driver: runs a list of requests through a decoder with continuous batching and
+//! chunked prefill ([`crate::batch::Batch`]), turning tokens into streamed text, and ends each
+//! row exactly where plain decoding would (EOS, stop strings, token limit). An [`Observer`]
+//! sees every event and step (the load benchmark times tokens through it).
 
 use dflash_models::tokenizer::TextTokenizer;
 use serde::Serialize;
@@ -70,6 +71,29 @@ pub struct Completion {
     pub logprobs: Vec<TokenLogprob>,
 }
 
+/// Watches a scheduled run ([`run_observed`]).
+pub trait Observer {
+    /// Something happened to request `key` (its index in the request list). A `Done` event's
+    /// completion is also returned by the run.
+    fn event(&mut self, event: &Event<usize>);
+    /// A decoding step (with the prompt pieces it fed) ended; `decoder` can be asked about
+    /// its state (live rows, KV memory).
+    fn stepped(&mut self, _decoder: &dyn Decoder) {}
+}
+
+/// An observer that passes text as it becomes final to `on_text(request_index, piece)`.
+struct TextSink<'a>(&'a mut dyn FnMut(usize, &str));
+
+impl Observer for TextSink<'_> {
+    fn event(&mut self, event: &Event<usize>) {
+        if let Event::Progress { key, text, .. } = event {
+            if !text.is_empty() {
+                (self.0)(*key, text);
+            }
+        }
+    }
+}
+
 /// Runs `requests` together on `decoder`, calling `on_text(request_index, piece)` as text
 /// becomes final. Returns one completion per request, in request order.
 pub fn run_batch(
@@ -81,14 +105,29 @@ pub fn run_batch(
     run_scheduled(decoder, tok, requests, usize::MAX, on_text)
 }
 
-/// Like [`run_batch`], with at most `max_live` rows decoding at once: when a row finishes,
-/// the next waiting request joins the batch between rounds (continuous batching).
+/// Like [`run_batch`], with at most `max_live` rows at once: when a row finishes, the next
+/// waiting request joins (continuous batching).
 pub fn run_scheduled(
     decoder: &mut dyn Decoder,
     tok: &TextTokenizer,
     requests: &[Request],
     max_live: usize,
     on_text: &mut dyn FnMut(usize, &str),
+) -> Result<Vec<Completion>> {
+    run_observed(decoder, tok, requests, max_live, &mut TextSink(on_text))
+}
+
+/// Runs `requests` with continuous batching and chunked prefill: at most `max_live` rows at
+/// once; a waiting request joins as soon as there is room, and its prompt is fed in pieces
+/// inside the steps of the live rows (the decoder's token budget,
+/// [`Decoder::set_batch_tokens`]). `observer` sees every event and every step. Returns one
+/// completion per request, in request order.
+pub fn run_observed(
+    decoder: &mut dyn Decoder,
+    tok: &TextTokenizer,
+    requests: &[Request],
+    max_live: usize,
+    observer: &mut dyn Observer,
 ) -> Result<Vec<Completion>> {
     let ctx = decoder.context_length();
     for (i, r) in requests.iter().enumerate() {
@@ -100,28 +139,24 @@ pub fn run_scheduled(
     let mut done: Vec<Option<Completion>> = vec![None; requests.len()];
     let mut events = Vec::new();
     let mut next = 0usize;
-    let mut deliver = |events: &mut Vec<Event<usize>>| {
-        for e in events.drain(..) {
-            match e {
-                Event::Progress { key, text, .. } if !text.is_empty() => on_text(key, &text),
-                Event::Progress { .. } => {}
-                Event::Done { key, completion } => done[key] = Some(completion),
-            }
-        }
-    };
     let result = (|| -> Result<()> {
         loop {
-            // Admit waiting requests while there is room.
+            // Queue waiting requests while there is room.
             while next < requests.len() && batch.len() < max_live {
-                batch.admit(decoder, tok, next, &requests[next], &mut events)?;
+                batch.enqueue(decoder, next, &requests[next])?;
                 next += 1;
-                deliver(&mut events);
             }
             if batch.is_empty() {
                 return Ok(());
             }
             batch.step(decoder, tok, &mut events)?;
-            deliver(&mut events);
+            observer.stepped(decoder);
+            for e in events.drain(..) {
+                observer.event(&e);
+                if let Event::Done { key, completion } = e {
+                    done[key] = Some(completion);
+                }
+            }
         }
     })();
     if let Err(e) = result {

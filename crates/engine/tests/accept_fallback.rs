@@ -41,6 +41,12 @@ impl Target for RectangularCache {
     fn release_row(&mut self, row: usize) {
         self.0.release_row(row)
     }
+    fn kv_usage(&self) -> dflash_models::KvUsage {
+        self.0.kv_usage()
+    }
+    fn prefill_granule(&self) -> usize {
+        self.0.prefill_granule()
+    }
     fn row_len(&self, row: usize) -> usize {
         self.0.row_len(row)
     }

@@ -194,6 +194,11 @@ impl Drafter for Peek {
         self.last_cur.remove(&row);
     }
 
+    /// Peek keeps no KV cache.
+    fn kv_usage(&self) -> dflash_models::KvUsage {
+        dflash_models::KvUsage::default()
+    }
+
     fn context_len(&self, row: usize) -> usize {
         self.rows[row].as_ref().map_or(0, |r| r.0)
     }

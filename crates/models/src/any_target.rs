@@ -3,6 +3,7 @@
 use dflash_runtime::Backend;
 
 use crate::error::Result;
+use crate::kv_usage::KvUsage;
 use crate::llama::LlamaModel;
 use crate::qwen35::Qwen35Model;
 use crate::target::{RowStep, Target};
@@ -60,6 +61,12 @@ impl<B: Backend> Target for TargetModel<B> {
     }
     fn release_row(&mut self, row: usize) {
         each!(self, m => m.release_row(row))
+    }
+    fn kv_usage(&self) -> KvUsage {
+        each!(self, m => m.kv_usage())
+    }
+    fn prefill_granule(&self) -> usize {
+        each!(self, m => m.prefill_granule())
     }
     fn row_len(&self, row: usize) -> usize {
         each!(self, m => m.row_len(row))

@@ -18,6 +18,7 @@ pub use crate::drafter_config::{
     build_target_layer_ids, Dflash2Params, DrafterConfig, DrafterKind, LayerAttention,
 };
 use crate::error::{ModelError, Result};
+use crate::kv_usage::KvUsage;
 use crate::llama::{load_matrix, load_vector};
 use crate::paths::{path_of, ProjectionPath};
 use crate::rows::RowTable;
@@ -286,6 +287,17 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
     fn release_row(&mut self, row: usize) {
         self.rows.close(row);
         self.backend.kv_release(&mut self.kv, row);
+    }
+
+    fn kv_usage(&self) -> KvUsage {
+        let c = &self.cfg;
+        KvUsage::of(
+            &*self.backend,
+            &self.kv,
+            &self.rows,
+            c.layers,
+            c.kv_heads * c.head_dim,
+        )
     }
 
     fn context_len(&self, row: usize) -> usize {

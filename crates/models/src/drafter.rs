@@ -3,6 +3,7 @@
 use dflash_runtime::Backend;
 
 use crate::error::Result;
+use crate::kv_usage::KvUsage;
 use crate::selector::CandidateLattice;
 
 /// A drafter that proposes a block of tokens per row in one forward pass, conditioned on
@@ -20,6 +21,8 @@ pub trait Drafter: Send {
 
     fn new_row(&mut self, capacity: usize) -> Result<usize>;
     fn release_row(&mut self, row: usize);
+    /// KV cache memory of the open rows' contexts.
+    fn kv_usage(&self) -> KvUsage;
     /// Committed context positions of row `row`.
     fn context_len(&self, row: usize) -> usize;
     /// Appends context features: for each `(row, count)` in order, the next `count` entries of

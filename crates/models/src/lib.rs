@@ -14,6 +14,7 @@ mod dflash2;
 pub mod drafter;
 pub mod drafter_config;
 pub mod error;
+pub mod kv_usage;
 pub mod llama;
 pub mod load;
 pub mod paths;
@@ -27,6 +28,7 @@ pub mod target;
 pub mod tokenizer;
 
 pub use error::{ModelError, Result};
+pub use kv_usage::KvUsage;
 
 pub use any_target::TargetModel;
 pub use dflash::DflashDrafter;

@@ -6,6 +6,7 @@ use dflash_runtime::Backend;
 
 use crate::config::LlamaConfig;
 use crate::error::{ModelError, Result};
+use crate::kv_usage::KvUsage;
 use crate::paths::{path_of, ProjectionPath};
 use crate::rows::RowTable;
 use crate::source::TensorSource;
@@ -450,6 +451,11 @@ impl<B: Backend> Target for LlamaModel<B> {
 
     fn row_len(&self, row: usize) -> usize {
         self.rows.len(row)
+    }
+
+    fn kv_usage(&self) -> KvUsage {
+        let c = &self.cfg;
+        KvUsage::of(&*self.backend, &self.kv, &self.rows, c.layers, c.kv_dim())
     }
 
     fn truncate_row(&mut self, row: usize, len: usize) -> Result<()> {

@@ -50,6 +50,14 @@ impl RowTable {
         }
     }
 
+    /// `(row, length)` of every open row.
+    pub fn open_rows(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        self.lens
+            .iter()
+            .enumerate()
+            .filter_map(|(i, l)| l.map(|l| (i, l)))
+    }
+
     /// Shortens row `row` to at most `len`.
     pub fn truncate(&mut self, row: usize, len: usize) {
         if let Some(Some(l)) = self.lens.get_mut(row) {
@@ -71,6 +79,7 @@ mod tests {
         t.truncate(a, 4);
         t.truncate(a, 8);
         assert_eq!(t.len(a), 4);
+        assert_eq!(t.open_rows().collect::<Vec<_>>(), [(a, 4), (b, 0)]);
         t.close(a);
         assert!(!t.is_live(a) && t.is_live(b));
         assert!(t.len_of(a).is_err());

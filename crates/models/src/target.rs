@@ -3,6 +3,7 @@
 use dflash_runtime::Backend;
 
 use crate::error::Result;
+use crate::kv_usage::KvUsage;
 
 /// Which logits a row wants from a forward step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -43,6 +44,8 @@ pub trait Target: Send {
     /// recurrent state can roll a row back only into its last forward step (an error beyond
     /// that); KV-only targets can cut anywhere.
     fn truncate_row(&mut self, row: usize, len: usize) -> Result<()>;
+    /// KV cache memory of the open rows.
+    fn kv_usage(&self) -> KvUsage;
     /// Copies row `src`'s cache into a new row (shared prompt prefix).
     fn fork_row(&mut self, src: usize, capacity: usize) -> Result<usize>;
 
@@ -61,6 +64,14 @@ pub trait Target: Send {
     fn embedding(&self) -> &<Self::B as Backend>::Weight;
     /// Output projection (shared with drafters).
     fn lm_head(&self) -> &<Self::B as Backend>::Weight;
+
+    /// Prompt positions a prefill piece should start and end at multiples of (except the
+    /// prompt's last, shorter-than-one-granule part): a target whose numerics depend on how a
+    /// prompt is cut (the chunked gated delta rule) names its chunk, so every prefill schedule
+    /// computes the same bits.
+    fn prefill_granule(&self) -> usize {
+        1
+    }
 
     /// Whether the rows of one batch can each keep a different number of a verified block's
     /// tokens (every row truncated to its own length, its valid prefix staying contiguous).

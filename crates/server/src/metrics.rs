@@ -1,11 +1,12 @@
 //! Prometheus metrics (`GET /metrics`, OpenMetrics text format) with the `dflash_` prefix:
 //! requests by endpoint and status, prompt and generated tokens, time to first token and
-//! inter-token latency, running and queued rows, batch occupancy, decoding rounds, and DFlash
-//! drafts, accepts (by block slot) and τ.
+//! inter-token latency, running and queued rows, batch occupancy, decoding rounds, KV cache
+//! memory in use, and DFlash drafts, accepts (by block slot) and τ.
 
 use std::sync::atomic::AtomicU64;
 
 use dflash_engine::RowStats;
+use dflash_models::KvUsage;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -13,6 +14,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
+use serde_json::{json, Value};
 
 /// `endpoint` and `status` of a finished HTTP request.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -53,6 +55,10 @@ pub struct Metrics {
     pub accepted: Counter,
     pub accepted_by_slot: Family<SlotLabels, Counter>,
     pub tau: Gauge<f64, AtomicU64>,
+    pub kv_bytes: Gauge,
+    pub kv_rows: Gauge,
+    pub kv_positions: Gauge,
+    pub kv_reserved_positions: Gauge,
 }
 
 impl Metrics {
@@ -77,6 +83,10 @@ impl Metrics {
             accepted: Counter::default(),
             accepted_by_slot: Family::default(),
             tau: Gauge::default(),
+            kv_bytes: Gauge::default(),
+            kv_rows: Gauge::default(),
+            kv_positions: Gauge::default(),
+            kv_reserved_positions: Gauge::default(),
             registry: Registry::default(),
         };
         m.batch_capacity.set(max_batch as i64);
@@ -162,7 +172,49 @@ impl Metrics {
             "Mean tokens committed per speculative round over finished requests",
             m.tau.clone(),
         );
+        r.register(
+            "kv_cache_bytes",
+            "KV cache memory allocated for open rows (target and drafter)",
+            m.kv_bytes.clone(),
+        );
+        r.register(
+            "kv_cache_rows",
+            "Rows holding KV cache (target and drafter rows counted apart)",
+            m.kv_rows.clone(),
+        );
+        r.register(
+            "kv_cache_positions",
+            "Positions cached, summed over rows",
+            m.kv_positions.clone(),
+        );
+        r.register(
+            "kv_cache_reserved_positions",
+            "Positions the rows' caches can hold before they grow",
+            m.kv_reserved_positions.clone(),
+        );
         Self { registry, ..m }
+    }
+
+    /// Publishes the decoder's KV cache memory in use.
+    pub fn record_kv(&self, kv: &KvUsage) {
+        self.kv_bytes.set(kv.bytes as i64);
+        self.kv_rows.set(kv.rows as i64);
+        self.kv_positions.set(kv.positions as i64);
+        self.kv_reserved_positions.set(kv.reserved_positions as i64);
+    }
+
+    /// The state of the batch as JSON (served by `/health`): rows and KV cache memory.
+    pub fn stats_json(&self) -> Value {
+        json!({
+            "running_rows": self.running.get(),
+            "queued_requests": self.queued.get(),
+            "kv_cache": {
+                "bytes": self.kv_bytes.get(),
+                "rows": self.kv_rows.get(),
+                "positions": self.kv_positions.get(),
+                "reserved_positions": self.kv_reserved_positions.get(),
+            },
+        })
     }
 
     /// Adds a finished request's decoding statistics.

@@ -75,7 +75,9 @@ async fn health(State(st): State<AppState>) -> Response {
     if st.scheduler.is_draining() {
         return ApiError::unavailable("shutting down").into_response();
     }
-    Json(json!({"status": "ok"})).into_response()
+    let mut body = st.metrics.stats_json();
+    body["status"] = json!("ok");
+    Json(body).into_response()
 }
 
 async fn models(State(st): State<AppState>) -> Json<ModelList> {

@@ -1,6 +1,8 @@
 //! The scheduler: one thread that owns the decoder and runs decoding rounds over a
 //! [`Batch`], admitting queued requests between rounds (continuous batching) and ending
-//! those whose client left, whose time ran out, or that the shutdown cancels.
+//! those whose client left, whose time ran out, or that the shutdown cancels. A new request's
+//! prompt is fed in pieces inside the following rounds, within the per-step token budget,
+//! so the live rows keep producing tokens while it joins (chunked prefill).
 //!
 //! HTTP handlers talk to it through a [`SchedulerHandle`]: a request is submitted as a
 //! [`Job`] carrying the sending half of its event channel; dropping the receiving half (the
@@ -60,6 +62,9 @@ pub struct SchedulerLimits {
     pub max_batch: usize,
     /// Most requests waiting for a row; more get 429.
     pub max_queue: usize,
+    /// Most tokens one decoding step runs: the live rows' tokens, then pieces of new rows'
+    /// prompts (chunked prefill) in the rest.
+    pub max_batch_tokens: usize,
 }
 
 /// The HTTP side's way to the scheduler thread.
@@ -142,6 +147,8 @@ pub fn scheduler(
     metrics: Arc<Metrics>,
     limits: SchedulerLimits,
 ) -> (SchedulerHandle, impl FnOnce()) {
+    let mut decoder = decoder;
+    decoder.set_batch_tokens(limits.max_batch_tokens);
     let (tx, rx) = std::sync::mpsc::channel();
     let queued = Arc::new(AtomicUsize::new(0));
     let handle = SchedulerHandle {
@@ -308,7 +315,6 @@ impl Scheduler {
         if self.drain_deadline.is_some() {
             return;
         }
-        let mut events = Vec::new();
         while self.batch.len() < self.limits.max_batch {
             let Some(job) = self.queue.pop_front() else {
                 break;
@@ -318,13 +324,7 @@ impl Scheduler {
             self.next_id += 1;
             let prompt_tokens = job.request.prompt.len();
             let admitted = catch_unwind(AssertUnwindSafe(|| {
-                self.batch.admit(
-                    self.decoder.as_mut(),
-                    &self.tokenizer,
-                    id,
-                    &job.request,
-                    &mut events,
-                )
+                self.batch.enqueue(self.decoder.as_mut(), id, &job.request)
             }));
             match admitted {
                 Ok(Ok(())) => {
@@ -334,7 +334,6 @@ impl Scheduler {
                         job,
                         last_token: None,
                     });
-                    self.dispatch(&mut events);
                 }
                 Ok(Err(e)) => {
                     let err = match e {
@@ -452,6 +451,7 @@ impl Scheduler {
     }
 
     fn publish_gauges(&self) {
+        self.metrics.record_kv(&self.decoder.kv_usage());
         self.metrics.running.set(self.running.len() as i64);
         self.metrics
             .queued

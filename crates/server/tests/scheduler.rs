@@ -13,12 +13,14 @@ use dflash_engine::{Decoder, Request, RowId, RowStats, SamplingParams};
 use dflash_models::source::gguf::GgufFile;
 use dflash_models::synthetic::{synthetic_gguf, SyntheticSpec};
 use dflash_models::tokenizer::TextTokenizer;
+use dflash_models::KvUsage;
 use dflash_server::metrics::Metrics;
 use dflash_server::scheduler::{scheduler, Job, JobEvent, SchedulerHandle, SchedulerLimits};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 /// Emits the byte token `a` forever, one per row and round, after `delay`; panics in the
-/// round numbered `panic_at` (counting from 1).
+/// round numbered `panic_at` (counting from 1). A queued row's first `a` comes from the next
+/// round; each live row claims 100 cached positions of 1 KiB each.
 struct Scripted {
     rows: Vec<bool>,
     delay: Duration,
@@ -36,6 +38,23 @@ impl Decoder for Scripted {
         self.rows[row] = true;
         self.live.fetch_add(1, Ordering::SeqCst);
         Ok((row, u32::from(b'a')))
+    }
+
+    fn queue_row(&mut self, prompt: &[u32], cap: usize, params: &SamplingParams) -> Result<RowId> {
+        // The next round emits its first token with every live row's.
+        self.start_row(prompt, cap, params).map(|(row, _)| row)
+    }
+
+    fn set_batch_tokens(&mut self, _: usize) {}
+
+    fn kv_usage(&self) -> KvUsage {
+        let rows = self.live_rows();
+        KvUsage {
+            rows,
+            positions: 100 * rows,
+            reserved_positions: 100 * rows,
+            bytes: 102_400 * rows,
+        }
     }
 
     fn step(&mut self, out: &mut Vec<(RowId, Vec<u32>)>) -> Result<()> {
@@ -106,6 +125,7 @@ fn start(delay_ms: u64, panic_at: Option<usize>, max_batch: usize, max_queue: us
         let limits = SchedulerLimits {
             max_batch,
             max_queue,
+            max_batch_tokens: 512,
         };
         let (handle, run) = scheduler(Box::new(dec), tokenizer(), m, limits);
         tx.send(handle).unwrap();
@@ -172,6 +192,11 @@ fn requests_complete_and_the_queue_bound_answers_429() {
     let (j1, r1) = job(1000, LONG);
     s.handle.submit(j1).unwrap();
     wait_until(|| s.live.load(Ordering::SeqCst) == 1);
+    // The decoder's KV cache memory is published while the row runs.
+    wait_until(|| s.metrics.render().contains("dflash_kv_cache_bytes 102400"));
+    let stats = s.metrics.stats_json();
+    assert_eq!(stats["kv_cache"]["rows"], 1, "{stats}");
+    assert_eq!(stats["kv_cache"]["positions"], 100, "{stats}");
     let (j2, mut r2) = job(3, LONG);
     s.handle.submit(j2).unwrap();
     let (j3, _r3) = job(3, LONG);
@@ -186,6 +211,7 @@ fn requests_complete_and_the_queue_bound_answers_429() {
         .metrics
         .render()
         .contains("dflash_requests_cancelled_total{reason=\"disconnect\"} 1"));
+    wait_until(|| s.metrics.render().contains("dflash_kv_cache_bytes 0"));
     stop(s);
 }
 

@@ -24,9 +24,12 @@ def chat(server, prompt=PROMPT, **kw):
 def test_models_health_metrics(server):
     models = server.client.models.list().data
     assert len(models) == 1 and models[0].object == "model"
-    assert server.http.get("/health").json() == {"status": "ok"}
+    health = server.http.get("/health").json()
+    assert health["status"] == "ok"
+    assert set(health["kv_cache"]) == {"bytes", "rows", "positions", "reserved_positions"}
     m = server.metrics()
     assert "dflash_running_rows" in m and "dflash_queued_requests" in m
+    assert "dflash_kv_cache_bytes" in m and "dflash_kv_cache_positions" in m
     assert m["dflash_batch_capacity_rows"] == 16
 
 

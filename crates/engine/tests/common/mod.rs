@@ -266,6 +266,11 @@ impl Drafter for Oracle {
 
     fn release_row(&mut self, _row: usize) {}
 
+    /// The oracle keeps no KV cache.
+    fn kv_usage(&self) -> dflash_models::KvUsage {
+        dflash_models::KvUsage::default()
+    }
+
     fn context_len(&self, row: usize) -> usize {
         self.ctx[row]
     }

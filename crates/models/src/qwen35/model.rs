@@ -18,6 +18,7 @@ use dflash_runtime::{Backend, HostWeight, WeightBytes};
 
 use super::config::{LayerKind, Qwen35Config};
 use crate::error::{ModelError, Result};
+use crate::kv_usage::KvUsage;
 use crate::llama::{load_matrix, load_vector};
 use crate::paths::{path_of, ProjectionPath};
 use crate::rows::RowTable;
@@ -555,6 +556,22 @@ impl<B: Backend> Target for Qwen35Model<B> {
         self.rows.truncate(row, len);
         self.last_step[row] = len - start;
         Ok(())
+    }
+
+    /// Pieces of [`CHUNKED_MIN_TOKENS`] (the chunk of the GDN chunked form) and a shorter tail
+    /// (token by token) give the same state whatever the schedule.
+    fn prefill_granule(&self) -> usize {
+        CHUNKED_MIN_TOKENS
+    }
+
+    fn kv_usage(&self) -> KvUsage {
+        let c = &self.cfg;
+        let attn = c
+            .kinds
+            .iter()
+            .filter(|k| **k == LayerKind::FullAttention)
+            .count();
+        KvUsage::of(&*self.backend, &self.kv, &self.rows, attn, c.kv_dim())
     }
 
     fn fork_row(&mut self, src: usize, capacity: usize) -> Result<usize> {
