@@ -29,6 +29,13 @@ use crate::progress::Bars;
 /// `--block-size` overrides it, up to the drafter's trained block.
 const CPU_DEFAULT_BLOCK: usize = 2;
 
+/// Default draft block on the CUDA backend. With the shipped drafter (acceptance 0.46, 0.22,
+/// 0.09 at slots 1-3) block 4 measured best on an H200: DFlash / AR 1.125 against 0.89 at 8
+/// and 0.78 at 16 (docs/benchmarks/2026-11-30-h200-cuda-decode.md). `--block-size` overrides
+/// it, up to the drafter's trained block.
+#[cfg(feature = "cuda")]
+const CUDA_DEFAULT_BLOCK: usize = 4;
+
 /// Where the drafter for the default model lives in the source tree.
 const DEFAULT_DRAFTER: &str = "models/drafters/smollm2-135m-instruct-dflash";
 
@@ -235,7 +242,9 @@ pub fn decoder(bundle: Bundle, drafter: Option<&Path>, draft: &DraftArgs) -> Res
             decoder_on(b, *t, &name, drafter, draft, Some(CPU_DEFAULT_BLOCK))?
         }
         #[cfg(feature = "cuda")]
-        DeviceTarget::Cuda(b, t) => decoder_on(b, *t, &name, drafter, draft, None)?,
+        DeviceTarget::Cuda(b, t) => {
+            decoder_on(b, *t, &name, drafter, draft, Some(CUDA_DEFAULT_BLOCK))?
+        }
     };
     Ok(Loaded {
         decoder,
