@@ -3,42 +3,14 @@
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 
 use dflash_models::source::gguf::MetaValue;
 use dflash_models::source::gguf_writer::GgufWriter;
 use dflash_models::synthetic::{synthetic_gguf, SyntheticSpec};
 
-fn dflash(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_dflash"))
-        .args(args)
-        .env(
-            "DFLASH_CACHE_DIR",
-            std::env::temp_dir().join("dflash-test-no-cache"),
-        )
-        .output()
-        .expect("the binary runs")
-}
-
-fn write(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
-    let p = dir.join(name);
-    std::fs::write(&p, bytes).unwrap();
-    p
-}
-
-/// Asserts a clean failure whose stderr mentions `needle`.
-fn fails_with(out: Output, needle: &str) {
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success(),
-        "expected failure, got success; stderr: {err}"
-    );
-    assert!(!err.contains("panicked"), "panicked: {err}");
-    assert!(
-        err.to_lowercase().contains(&needle.to_lowercase()),
-        "stderr does not mention `{needle}`: {err}"
-    );
-}
+mod support;
+use support::{dflash, fails_with, write};
 
 fn tiny(dir: &Path) -> PathBuf {
     write(dir, "tiny.gguf", &synthetic_gguf(&SyntheticSpec::tiny()))
