@@ -51,6 +51,12 @@ pub struct DraftArgs {
     /// CPU, at most 4 on a GPU — the best measured with the shipped drafter).
     #[arg(long)]
     pub block_size: Option<usize>,
+    /// Draft over the N most frequent target tokens only (the ranking shipped beside the
+    /// drafter as draft_vocab.safetensors); 0: the full vocabulary. Default: 8192 on the CPU
+    /// when the drafter ships a ranking, the full vocabulary on a GPU. Output is unchanged:
+    /// the target verifies every draft.
+    #[arg(long, value_name = "N")]
+    pub draft_vocab: Option<usize>,
     /// How a batch commits accepted tokens: each row its own count, or all rows the smallest.
     #[arg(long, value_enum, default_value_t = BatchAccept::PerRow)]
     pub batch_accept: BatchAccept,

@@ -11,6 +11,7 @@ use dflash_engine::{Decoder, SpecMode};
 use dflash_models::chat::{conversation_ids, ChatTemplate, Message};
 use dflash_models::default_model::ensure_default_model;
 use dflash_models::dflash::DrafterConfig;
+use dflash_models::draft_vocab::{DraftVocab, DRAFT_VOCAB_FILE};
 use dflash_models::tokenizer::TextTokenizer;
 use dflash_models::TargetModel;
 use dflash_models::{load_model, DflashDrafter, Drafter, ProjectionPath, Target};
@@ -35,6 +36,15 @@ const CPU_DEFAULT_BLOCK: usize = 2;
 /// it, up to the drafter's trained block.
 #[cfg(feature = "cuda")]
 const CUDA_DEFAULT_BLOCK: usize = 4;
+
+/// Default draft vocabulary on the CPU: the drafter's head over the 8192 most frequent target
+/// tokens of its shipped ranking (docs/benchmarks/2026-12-01-cpu-draft-shortlist.md).
+const CPU_DEFAULT_DRAFT_VOCAB: usize = 8192;
+
+/// Default draft vocabulary on the CUDA backend: the full vocabulary (a shortlist is not
+/// measured there).
+#[cfg(feature = "cuda")]
+const CUDA_DEFAULT_DRAFT_VOCAB: usize = 0;
 
 /// Where the drafter for the default model lives in the source tree.
 const DEFAULT_DRAFTER: &str = "models/drafters/smollm2-135m-instruct-dflash";
@@ -239,11 +249,13 @@ pub fn decoder(bundle: Bundle, drafter: Option<&Path>, draft: &DraftArgs) -> Res
     } = bundle;
     let (decoder, matmul) = match target {
         DeviceTarget::Cpu(b, t) => {
-            decoder_on(b, *t, &name, drafter, draft, Some(CPU_DEFAULT_BLOCK))?
+            let defaults = (Some(CPU_DEFAULT_BLOCK), CPU_DEFAULT_DRAFT_VOCAB);
+            decoder_on(b, *t, &name, drafter, draft, defaults)?
         }
         #[cfg(feature = "cuda")]
         DeviceTarget::Cuda(b, t) => {
-            decoder_on(b, *t, &name, drafter, draft, Some(CUDA_DEFAULT_BLOCK))?
+            let defaults = (Some(CUDA_DEFAULT_BLOCK), CUDA_DEFAULT_DRAFT_VOCAB);
+            decoder_on(b, *t, &name, drafter, draft, defaults)?
         }
     };
     Ok(Loaded {
@@ -263,7 +275,7 @@ fn decoder_on<B: Backend>(
     name: &str,
     drafter: Option<&Path>,
     draft: &DraftArgs,
-    default_block_cap: Option<usize>,
+    (default_block_cap, default_vocab): (Option<usize>, usize),
 ) -> Result<(Box<dyn Decoder>, Vec<ProjectionPath>)> {
     let mut paths = target.matmul_paths();
     let Some(dir) = drafter else {
@@ -273,8 +285,9 @@ fn decoder_on<B: Backend>(
     DrafterConfig::read(dir)
         .and_then(|c| c.check_target(target.hidden(), target.n_layers(), target.vocab()))
         .with_context(|| format!("the drafter at {} does not fit {name}", dir.display()))?;
-    let d = DflashDrafter::open(backend, dir)
+    let mut d = DflashDrafter::open(backend, dir)
         .with_context(|| format!("cannot load the drafter at {}", dir.display()))?;
+    shortlist(&mut d, &target, dir, draft.draft_vocab, default_vocab)?;
     paths.extend(d.matmul_paths());
     let trained = d.block_size();
     let block = draft
@@ -291,6 +304,36 @@ fn decoder_on<B: Backend>(
             .map_or(SpecMode::Always, Speculation::mode),
     );
     Ok((Box::new(dec), paths))
+}
+
+/// Gives drafter `d` (loaded from `dir`) the vocabulary shortlist asked for: `asked` tokens
+/// (`--draft-vocab`; an error when its ranking is missing or too short), else `default` tokens
+/// when the drafter ships a ranking; 0 keeps the full vocabulary.
+fn shortlist<B: Backend>(
+    d: &mut DflashDrafter<B>,
+    target: &TargetModel<B>,
+    dir: &Path,
+    asked: Option<usize>,
+    default: usize,
+) -> Result<()> {
+    let file = dir.join(DRAFT_VOCAB_FILE);
+    let k = match asked {
+        Some(0) => return Ok(()),
+        Some(k) => k,
+        None if default == 0 || d.cfg.dflash2.is_some() || !file.exists() => return Ok(()),
+        None => default,
+    };
+    let context = || format!("--draft-vocab {k}: the ranking {}", file.display());
+    let ranked = DraftVocab::read(&file).with_context(context)?;
+    ranked.check(target.vocab()).with_context(context)?;
+    // The whole file when the default asks for more than it ranks.
+    let k = if asked.is_none() { k.min(ranked.len()) } else { k };
+    let ids = ranked.top(k).with_context(context)?.to_vec();
+    let head = target.lm_head_rows(&ids)?;
+    d.set_vocab_shortlist(ids, head)
+        .with_context(|| format!("the drafter at {}", dir.display()))?;
+    tracing::info!(tokens = k, of = target.vocab(), "drafting over a vocabulary shortlist");
+    Ok(())
 }
 
 /// Loads the model and, unless disabled, its drafter.

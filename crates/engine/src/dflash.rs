@@ -14,7 +14,9 @@
 //! which define them. A DFlash2 drafter's proposals come from walking its candidate lattice
 //! on the host (`selector_walk`), with the selector's sparse distribution as q; those rows
 //! are judged on the host too (the device verifier would rebuild q from the drafter's
-//! logits). At T > 0 a row draws `2 * (block - 1) + 1` uniforms per round, in this order and
+//! logits). A drafter whose head covers a vocabulary shortlist (`Drafter::vocab_map`) drafts
+//! over those tokens only (`shortlist`); its rows draft on the device only for a plain argmax
+//! (the ids are mapped back), else on the host. At T > 0 a row draws `2 * (block - 1) + 1` uniforms per round, in this order and
 //! whatever happens, DFlash or DFlash2: one per draft, one per accept test, one for the token
 //! after the accepted drafts.
 
@@ -30,6 +32,7 @@ use crate::decoder::{Decoder, EngineError, Result, RowId};
 use crate::prefill::{Piece, PrefillQueue, DEFAULT_BATCH_TOKENS};
 use crate::sampling::{Dist, SamplingParams};
 use crate::selector_walk::walk;
+use crate::shortlist::{propose_listed, VocabMap};
 use crate::spec_gate::{SpecGate, SpecMode};
 use crate::stats::RowStats;
 
@@ -99,6 +102,8 @@ pub struct DflashDecoder<T: Target, D: Drafter<B = T::B>> {
     draft_host: Vec<f32>,
     /// Gathered drafter logits of the rows verifying on the device.
     draft_tmp: Option<<T::B as Backend>::Tensor>,
+    /// The drafter's vocabulary shortlist, when its logits cover one.
+    shortlist: Option<VocabMap>,
 }
 
 impl<T: Target, D: Drafter<B = T::B>> DflashDecoder<T, D> {
@@ -112,6 +117,11 @@ impl<T: Target, D: Drafter<B = T::B>> DflashDecoder<T, D> {
             )));
         }
         target.set_tap_layers(drafter.tap_layers())?;
+        let shortlist = drafter
+            .vocab_map()
+            .map(|ids| VocabMap::new(ids, target.vocab()))
+            .transpose()
+            .map_err(EngineError::Invalid)?;
         let policy = if policy == AcceptPolicy::PerRow && !target.per_row_commit() {
             tracing::warn!(
                 "the target's cache layout cannot commit a different accept count per row; \
@@ -143,6 +153,7 @@ impl<T: Target, D: Drafter<B = T::B>> DflashDecoder<T, D> {
             host: HostChoice::new(),
             draft_host: Vec::new(),
             draft_tmp: None,
+            shortlist,
         })
     }
 
@@ -477,6 +488,18 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
                 }
             } else {
                 let (mut device, mut host) = split(samplings.iter().copied());
+                if self.shortlist.is_some() {
+                    // The device would draw from and verify against q by column: only a plain
+                    // argmax (whose column maps to its id) drafts there.
+                    let (argmax, other): (Vec<usize>, Vec<usize>) =
+                        device.iter().partition(|&&i| {
+                            let p = samplings[i].device.expect("device row");
+                            p.is_greedy() && !p.penalized()
+                        });
+                    device = argmax;
+                    host.extend(other);
+                    host.sort_unstable();
+                }
                 if !device.is_empty() {
                     let spec: Vec<DraftRow<'_>> = device
                         .iter()
@@ -491,7 +514,11 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
                     }) {
                         Some(ids) => {
                             for (k, &i) in device.iter().enumerate() {
-                                drafts[i] = ids[k * n..(k + 1) * n].to_vec();
+                                let row = &ids[k * n..(k + 1) * n];
+                                drafts[i] = match &self.shortlist {
+                                    Some(map) => row.iter().map(|&c| map.target_id(c)).collect(),
+                                    None => row.to_vec(),
+                                };
                                 drafted_on_device[i] = true;
                             }
                         }
@@ -502,7 +529,7 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
                     }
                 }
                 if !host.is_empty() {
-                    let per_row = n * vocab;
+                    let per_row = n * self.shortlist.as_ref().map_or(vocab, VocabMap::len);
                     copy_rows(
                         backend,
                         dlog,
@@ -513,14 +540,12 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
                     );
                     for (k, &i) in host.iter().enumerate() {
                         let logits = &self.draft_host[k * per_row..(k + 1) * per_row];
-                        (drafts[i], qs[i]) = propose(
-                            &samplings[i].params,
-                            &samplings[i].history,
-                            logits,
-                            vocab,
-                            &draws[i].draft,
-                            &mut self.host.scratch,
-                        );
+                        let (params, history) = (&samplings[i].params, &samplings[i].history);
+                        let (u, scratch) = (&draws[i].draft, &mut self.host.scratch);
+                        (drafts[i], qs[i]) = match &self.shortlist {
+                            Some(map) => propose_listed(map, params, history, logits, u, scratch),
+                            None => propose(params, history, logits, vocab, u, scratch),
+                        };
                     }
                 }
             }

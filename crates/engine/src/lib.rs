@@ -15,6 +15,7 @@ pub mod prefill;
 pub mod sampling;
 pub mod selector_walk;
 pub mod session;
+pub mod shortlist;
 pub mod spec_gate;
 pub mod stats;
 

@@ -74,6 +74,9 @@ impl Target for RectangularCache {
     fn lm_head(&self) -> &CpuWeight {
         self.0.lm_head()
     }
+    fn lm_head_rows(&self, ids: &[u32]) -> dflash_models::Result<CpuWeight> {
+        self.0.lm_head_rows(ids)
+    }
     fn per_row_commit(&self) -> bool {
         false
     }

@@ -95,6 +95,9 @@ impl<B: Backend> Target for TargetModel<B> {
     fn lm_head(&self) -> &B::Weight {
         each!(self, m => m.lm_head())
     }
+    fn lm_head_rows(&self, ids: &[u32]) -> Result<B::Weight> {
+        each!(self, m => m.lm_head_rows(ids))
+    }
     fn per_row_commit(&self) -> bool {
         each!(self, m => m.per_row_commit())
     }

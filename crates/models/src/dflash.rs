@@ -91,6 +91,8 @@ pub struct DflashDrafter<B: Backend> {
     lattice: CandidateLattice,
     host_logits: Vec<f32>,
     anchors: Vec<u32>,
+    /// A vocabulary shortlist: its target ids and the head made of their rows.
+    shortlist: Option<(Vec<u32>, B::Weight)>,
 }
 
 /// Longest context extension replayed from a captured graph (a round commits at most a
@@ -242,9 +244,30 @@ impl<B: Backend> DflashDrafter<B> {
             lattice: CandidateLattice::default(),
             host_logits: Vec::new(),
             anchors: Vec::new(),
+            shortlist: None,
             backend,
             cfg,
         })
+    }
+
+    /// Drafts over the shortlist `ids` only, with `head` (rows `ids` of the target's head,
+    /// from [`crate::Target::lm_head_rows`]) in place of the target's head. DFlash2 drafters
+    /// keep the full head: their selector reads the whole vocabulary's logits.
+    pub fn set_vocab_shortlist(&mut self, ids: Vec<u32>, head: B::Weight) -> Result<()> {
+        if self.selector.is_some() {
+            return Err(ModelError::Config(
+                "a vocabulary shortlist applies to DFlash drafters; a DFlash2 drafter's \
+                 selector reads the full vocabulary"
+                    .into(),
+            ));
+        }
+        if ids.is_empty() {
+            return Err(ModelError::Config("the draft vocabulary is empty".into()));
+        }
+        // The logits change width: the next draft shapes them anew.
+        self.ws.logits = self.backend.tensor(0, 0);
+        self.shortlist = Some((ids, head));
+        Ok(())
     }
 
     fn shape(&self) -> AttnShape {
@@ -445,6 +468,7 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
         let (h, qd, kvd) = (cfg.hidden, cfg.heads * hd, cfg.kv_heads * hd);
         let embed_scale = cfg.input_embedding_scale;
         let hidden_proj = self.selector.as_ref().map(|s| &s.hidden_proj);
+        let lm_head = self.shortlist.as_ref().map_or(lm_head, |s| &s.1);
         // The graph holds the embedding and head weights it was captured with: the key names
         // them (a drafter drafts for one target, whose weights stay where they are).
         let variant = (embed as *const B::Weight as usize as u64)
@@ -583,6 +607,10 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
 
     fn logits(&self) -> &B::Tensor {
         &self.ws.logits
+    }
+
+    fn vocab_map(&self) -> Option<&[u32]> {
+        self.shortlist.as_ref().map(|s| s.0.as_slice())
     }
 
     fn lattice(&self) -> Option<&CandidateLattice> {

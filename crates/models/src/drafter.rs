@@ -44,6 +44,11 @@ pub trait Drafter: Send {
         lm_head: &<Self::B as Backend>::Weight,
     ) -> Result<()>;
     fn logits(&self) -> &<Self::B as Backend>::Tensor;
+    /// When the drafter's head covers a vocabulary shortlist, the target id of each column of
+    /// [`Drafter::logits`] (the drafter proposes only these tokens: q = 0 for every other).
+    fn vocab_map(&self) -> Option<&[u32]> {
+        None
+    }
     /// After [`Drafter::draft`], a drafter with a candidate selector (DFlash2) gives the
     /// lattice its proposals are walked from; the engine then ignores [`Drafter::logits`].
     fn lattice(&self) -> Option<&CandidateLattice> {

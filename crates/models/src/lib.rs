@@ -10,6 +10,7 @@ pub mod chat;
 pub mod config;
 pub mod default_model;
 pub mod dflash;
+pub mod draft_vocab;
 mod dflash2;
 pub mod drafter;
 pub mod drafter_config;

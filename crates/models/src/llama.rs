@@ -2,9 +2,10 @@
 //! backend, batched over rows with their own positions and KV lengths.
 
 use dflash_runtime::backend::{AttnShape, GraphKey, TokenMeta, WeightRole};
-use dflash_runtime::Backend;
+use dflash_runtime::{Backend, HostWeight};
 
 use crate::config::LlamaConfig;
+use crate::draft_vocab::gather_rows;
 use crate::error::{ModelError, Result};
 use crate::kv_usage::KvUsage;
 use crate::paths::{path_of, ProjectionPath};
@@ -124,6 +125,8 @@ pub struct LlamaModel<B: Backend> {
     layers: Vec<Layer<B>>,
     norm: B::Tensor,
     lm_head: B::Weight,
+    /// The head as stored (a view of the model file), for reduced heads.
+    head_host: HostWeight,
     inv_freq: B::Tensor,
     kv: B::Kv,
     rows: RowTable,
@@ -176,12 +179,12 @@ impl<B: Backend> LlamaModel<B> {
         let qd = cfg.heads * hd;
         let embed_w = src.weight(naming.global("embed"), Some([cfg.vocab, h]))?;
         let embed = b.upload_weight(&embed_w, WeightRole::Embedding)?;
-        let lm_head = if src.has(naming.global("lm_head")) {
-            let name = naming.global("lm_head");
-            load_matrix(b, src, name, [cfg.vocab, h], WeightRole::Vocab)?
+        let head_host = if src.has(naming.global("lm_head")) {
+            src.weight(naming.global("lm_head"), Some([cfg.vocab, h]))?
         } else {
-            b.upload_weight(&embed_w, WeightRole::Vocab)?
+            embed_w
         };
+        let lm_head = b.upload_weight(&head_host, WeightRole::Vocab)?;
         let proj = |name: &str, rows, cols| {
             load_matrix(b, src, name, [rows, cols], WeightRole::Projection)
         };
@@ -252,6 +255,7 @@ impl<B: Backend> LlamaModel<B> {
             layers,
             norm,
             lm_head,
+            head_host,
             inv_freq,
             kv,
             rows: RowTable::default(),
@@ -526,5 +530,10 @@ impl<B: Backend> Target for LlamaModel<B> {
 
     fn lm_head(&self) -> &B::Weight {
         &self.lm_head
+    }
+
+    fn lm_head_rows(&self, ids: &[u32]) -> Result<B::Weight> {
+        let w = gather_rows(&self.head_host, ids)?;
+        Ok(self.backend.upload_weight(&w, WeightRole::Vocab)?)
     }
 }

@@ -64,6 +64,9 @@ pub trait Target: Send {
     fn embedding(&self) -> &<Self::B as Backend>::Weight;
     /// Output projection (shared with drafters).
     fn lm_head(&self) -> &<Self::B as Backend>::Weight;
+    /// A reduced output head: rows `ids` of [`Target::lm_head`] in their stored format,
+    /// uploaded for the same numeric path (a drafter's vocabulary shortlist).
+    fn lm_head_rows(&self, ids: &[u32]) -> Result<<Self::B as Backend>::Weight>;
 
     /// Prompt positions a prefill piece should start and end at multiples of (except the
     /// prompt's last, shorter-than-one-granule part): a target whose numerics depend on how a

@@ -17,6 +17,7 @@ use dflash_runtime::backend::{AttnShape, WeightRole};
 use dflash_runtime::{Backend, HostWeight, WeightBytes};
 
 use super::config::{LayerKind, Qwen35Config};
+use crate::draft_vocab::gather_rows;
 use crate::error::{ModelError, Result};
 use crate::kv_usage::KvUsage;
 use crate::llama::{load_matrix, load_vector};
@@ -211,6 +212,8 @@ pub struct Qwen35Model<B: Backend> {
     layers: Vec<Layer<B>>,
     norm: B::Tensor,
     lm_head: B::Weight,
+    /// The head as stored (a view of the model file), for reduced heads.
+    head_host: HostWeight,
     inv_freq: B::Tensor,
     zero_centred: bool,
     kv: B::Kv,
@@ -289,14 +292,15 @@ impl<B: Backend> Qwen35Model<B> {
         let embed_w = src.weight(&naming.global("embed"), Some([cfg.vocab, h]))?;
         let embed = b.upload_weight(&embed_w, WeightRole::Embedding)?;
         let head_name = naming.global("lm_head");
-        let lm_head = if !cfg.tied_embeddings {
+        let head_host = if !cfg.tied_embeddings {
             if !src.has(&head_name) {
                 return Err(ModelError::MissingTensor { name: head_name });
             }
-            load_matrix(b, src, &head_name, [cfg.vocab, h], WeightRole::Vocab)?
+            src.weight(&head_name, Some([cfg.vocab, h]))?
         } else {
-            b.upload_weight(&embed_w, WeightRole::Vocab)?
+            embed_w
         };
+        let lm_head = b.upload_weight(&head_host, WeightRole::Vocab)?;
         let (mut n_attn, mut n_gdn) = (0, 0);
         let mut layers = Vec::with_capacity(cfg.layers());
         for (i, kind) in cfg.kinds.iter().enumerate() {
@@ -402,6 +406,7 @@ impl<B: Backend> Qwen35Model<B> {
             layers,
             norm,
             lm_head,
+            head_host,
             inv_freq,
             kv,
             gdn,
@@ -666,5 +671,10 @@ impl<B: Backend> Target for Qwen35Model<B> {
 
     fn lm_head(&self) -> &B::Weight {
         &self.lm_head
+    }
+
+    fn lm_head_rows(&self, ids: &[u32]) -> Result<B::Weight> {
+        let w = gather_rows(&self.head_host, ids)?;
+        Ok(self.backend.upload_weight(&w, WeightRole::Vocab)?)
     }
 }
