@@ -3,7 +3,8 @@
 //! every accept count 0..B-1 and full accepts, with a randomly initialised drafter, and with the
 //! trained drafter shipped for the default model; and for DFlash2, with the oracle proposing
 //! through a candidate lattice (every accept count again) and with a randomly initialised
-//! DFlash2 drafter (convolutions, sliding windows, selector).
+//! DFlash2 drafter (convolutions, sliding windows, selector); and with the trained drafter
+//! drafting over a vocabulary shortlist of 1024 tokens.
 
 mod common;
 
@@ -12,6 +13,7 @@ use dflash_engine::dflash::{AcceptPolicy, DflashDecoder};
 use dflash_engine::session::run_batch;
 use dflash_engine::SamplingParams;
 use dflash_models::synthetic::{dflash2_config_for, drafter_config_for, random_drafter};
+use dflash_models::draft_vocab::{DraftVocab, DRAFT_VOCAB_FILE};
 use dflash_models::{DflashDrafter, Target};
 
 const TOKENS: usize = 128;
@@ -132,4 +134,29 @@ fn greedy_dflash_equals_greedy_ar() {
         accepted += got.stats.accepted;
     }
     assert!(accepted > 0, "the trained drafter gets drafts accepted");
+
+    // (f) The trained drafter over the 1024 most frequent tokens of its shipped ranking: its
+    // head is those rows of the target's head, and tokens the target writes outside the list
+    // can never be drafted.
+    let target = dec.target;
+    let ranked = DraftVocab::read(&dir.join(DRAFT_VOCAB_FILE)).unwrap();
+    let ids = ranked.top(1024).unwrap().to_vec();
+    let mut drafter = DflashDrafter::open(b.clone(), &dir).unwrap();
+    drafter
+        .set_vocab_shortlist(ids.clone(), target.lm_head_rows(&ids).unwrap())
+        .unwrap();
+    let mut dec = DflashDecoder::new(target, drafter, BLOCK, AcceptPolicy::PerRow).unwrap();
+    let (mut accepted, mut unlisted) = (0, 0);
+    for (i, p) in prompts.iter().enumerate().take(8) {
+        let r = request(p.clone(), TOKENS, SamplingParams::greedy());
+        let got = run_batch(&mut dec, &tok, &[r], &mut |_, _| {})
+            .unwrap()
+            .remove(0);
+        let want: Vec<u32> = reference[i].tokens.iter().take(TOKENS).copied().collect();
+        assert_eq!(got.tokens, want, "trained drafter with a shortlist, prompt {i}");
+        accepted += got.stats.accepted;
+        unlisted += want.iter().filter(|t| !ids.contains(t)).count();
+    }
+    assert!(accepted > 0, "the shortlisted drafter gets drafts accepted");
+    assert!(unlisted > 0, "the target writes tokens outside the shortlist");
 }

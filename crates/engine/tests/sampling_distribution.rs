@@ -16,6 +16,11 @@
 //! drafter proposing through a candidate lattice (its top 8 sharpened logits as candidates,
 //! random transition scores that depend on the predecessor chosen).
 //!
+//! And with a vocabulary shortlist (two thirds of the ids): q is the distribution over the
+//! listed tokens and 0 elsewhere, so the target's unlisted tokens come only from the
+//! residual — the peeking drafter and a randomly initialised DFlash drafter whose head is the
+//! listed rows of the target's head.
+//!
 //! Controls: the same statistic rejects plain sampling at T = 1 against T = 1.3 (the order of
 //! error a sampler that skipped the p/q test would make) with a tiny p-value, so the test has
 //! power, and does not reject two plain samples with different seeds. The chi-square tail is
@@ -135,6 +140,8 @@ struct Peek {
     sharpen: f32,
     /// Propose through a candidate lattice (DFlash2) built from the logits.
     lattice: Option<CandidateLattice>,
+    /// Propose over these target ids only (the logits' columns).
+    shortlist: Option<Vec<u32>>,
 }
 
 impl Peek {
@@ -150,7 +157,14 @@ impl Peek {
             noise,
             sharpen,
             lattice: None,
+            shortlist: None,
         }
+    }
+
+    /// Proposes over the target ids `ids` only: the logits keep those columns.
+    fn with_shortlist(mut self, ids: Vec<u32>) -> Self {
+        self.shortlist = Some(ids);
+        self
     }
 
     /// Proposes through a lattice: each slot's top 8 logits as candidates and unary scores,
@@ -279,6 +293,16 @@ impl Drafter for Peek {
         for row in mrows {
             self.model.release_row(row);
         }
+        if let Some(ids) = &self.shortlist {
+            let mut listed = CpuTensor::zeros(rows.len() * (block - 1), ids.len());
+            for r in 0..rows.len() * (block - 1) {
+                let full = self.logits.row(r);
+                for (o, &id) in listed.row_mut(r).iter_mut().zip(ids) {
+                    *o = full[id as usize];
+                }
+            }
+            self.logits = listed;
+        }
         if let Some(l) = &mut self.lattice {
             let k = PEEK_TOP_K;
             l.reset(k, block - 1);
@@ -308,6 +332,19 @@ impl Drafter for Peek {
     fn lattice(&self) -> Option<&CandidateLattice> {
         self.lattice.as_ref()
     }
+
+    fn vocab_map(&self) -> Option<&[u32]> {
+        self.shortlist.as_deref()
+    }
+}
+
+/// A vocabulary shortlist for the tiny target: two thirds of its ids, in an order unlike id
+/// order (so a column is not its id).
+fn shortlist(s: &Setup) -> Vec<u32> {
+    (0..s.target().vocab() as u32)
+        .rev()
+        .filter(|id| id % 3 != 0)
+        .collect()
 }
 
 fn params(temperature: f32, top_p: f32, top_k: usize) -> SamplingParams {
@@ -540,6 +577,21 @@ fn dflash_sampling_follows_the_target_distribution() {
         AcceptPolicy::PerRow,
     )
     .unwrap();
+    let ids = shortlist(&s);
+    let mut with_peek_listed = DflashDecoder::new(
+        s.target(),
+        Peek::new(&s, SHARPEN, 0.5).with_shortlist(ids.clone()),
+        BLOCK,
+        AcceptPolicy::PerRow,
+    )
+    .unwrap();
+    let target = s.target();
+    let mut listed = random(&s);
+    listed
+        .set_vocab_shortlist(ids.clone(), target.lm_head_rows(&ids).unwrap())
+        .unwrap();
+    let mut with_random_listed =
+        DflashDecoder::new(target, listed, BLOCK, AcceptPolicy::PerRow).unwrap();
     let configs = [
         ("T=1", params(1.0, 1.0, 0)),
         ("T=1 top-p 0.8", params(1.0, 0.8, 0)),
@@ -548,11 +600,13 @@ fn dflash_sampling_follows_the_target_distribution() {
     let mut failures = Vec::new();
     for (label, p) in &configs {
         let plain = sample(&mut ar, &s, p, 0);
-        let arms: [(&str, &mut dyn Decoder, u64); 4] = [
+        let arms: [(&str, &mut dyn Decoder, u64); 6] = [
             ("random drafter", &mut with_random, 1_000_000),
             ("peeking drafter", &mut with_peek, 2_000_000),
             ("random DFlash2 drafter", &mut with_random2, 3_000_000),
             ("peeking lattice drafter", &mut with_peek2, 4_000_000),
+            ("peeking drafter, shortlist", &mut with_peek_listed, 5_000_000),
+            ("random drafter, shortlist", &mut with_random_listed, 6_000_000),
         ];
         for (name, dec, first) in arms {
             let drafted = sample(dec, &s, p, first);
