@@ -52,7 +52,7 @@ pub struct DraftArgs {
     #[arg(long)]
     pub block_size: Option<usize>,
     /// Draft over the N most frequent target tokens only (the ranking shipped beside the
-    /// drafter as draft_vocab.safetensors); 0: the full vocabulary. Default: 8192 on the CPU
+    /// drafter as draft_vocab.safetensors); 0: the full vocabulary. Default: 4096 on the CPU
     /// when the drafter ships a ranking, the full vocabulary on a GPU. Output is unchanged:
     /// the target verifies every draft.
     #[arg(long, value_name = "N")]

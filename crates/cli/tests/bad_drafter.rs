@@ -286,21 +286,44 @@ fn draft_vocabulary_shortlists() {
     let (model, draft) = setup(d.path());
     // No ranking beside the drafter: the default keeps the full vocabulary, a request fails.
     let out = generate(&model, &draft, &[]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    fails_with(generate(&model, &draft, &["--draft-vocab", "8"]), "cannot read");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    fails_with(
+        generate(&model, &draft, &["--draft-vocab", "8"]),
+        "cannot read",
+    );
     // A ranking: any N up to its length runs (the default asks for more and takes it all),
     // beyond it is refused; 0 is the full vocabulary.
     let file = draft.join(DRAFT_VOCAB_FILE);
-    DraftVocab::new((0..40).rev().collect()).unwrap().write(&file).unwrap();
+    DraftVocab::new((0..40).rev().collect())
+        .unwrap()
+        .write(&file)
+        .unwrap();
     for extra in [&[][..], &["--draft-vocab", "40"], &["--draft-vocab", "0"]] {
         let out = generate(&model, &draft, extra);
-        assert!(out.status.success(), "{extra:?}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{extra:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
-    fails_with(generate(&model, &draft, &["--draft-vocab", "41"]), "ranks 40");
+    fails_with(
+        generate(&model, &draft, &["--draft-vocab", "41"]),
+        "ranks 40",
+    );
     // Ids past the target's vocabulary, and a corrupt file.
-    DraftVocab::new(vec![1, 100_000]).unwrap().write(&file).unwrap();
+    DraftVocab::new(vec![1, 100_000])
+        .unwrap()
+        .write(&file)
+        .unwrap();
     fails_with(generate(&model, &draft, &["--draft-vocab", "2"]), "100000");
     std::fs::write(&file, b"garbage").unwrap();
-    fails_with(generate(&model, &draft, &["--draft-vocab", "2"]), "truncated or corrupt");
+    fails_with(
+        generate(&model, &draft, &["--draft-vocab", "2"]),
+        "truncated or corrupt",
+    );
     fails_with(generate(&model, &draft, &[]), "truncated or corrupt");
 }

@@ -12,8 +12,8 @@ use common::*;
 use dflash_engine::dflash::{AcceptPolicy, DflashDecoder};
 use dflash_engine::session::run_batch;
 use dflash_engine::SamplingParams;
-use dflash_models::synthetic::{dflash2_config_for, drafter_config_for, random_drafter};
 use dflash_models::draft_vocab::{DraftVocab, DRAFT_VOCAB_FILE};
+use dflash_models::synthetic::{dflash2_config_for, drafter_config_for, random_drafter};
 use dflash_models::{DflashDrafter, Target};
 
 const TOKENS: usize = 128;
@@ -153,10 +153,16 @@ fn greedy_dflash_equals_greedy_ar() {
             .unwrap()
             .remove(0);
         let want: Vec<u32> = reference[i].tokens.iter().take(TOKENS).copied().collect();
-        assert_eq!(got.tokens, want, "trained drafter with a shortlist, prompt {i}");
+        assert_eq!(
+            got.tokens, want,
+            "trained drafter with a shortlist, prompt {i}"
+        );
         accepted += got.stats.accepted;
         unlisted += want.iter().filter(|t| !ids.contains(t)).count();
     }
     assert!(accepted > 0, "the shortlisted drafter gets drafts accepted");
-    assert!(unlisted > 0, "the target writes tokens outside the shortlist");
+    assert!(
+        unlisted > 0,
+        "the target writes tokens outside the shortlist"
+    );
 }

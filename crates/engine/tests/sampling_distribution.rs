@@ -605,8 +605,16 @@ fn dflash_sampling_follows_the_target_distribution() {
             ("peeking drafter", &mut with_peek, 2_000_000),
             ("random DFlash2 drafter", &mut with_random2, 3_000_000),
             ("peeking lattice drafter", &mut with_peek2, 4_000_000),
-            ("peeking drafter, shortlist", &mut with_peek_listed, 5_000_000),
-            ("random drafter, shortlist", &mut with_random_listed, 6_000_000),
+            (
+                "peeking drafter, shortlist",
+                &mut with_peek_listed,
+                5_000_000,
+            ),
+            (
+                "random drafter, shortlist",
+                &mut with_random_listed,
+                6_000_000,
+            ),
         ];
         for (name, dec, first) in arms {
             let drafted = sample(dec, &s, p, first);

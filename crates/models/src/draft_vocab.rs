@@ -95,9 +95,8 @@ impl DraftVocab {
             .collect();
         let view = safetensors::tensor::TensorView::new(Dtype::I32, vec![self.ids.len()], &data)
             .map_err(|e| ModelError::Config(e.to_string()))?;
-        safetensors::serialize_to_file([(IDS_TENSOR, view)], None, path).map_err(|e| {
-            ModelError::io(path, std::io::Error::other(e.to_string()))
-        })
+        safetensors::serialize_to_file([(IDS_TENSOR, view)], None, path)
+            .map_err(|e| ModelError::io(path, std::io::Error::other(e.to_string())))
     }
 
     /// Every id is a token of a `vocab`-token target.
@@ -218,8 +217,14 @@ mod tests {
         let (rows, cols) = (5, 64);
         let rb = DType::Q8_0.row_bytes(cols).unwrap();
         let bytes: Vec<u8> = (0..rows * rb).map(|i| (i * 7 % 251) as u8).collect();
-        let w = HostWeight::new("head", DType::Q8_0, rows, cols, WeightBytes::from_vec(bytes))
-            .unwrap();
+        let w = HostWeight::new(
+            "head",
+            DType::Q8_0,
+            rows,
+            cols,
+            WeightBytes::from_vec(bytes),
+        )
+        .unwrap();
         let g = gather_rows(&w, &[3, 0, 4]).unwrap();
         assert_eq!((g.dtype, g.rows, g.cols), (DType::Q8_0, 3, cols));
         for (i, &r) in [3usize, 0, 4].iter().enumerate() {

@@ -76,7 +76,10 @@ fn shortlist_logits_are_the_full_logits_at_the_listed_ids() {
             }
         }
 
-        let e = target.lm_head_rows(&[vocab as u32]).unwrap_err().to_string();
+        let e = target
+            .lm_head_rows(&[vocab as u32])
+            .unwrap_err()
+            .to_string();
         assert!(e.contains(&format!("{vocab} rows")), "{e}");
     }
 }
@@ -90,7 +93,8 @@ fn a_dflash2_drafter_refuses_a_shortlist() {
     let target = load_model(b.clone(), &path).unwrap().model;
     let base = drafter_config_for(64, 4, 2, 128, 4, 1, BLOCK, special_id("<|mask|>"));
     let cfg = dflash2_config_for(base, target.vocab(), 8);
-    let mut drafter = DflashDrafter::load(b.clone(), cfg.clone(), &random_drafter(&cfg, 5)).unwrap();
+    let mut drafter =
+        DflashDrafter::load(b.clone(), cfg.clone(), &random_drafter(&cfg, 5)).unwrap();
     let ids = vec![3, 1, 2];
     let e = drafter
         .set_vocab_shortlist(ids.clone(), target.lm_head_rows(&ids).unwrap())
