@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Generate-and-train driver for the GPU machine (streaming pipeline, see training/README.md).
 #
-#   bash run_stream.sh bench   # stage the carried model part(s); generator benchmark (random-weight
-#                              # SmolLM2-shaped target: fastgen vs HF generate, bf16 and fp32)
+#   bash run_stream.sh bench   # stage the carried model part(s); trainer step time by attention form
+#                              # (bench_train; the fastest goes to $W/train_choice for later calls),
+#                              # the CUDA flex test, generator benchmark (random-weight SmolLM2-shaped
+#                              # target: fastgen vs HF generate)
 #   bash run_stream.sh run     # stage + assemble the target; once per machine: bf16/fp32 greedy
 #                              # agreement beside the first shard (picks the dtype of later calls);
 #                              # gen_data on GPU 0 and stream_train on the last GPU (both on GPU 0
@@ -13,14 +15,16 @@
 # The script may live anywhere (the device call carries it); it finds dflash_train next to itself.
 # Environment (defaults):
 #   TOTAL_S=540         whole-call budget in seconds
-#   IN=<dir>/..         where carried inputs live: */*.gguf.part-*, */*.sha256, */train_convs.jsonl.gz,
+#   IN=<dir>/..         where carried inputs live: */*.gguf[.xz].part-*, */*.sha256, */train_convs.jsonl.gz,
+#                       */init_drafter.tar.xz (an exported drafter the trainer starts from),
 #                       */eval/*.jsonl (evaluation prompts to keep out of the data), whl/*.whl (gguf),
 #                       */dflash (a CUDA build, for mode eval)
 #   W=/root/dflash_work state kept between calls on a warm machine (stage, data, train)
 #   GEN_DTYPE=          force the generator dtype (default: bf16 if its teacher-forced greedy
 #                       agreement with fp32 is >= AGREE_MIN, else float32)
 #   AGREE_MIN=0.99
-#   GEN_ARGS= / TRAIN_ARGS=   extra arguments for gen_data / stream_train
+#   GEN_ARGS= / TRAIN_ARGS=   extra arguments for gen_data / stream_train (after the bench call's
+#                       choices; a carried */init_drafter/ export starts the trainer from it)
 # Returned in $OUT: logs, summaries, the best export (bundle split in 15 MiB parts).
 set -uo pipefail
 T0=$(date +%s)
@@ -43,9 +47,11 @@ log() { echo "[run_stream $(( $(date +%s) - T0 ))s] $*" | tee -a "$OUTDIR/driver
 left() { echo $(( TOTAL_S - ( $(date +%s) - T0 ) )); }
 
 shopt -s nullglob
-for f in "$IN"/*/*.gguf.part-* "$IN"/*/*.gguf.sha256 "$IN"/*/train_convs.jsonl.gz; do cp --update=none "$f" "$W/stage/"; done
+put() { [ -e "$2/$(basename "$1")" ] || cp "$1" "$2/"; }
+for f in "$IN"/*/*.gguf.part-* "$IN"/*/*.gguf.xz.part-* "$IN"/*/*.sha256 "$IN"/*/train_convs.jsonl.gz; do put "$f" "$W/stage"; done
 mkdir -p "$W/stage/eval"
-for f in "$IN"/*/eval/*.jsonl; do cp --update=none "$f" "$W/stage/eval/"; done
+for f in "$IN"/*/eval/*.jsonl; do put "$f" "$W/stage/eval"; done
+for f in "$IN"/*/init_drafter.tar.xz; do [ -d "$W/init_drafter" ] || tar -C "$W" -xJf "$f"; done
 for sha in "$W"/stage/*.sha256; do
   name="$(basename "$sha" .sha256)"
   [ -f "$W/stage/$name" ] && continue
@@ -53,6 +59,9 @@ for sha in "$W"/stage/*.sha256; do
   cat "${parts[@]}" > "$W/stage/$name.tmp"
   if [ "$(sha256sum "$W/stage/$name.tmp" | awk '{print $1}')" = "$(cat "$sha")" ]; then
     mv "$W/stage/$name.tmp" "$W/stage/$name"; log "assembled $name"
+    case "$name" in *.xz) xz -dk "$W/stage/$name" 2>/dev/null \
+      || python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[1][:-3], 'wb'))" \
+         "$W/stage/$name"; log "unpacked ${name%.xz}";; esac
   else
     rm -f "$W/stage/$name.tmp"; log "$name: parts incomplete (${#parts[@]} so far)"
   fi
@@ -90,8 +99,16 @@ if [ "$MODE" = "eval" ]; then
 fi
 
 if [ "$MODE" = "bench" ]; then
-  timeout $(( $(left) - 10 )) python3 -m dflash_train.bench_gen throughput --check-graphs ${BENCH_ARGS:-} 2>&1 \
-    | grep -v "it/s]" | tee "$OUTDIR/bench_gen.log"
+  # trainer: step time by attention form; the fastest form's arguments go to $W/train_choice
+  # (read by later run calls on this machine); the flex == dense gradient test on CUDA
+  timeout "${TRAIN_BENCH_S:-150}" python3 -m dflash_train.bench_train --json "$OUTDIR/bench_train.json" \
+    --choice-file "$W/train_choice" --profile "$OUTDIR/bench_train_profile.txt" ${TRAIN_BENCH_ARGS:-} 2>&1 \
+    | grep -v "it/s]" | tee "$OUTDIR/bench_train.log"
+  log "trainer choice: $(cat "$W/train_choice" 2>/dev/null)"
+  ( cd "$HERE" && timeout 120 python3 -m pytest -q -rs -p no:cacheprovider "${TESTS:-$HERE/tests}"/test_flexattn_torch.py ) \
+    2>&1 | tail -n 5 | tee "$OUTDIR/flex_test.log"
+  [ "${GEN_BENCH:-1}" = 1 ] && timeout $(( $(left) - 10 )) python3 -m dflash_train.bench_gen throughput --check-graphs \
+    ${BENCH_ARGS:-} 2>&1 | grep -v "it/s]" | tee "$OUTDIR/bench_gen.log"
   log "bench done"; exit 0
 fi
 
@@ -120,6 +137,11 @@ print('bfloat16' if a >= $AGREE_MIN else 'float32')")
 fi
 log "generator dtype $GEN_DTYPE"
 
+# measured choices of the bench call on this machine, and a carried drafter to start from
+[ -f "$W/train_choice" ] && TRAIN_ARGS="$(cat "$W/train_choice") ${TRAIN_ARGS:-}"
+[ -f "$W/gen_choice" ] && GEN_ARGS="$(cat "$W/gen_choice") ${GEN_ARGS:-}"
+[ -f "$W/init_drafter/config.json" ] && TRAIN_ARGS="--init-drafter $W/init_drafter ${TRAIN_ARGS:-}"
+log "trainer args: ${TRAIN_ARGS:-}; generator args: ${GEN_ARGS:-}"
 TGPU=$(( NGPU > 1 ? NGPU - 1 : 0 ))
 BUDGET=$(( $(left) - 45 ))
 KV=$([ "$NGPU" -gt 1 ] && echo 80 || echo 56)
