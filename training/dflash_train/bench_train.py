@@ -134,18 +134,23 @@ def main(argv=None):
             r = {"variant": name, "error": f"{type(e).__name__}: {e}"[:500]}
         print(json.dumps(r), flush=True)
         results.append(r)
+        write_summary(results, a)  # after every variant: a timeout keeps what was measured
+    best = write_summary(results, a)
+    if best and a.profile and best != variants[0]:
+        run_variant(best, target, batches, a, a.work, a.profile)
+    print(json.dumps({"best": best}), flush=True)
+
+
+def write_summary(results, a):
     ok = [r for r in results if "ms_per_step_median" in r]
-    best = min(ok, key=lambda r: r["ms_per_step_median"]) if ok else None
-    if best and a.profile and best["variant"] != variants[0]:
-        run_variant(best["variant"], target, batches, a, a.work, a.profile)
-    summary = {"results": results, "best": best and best["variant"]}
+    best = min(ok, key=lambda r: r["ms_per_step_median"])["variant"] if ok else None
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(summary, f, indent=1)
+            json.dump({"results": results, "best": best}, f, indent=1)
     if a.choice_file and best:
         with open(a.choice_file, "w") as f:
-            f.write(" ".join(VARIANT_ARGS[best["variant"]]) + "\n")
-    print(json.dumps({"best": summary["best"]}), flush=True)
+            f.write(" ".join(VARIANT_ARGS[best]) + "\n")
+    return best
 
 
 if __name__ == "__main__":
