@@ -22,7 +22,8 @@
 #   W=/root/dflash_work state kept between calls on a warm machine (stage, data, train)
 #   GEN_DTYPE=          force the generator dtype (default: bf16 if its teacher-forced greedy
 #                       agreement with fp32 is >= AGREE_MIN, else float32)
-#   AGREE_MIN=0.99
+#   AGREE_MIN=0.99      (AGREE=0 skips the agreement check; then set GEN_DTYPE)
+#   EVAL_SPECS / BENCH_BLOCKS  mode eval: "name file limit;..." prompt sets, blocks for dflash bench
 #   GEN_ARGS= / TRAIN_ARGS=   extra arguments for gen_data / stream_train (after the bench call's
 #                       choices; a carried */init_drafter/ export starts the trainer from it)
 # Returned in $OUT: logs, summaries, the best export (bundle split in 15 MiB parts).
@@ -79,7 +80,8 @@ if [ "$MODE" = "eval" ]; then
   D="$W/$(cat "$W/best_run.txt" 2>/dev/null || echo train)/best"
   E="$W/engine"; mkdir -p "$E"
   log "eval of $D with $BIN"
-  for spec in "mt-bench mt_bench_first_turns.jsonl 80" "sharegpt-heldout sharegpt_heldout.jsonl 20"; do
+  IFS=';' read -ra SPECS <<< "${EVAL_SPECS:-mt-bench mt_bench_first_turns.jsonl 80;sharegpt-heldout sharegpt_heldout.jsonl 20}"
+  for spec in "${SPECS[@]}"; do
     set -- $spec
     for T in 0 1; do for BS in ${EVAL_BLOCKS:-16 8}; do
       [ "$(left)" -lt 40 ] && { log "out of time"; break 3; }
@@ -89,11 +91,15 @@ if [ "$MODE" = "eval" ]; then
       log "eval $1 T=$T B=$BS rc $?: $(python3 -c "import json,sys; d=json.load(open('$E/eval_$1_T${T}_B${BS}.json')); print({k: d.get(k) for k in ('tau', 'tokens', 'rounds')})" 2>&1 | tail -1)"
     done; done
   done
-  for r in 1; do
-    [ "$(left)" -lt 30 ] && break
-    "$BIN" bench -m "$M" --device cuda --no-draft -n 128 -r 3 2>&1 | tail -4 | tee -a "$E/bench.txt"
-    "$BIN" bench -m "$M" --device cuda --draft "$D" --block-size 16 -n 128 -r 3 2>&1 | tail -4 | tee -a "$E/bench.txt"
-  done
+  # AR vs DFlash (the command times both arms) for the new drafter and, when carried, the one it
+  # started from, at each of BENCH_BLOCKS
+  for DD in "$D" "$W/init_drafter"; do for BS in ${BENCH_BLOCKS:-16}; do
+    [ -f "$DD/config.json" ] || continue
+    [ "$(left)" -lt 30 ] && break 2
+    echo "== $DD block $BS" >> "$E/bench.txt"
+    timeout $(( $(left) - 10 )) "$BIN" bench -m "$M" --device cuda --draft "$DD" --block-size "$BS" -n 128 -r 3 2>&1 \
+      | tail -6 | tee -a "$E/bench.txt"
+  done; done
   tar -czf "$OUTDIR/engine.tgz" -C "$W" engine
   log "eval done"; exit 0
 fi
@@ -121,7 +127,7 @@ EVALS=("$W"/stage/eval/*.jsonl)
 # bf16/fp32 greedy agreement, once per machine, on the training GPU while the first shard is made
 # (the first call generates in fp32; later calls use bf16 when the agreement is >= AGREE_MIN)
 AGREE_PID=
-if [ ! -f "$W/agree.json" ]; then
+if [ "${AGREE:-1}" = 1 ] && [ ! -f "$W/agree.json" ]; then
   ( CUDA_VISIBLE_DEVICES=$(( NGPU - 1 )) timeout 200 python3 -m dflash_train.bench_gen agree --target "$TARGET" \
       --convs "$CONVS" --n 100 --n-hf 8 2>&1 | grep -v "it/s]" > "$OUTDIR/agree.log"; \
     tail -1 "$OUTDIR/agree.log" | python3 -c "import json, sys; json.loads(sys.stdin.read())" 2>/dev/null \
