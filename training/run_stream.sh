@@ -2,7 +2,8 @@
 # Generate-and-train driver for the GPU machine (streaming pipeline, see training/README.md).
 #
 #   bash run_stream.sh bench   # stage the carried model part(s); generator benchmark (random-weight
-#                              # SmolLM2-shaped target: fastgen vs HF generate, bf16 and fp32)
+#                              # SmolLM2-shaped target, bf16: HF generate vs fastgen's bucket and
+#                              # flex decode attentions; summary in $OUT/bench_gen.json)
 #   bash run_stream.sh run     # stage + assemble the target; once per machine: bf16/fp32 greedy
 #                              # agreement beside the first shard (picks the dtype of later calls);
 #                              # gen_data on GPU 0 and stream_train on the last GPU (both on GPU 0
@@ -20,7 +21,8 @@
 #   GEN_DTYPE=          force the generator dtype (default: bf16 if its teacher-forced greedy
 #                       agreement with fp32 is >= AGREE_MIN, else float32)
 #   AGREE_MIN=0.99
-#   GEN_ARGS= / TRAIN_ARGS=   extra arguments for gen_data / stream_train
+#   GEN_ARGS= / TRAIN_ARGS=   extra arguments for gen_data / stream_train (e.g. GEN_ARGS="--attn flex")
+#   BENCH_ARGS=         extra arguments for bench_gen throughput (mode bench)
 # Returned in $OUT: logs, summaries, the best export (bundle split in 15 MiB parts).
 set -uo pipefail
 T0=$(date +%s)
@@ -90,7 +92,7 @@ if [ "$MODE" = "eval" ]; then
 fi
 
 if [ "$MODE" = "bench" ]; then
-  timeout $(( $(left) - 10 )) python3 -m dflash_train.bench_gen throughput --check-graphs ${BENCH_ARGS:-} 2>&1 \
+  timeout $(( $(left) - 10 )) python3 -m dflash_train.bench_gen throughput --json "$OUTDIR/bench_gen.json" ${BENCH_ARGS:-} 2>&1 \
     | grep -v "it/s]" | tee "$OUTDIR/bench_gen.log"
   log "bench done"; exit 0
 fi
