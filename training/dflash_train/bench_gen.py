@@ -217,8 +217,9 @@ def cmd_throughput(args):
             if r[arm]:
                 best = max(r[arm], key=lambda a: r[arm][a]["median_tok_s"])
                 r[f"{arm}_faster"] = best
-                if "bucket" in r[arm] and best != "bucket":
-                    r[f"{arm}_speedup_vs_bucket"] = round(r[arm][best]["median_tok_s"] / r[arm]["bucket"]["median_tok_s"], 2)
+                for a in r[arm]:
+                    if a != "bucket" and "bucket" in r[arm]:  # > 1: a is faster than bucket
+                        r[f"{arm}_{a}_vs_bucket"] = round(r[arm][a]["median_tok_s"] / r[arm]["bucket"]["median_tok_s"], 2)
         if "hf_generate" in r and r["fixed"]:
             r["fixed_best_vs_hf"] = round(r["fixed"][r["fixed_faster"]]["median_tok_s"] / r["hf_generate"]["tok_s"], 1)
         out[dname] = r
@@ -229,8 +230,18 @@ def cmd_throughput(args):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
-    print("[bench] summary " + json.dumps({d: {k: v for k, v in out[d].items() if k.endswith(("faster", "bucket", "hf"))}
-                                          for d in args.dtypes}) + f" total {out['seconds_total']} s", flush=True)
+    for d in args.dtypes:
+        r = out[d]
+        line = {"hf_tok_s": r.get("hf_generate", {}).get("tok_s")}
+        for arm in ("fixed", "steady"):
+            line[arm] = {a: v["median_tok_s"] for a, v in r[arm].items()}
+            line[f"{arm}_faster"] = r.get(f"{arm}_faster")
+            line.update({k: v for k, v in r.items() if k.startswith(f"{arm}_") and k.endswith("_vs_bucket")})
+        line["compile_s"] = {f"{arm}/{a}": v["compile_s"] for arm in ("fixed", "steady") for a, v in r[arm].items()}
+        line["checks_all_identical"] = {k: v["all_identical"] for k, v in r["checks"].items()}
+        line["errors"] = list(r["errors"])
+        print(f"[bench] summary {d}: {json.dumps(line)}", flush=True)
+    print(f"[bench] total {out['seconds_total']} s", flush=True)
     return out
 
 
@@ -301,7 +312,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=3, help="throughput: timed runs per arm (fewer if --budget-s runs out)")
     ap.add_argument("--check-new", type=int, default=64, help="throughput: tokens per row in the graphs == eager check")
     ap.add_argument("--steady-max-new", type=int, default=512, help="throughput: steady answer lengths 32..this")
-    ap.add_argument("--budget-s", type=float, default=190, help="throughput: no new timed rep after this")
+    ap.add_argument("--budget-s", type=float, default=180, help="throughput: no new timed rep after this")
     ap.add_argument("--no-hf", action="store_true", help="throughput: skip HF generate")
     ap.add_argument("--json", default="bench_gen_throughput.json", help="throughput: summary file ('' for none)")
     ap.add_argument("--hf-batch", type=int, default=512)

@@ -385,19 +385,23 @@ def generate_loop(engine: Engine, source, eos: Sequence[int], should_stop, prefi
         free.append(i)
         st["rows_done"] += 1
 
-    def take(i: int, toks: np.ndarray) -> None:
+    def take(i: int, toks: np.ndarray, eos_at: int) -> None:
+        """Row i gets ``toks`` up to its room; ``eos_at``: index of the first EOS in toks, or -1."""
         r = rows[i]
         room = min(len(toks), r.max_new - len(r.resp), r.limit - len(r.prompt) - len(r.resp))
-        seg = toks[:room]
-        hit = np.flatnonzero(np.isin(seg, eos_set))
-        if hit.size:
-            seg = seg[:hit[0] + 1]
-        r.resp.extend(seg.tolist())
-        st["new_tokens"] += len(seg)
-        if hit.size:
+        hit = 0 <= eos_at < room
+        n = eos_at + 1 if hit else room
+        r.resp.extend(toks[:n].tolist())
+        st["new_tokens"] += n
+        if hit:
             finish_row(i, True)
         elif len(r.resp) >= r.max_new or len(r.prompt) + len(r.resp) >= r.limit:
             finish_row(i, False)
+
+    def first_eos(toks: np.ndarray) -> np.ndarray:
+        """toks [B, n] -> index of each row's first EOS, -1 where none (one vectorised pass)."""
+        hits = np.isin(toks, eos_set)
+        return np.where(hits.any(1), hits.argmax(1), -1)
 
     while True:
         stop = should_stop()
@@ -424,12 +428,13 @@ def generate_loop(engine: Engine, source, eos: Sequence[int], should_stop, prefi
                 grp = reqs[j:j + n]
                 slots = [free.pop() for _ in grp]
                 first = engine.prefill(slots, [g[1] for g in grp], [g[3] for g in grp]).cpu().numpy()
+                first_at = first_eos(first[:, None])
                 st["prefills"] += 1
                 st["prefill_tokens"] += sum(len(g[1]) for g in grp)
-                for s, g, t in zip(slots, grp, first):
+                for s, g, t, e in zip(slots, grp, first, first_at):
                     job, prompt, max_new, sampled = g
                     rows[s] = Row(job, prompt, max_new, limit_len, sampled)
-                    take(s, np.array([t]))
+                    take(s, np.array([t]), int(e))
                 j += n
         active = [i for i in range(B) if rows[i] is not None]
         if not active:
@@ -443,11 +448,12 @@ def generate_loop(engine: Engine, source, eos: Sequence[int], should_stop, prefi
         if free:
             engine.idle(free)
         max_pos = max(len(rows[i].prompt) + len(rows[i].resp) for i in active)
-        toks = engine.decode(max_pos).cpu().numpy()  # [steps, B]
+        toks = np.ascontiguousarray(engine.decode(max_pos).cpu().numpy().T)  # [B, steps]
+        eos_at = first_eos(toks)
         st["decode_calls"] += 1
         for i in active:
             if rows[i] is not None:
-                take(i, toks[:, i])
+                take(i, toks[i], int(eos_at[i]))
 
 
 class ListSource:
