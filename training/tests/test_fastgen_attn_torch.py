@@ -65,11 +65,13 @@ def test_flex_block_tables_follow_pos(weights):
 
 
 def test_compiled_flex_equals_bucket(weights):
-    """The compiled kernel honours the block tables (eager flex only evaluates mask_mod)."""
-    ps = prompts(6, seed=9, lo=1, hi=70)
-    ref, _ = run(weights, "bucket", ps, 20, eos=[V + 1], batch=3)
-    got, _ = run(weights, "flex", ps, 20, eos=[V + 1], flex_compile=True, batch=3)
-    assert got == ref
+    """The compiled kernel honours the block tables (eager flex only evaluates mask_mod), and a
+    second engine (its own pos / block tables, same shapes) does not reuse the first one's."""
+    for seed in (9, 10):
+        ps = prompts(6, seed=seed, lo=1, hi=70)
+        ref, _ = run(weights, "bucket", ps, 20, eos=[V + 1], batch=3)
+        got, _ = run(weights, "flex", ps, 20, eos=[V + 1], flex_compile=True, batch=3)
+        assert got == ref
 
 
 def test_noise_only_for_sampled_rows(weights):
