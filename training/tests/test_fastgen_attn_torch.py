@@ -12,6 +12,8 @@ pytest.importorskip("torch.nn.attention.flex_attention")
 from dflash_train.fastgen import Engine, TargetWeights, generate_list  # noqa: E402
 
 V = 151
+# eager flex on the CPU is the point of most tests here (the compiled kernel has its own test)
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
 
 @pytest.fixture(scope="module")
