@@ -120,7 +120,8 @@ def _flex_fn(compiled: bool):
     if _FLEX_COMPILED is None:
         import torch._dynamo.config as dcfg
 
-        # every Engine brings its own BlockMask (mask_mod closure): allow a recompile per engine
+        # one compile per (rows, cache length, dtype): engines of one shape share it (the mask's
+        # pos is a lifted input, checked by tests); leave room for many shapes in one process
         for knob in ("cache_size_limit", "recompile_limit"):
             if hasattr(dcfg, knob):
                 setattr(dcfg, knob, max(getattr(dcfg, knob), 64))
