@@ -4,7 +4,9 @@
 #   bash run_stream.sh bench   # stage the carried model part(s); trainer step time by attention form
 #                              # (bench_train; the fastest goes to $W/train_choice for later calls),
 #                              # the CUDA flex test, generator benchmark (random-weight SmolLM2-shaped
-#                              # target: fastgen vs HF generate)
+#                              # target, bf16: HF generate vs fastgen's bucket and flex decode
+#                              # attentions; summary in $OUT/bench_gen.json, the winner's --attn goes
+#                              # to $W/gen_choice)
 #   bash run_stream.sh run     # stage + assemble the target; once per machine: bf16/fp32 greedy
 #                              # agreement beside the first shard (picks the dtype of later calls);
 #                              # gen_data on GPU 0 and stream_train on the last GPU (both on GPU 0
@@ -25,7 +27,8 @@
 #   AGREE_MIN=0.99      (AGREE=0 skips the agreement check; then set GEN_DTYPE)
 #   EVAL_SPECS / BENCH_BLOCKS  mode eval: "name file limit;..." prompt sets, blocks for dflash bench
 #   GEN_ARGS= / TRAIN_ARGS=   extra arguments for gen_data / stream_train (after the bench call's
-#                       choices; a carried */init_drafter/ export starts the trainer from it)
+#                       choices; a carried */init_drafter.tar.xz export starts the trainer from it)
+#   BENCH_ARGS= / TRAIN_BENCH_ARGS=   extra arguments for bench_gen throughput / bench_train (mode bench)
 # Returned in $OUT: logs, summaries, the best export (bundle split in 15 MiB parts).
 set -uo pipefail
 T0=$(date +%s)
@@ -111,10 +114,20 @@ if [ "$MODE" = "bench" ]; then
     --choice-file "$W/train_choice" --profile "$OUTDIR/bench_train_profile.txt" ${TRAIN_BENCH_ARGS:-} 2>&1 \
     | grep -v "it/s]" | tee "$OUTDIR/bench_train.log"
   log "trainer choice: $(cat "$W/train_choice" 2>/dev/null)"
-  ( cd "$HERE" && timeout 120 python3 -m pytest -q -rs -p no:cacheprovider "${TESTS:-$HERE/tests}"/test_flexattn_torch.py ) \
+  ( cd "$HERE" && timeout "${FLEX_TEST_S:-90}" python3 -m pytest -q -rs -p no:cacheprovider "$HERE/tests/test_flexattn_torch.py" ) \
     2>&1 | tail -n 5 | tee "$OUTDIR/flex_test.log"
-  [ "${GEN_BENCH:-1}" = 1 ] && timeout $(( $(left) - 10 )) python3 -m dflash_train.bench_gen throughput --check-graphs \
-    ${BENCH_ARGS:-} 2>&1 | grep -v "it/s]" | tee "$OUTDIR/bench_gen.log"
+  # generator: flex decode attention only where it is faster and its graphs replay == eager
+  if [ "${GEN_BENCH:-1}" = 1 ]; then
+    timeout $(( $(left) - 10 )) python3 -m dflash_train.bench_gen throughput --json "$OUTDIR/bench_gen.json" ${BENCH_ARGS:-} 2>&1 \
+      | grep -v "it/s]" | tee "$OUTDIR/bench_gen.log"
+    python3 - "$OUTDIR/bench_gen.json" > "$W/gen_choice" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))["bfloat16"]
+ok = r["checks"].get("flex_graphs_equal_eager", {}).get("all_identical") and not any("flex" in k for k in r["errors"])
+print("--attn flex" if ok and r.get("steady_faster") == "flex" else "--attn bucket")
+PY
+    log "generator choice: $(cat "$W/gen_choice" 2>/dev/null)"
+  fi
   log "bench done"; exit 0
 fi
 

@@ -38,7 +38,7 @@ import torch
 
 from .conversations import eval_key, eval_keys
 from .data import read_jsonl
-from .fastgen import Engine, TargetWeights, generate_loop
+from .fastgen import ATTENTIONS, Engine, TargetWeights, generate_loop
 from .store import write_conv_shard
 from .target import chat_prompt_ids, eos_token_ids, load_target, load_tokenizer, torch_dtype
 
@@ -327,6 +327,9 @@ def add_args(ap: argparse.ArgumentParser):
     g.add_argument("--no-graphs", action="store_true")
     g.add_argument("--early-s", type=float, default=20,
                    help="flush finished conversations of slices in flight this often (0 = never)")
+    g.add_argument("--attn", choices=list(ATTENTIONS), default="bucket",
+                   help="decode attention (fastgen.py): bucket (batched matmuls over the longest row's "
+                        "bucket) or flex (FlexAttention, each row reads its own length)")
 
 
 def make_engine(model, args, device) -> Engine:
@@ -336,7 +339,7 @@ def make_engine(model, args, device) -> Engine:
         per_row = w.kv_bytes_per_token() * (args.max_len + args.steps + 128)
         batch = max(64, int(args.kv_gib * 2**30 // per_row) // 64 * 64)
     return Engine(w, batch=batch, max_len=args.max_len, steps=args.steps,
-                  cuda_graphs=not args.no_graphs)
+                  cuda_graphs=not args.no_graphs, attn=args.attn)
 
 
 def main(argv=None):
@@ -382,7 +385,7 @@ def main(argv=None):
             sch.stopping = True
         return sch.stopping
 
-    print(f"[gen] rows {eng.B}, cache {eng.T} positions, dtype {args.dtype}, resume at slice "
+    print(f"[gen] rows {eng.B}, cache {eng.T} positions, dtype {args.dtype}, attention {args.attn}, resume at slice "
           f"{sch.start_slice}, {len(convs)} ShareGPT conversations", flush=True)
     t_gen = time.time()
     generate_loop(eng, sch, eos, should_stop, stats=st)
