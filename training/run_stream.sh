@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Generate-and-train driver for the GPU machine (streaming pipeline, see training/README.md).
 #
-#   bash run_stream.sh bench   # stage the carried model part(s); generator benchmark (random-weight
-#                              # SmolLM2-shaped target: fastgen vs HF generate, bf16 and fp32)
+#   bash run_stream.sh bench   # stage the carried model part(s); trainer step time by attention form
+#                              # (bench_train; the fastest goes to $W/train_choice for later calls),
+#                              # the CUDA flex test, generator benchmark (random-weight SmolLM2-shaped
+#                              # target, bf16: HF generate vs fastgen's bucket and flex decode
+#                              # attentions; summary in $OUT/bench_gen.json, the winner's --attn goes
+#                              # to $W/gen_choice)
 #   bash run_stream.sh run     # stage + assemble the target; once per machine: bf16/fp32 greedy
 #                              # agreement beside the first shard (picks the dtype of later calls);
 #                              # gen_data on GPU 0 and stream_train on the last GPU (both on GPU 0
@@ -13,14 +17,18 @@
 # The script may live anywhere (the device call carries it); it finds dflash_train next to itself.
 # Environment (defaults):
 #   TOTAL_S=540         whole-call budget in seconds
-#   IN=<dir>/..         where carried inputs live: */*.gguf.part-*, */*.sha256, */train_convs.jsonl.gz,
+#   IN=<dir>/..         where carried inputs live: */*.gguf[.xz].part-*, */*.sha256, */train_convs.jsonl.gz,
+#                       */init_drafter.tar.xz (an exported drafter the trainer starts from),
 #                       */eval/*.jsonl (evaluation prompts to keep out of the data), whl/*.whl (gguf),
 #                       */dflash (a CUDA build, for mode eval)
 #   W=/root/dflash_work state kept between calls on a warm machine (stage, data, train)
 #   GEN_DTYPE=          force the generator dtype (default: bf16 if its teacher-forced greedy
 #                       agreement with fp32 is >= AGREE_MIN, else float32)
-#   AGREE_MIN=0.99
-#   GEN_ARGS= / TRAIN_ARGS=   extra arguments for gen_data / stream_train
+#   AGREE_MIN=0.99      (AGREE=0 skips the agreement check; then set GEN_DTYPE)
+#   EVAL_SPECS / BENCH_BLOCKS  mode eval: "name file limit;..." prompt sets, blocks for dflash bench
+#   GEN_ARGS= / TRAIN_ARGS=   extra arguments for gen_data / stream_train (after the bench call's
+#                       choices; a carried */init_drafter.tar.xz export starts the trainer from it)
+#   BENCH_ARGS= / TRAIN_BENCH_ARGS=   extra arguments for bench_gen throughput / bench_train (mode bench)
 # Returned in $OUT: logs, summaries, the best export (bundle split in 15 MiB parts).
 set -uo pipefail
 T0=$(date +%s)
@@ -43,9 +51,11 @@ log() { echo "[run_stream $(( $(date +%s) - T0 ))s] $*" | tee -a "$OUTDIR/driver
 left() { echo $(( TOTAL_S - ( $(date +%s) - T0 ) )); }
 
 shopt -s nullglob
-for f in "$IN"/*/*.gguf.part-* "$IN"/*/*.gguf.sha256 "$IN"/*/train_convs.jsonl.gz; do cp --update=none "$f" "$W/stage/"; done
+put() { [ -e "$2/$(basename "$1")" ] || cp "$1" "$2/"; }
+for f in "$IN"/*/*.gguf.part-* "$IN"/*/*.gguf.xz.part-* "$IN"/*/*.sha256 "$IN"/*/train_convs.jsonl.gz; do put "$f" "$W/stage"; done
 mkdir -p "$W/stage/eval"
-for f in "$IN"/*/eval/*.jsonl; do cp --update=none "$f" "$W/stage/eval/"; done
+for f in "$IN"/*/eval/*.jsonl; do put "$f" "$W/stage/eval"; done
+for f in "$IN"/*/init_drafter.tar.xz; do [ -d "$W/init_drafter" ] || tar -C "$W" -xJf "$f"; done
 for sha in "$W"/stage/*.sha256; do
   name="$(basename "$sha" .sha256)"
   [ -f "$W/stage/$name" ] && continue
@@ -53,6 +63,9 @@ for sha in "$W"/stage/*.sha256; do
   cat "${parts[@]}" > "$W/stage/$name.tmp"
   if [ "$(sha256sum "$W/stage/$name.tmp" | awk '{print $1}')" = "$(cat "$sha")" ]; then
     mv "$W/stage/$name.tmp" "$W/stage/$name"; log "assembled $name"
+    case "$name" in *.xz) xz -dk "$W/stage/$name" 2>/dev/null \
+      || python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[1][:-3], 'wb'))" \
+         "$W/stage/$name"; log "unpacked ${name%.xz}";; esac
   else
     rm -f "$W/stage/$name.tmp"; log "$name: parts incomplete (${#parts[@]} so far)"
   fi
@@ -70,7 +83,8 @@ if [ "$MODE" = "eval" ]; then
   D="$W/$(cat "$W/best_run.txt" 2>/dev/null || echo train)/best"
   E="$W/engine"; mkdir -p "$E"
   log "eval of $D with $BIN"
-  for spec in "mt-bench mt_bench_first_turns.jsonl 80" "sharegpt-heldout sharegpt_heldout.jsonl 20"; do
+  IFS=';' read -ra SPECS <<< "${EVAL_SPECS:-mt-bench mt_bench_first_turns.jsonl 80;sharegpt-heldout sharegpt_heldout.jsonl 20}"
+  for spec in "${SPECS[@]}"; do
     set -- $spec
     for T in 0 1; do for BS in ${EVAL_BLOCKS:-16 8}; do
       [ "$(left)" -lt 40 ] && { log "out of time"; break 3; }
@@ -80,18 +94,40 @@ if [ "$MODE" = "eval" ]; then
       log "eval $1 T=$T B=$BS rc $?: $(python3 -c "import json,sys; d=json.load(open('$E/eval_$1_T${T}_B${BS}.json')); print({k: d.get(k) for k in ('tau', 'tokens', 'rounds')})" 2>&1 | tail -1)"
     done; done
   done
-  for r in 1; do
-    [ "$(left)" -lt 30 ] && break
-    "$BIN" bench -m "$M" --device cuda --no-draft -n 128 -r 3 2>&1 | tail -4 | tee -a "$E/bench.txt"
-    "$BIN" bench -m "$M" --device cuda --draft "$D" --block-size 16 -n 128 -r 3 2>&1 | tail -4 | tee -a "$E/bench.txt"
-  done
+  # AR vs DFlash (the command times both arms) for the new drafter and, when carried, the one it
+  # started from, at each of BENCH_BLOCKS
+  for DD in "$D" "$W/init_drafter"; do for BS in ${BENCH_BLOCKS:-16}; do
+    [ -f "$DD/config.json" ] || continue
+    [ "$(left)" -lt 30 ] && break 2
+    echo "== $DD block $BS" >> "$E/bench.txt"
+    timeout $(( $(left) - 10 )) "$BIN" bench -m "$M" --device cuda --draft "$DD" --block-size "$BS" -n 128 -r 3 2>&1 \
+      | tail -6 | tee -a "$E/bench.txt"
+  done; done
   tar -czf "$OUTDIR/engine.tgz" -C "$W" engine
   log "eval done"; exit 0
 fi
 
 if [ "$MODE" = "bench" ]; then
-  timeout $(( $(left) - 10 )) python3 -m dflash_train.bench_gen throughput --check-graphs ${BENCH_ARGS:-} 2>&1 \
-    | grep -v "it/s]" | tee "$OUTDIR/bench_gen.log"
+  # trainer: step time by attention form; the fastest form's arguments go to $W/train_choice
+  # (read by later run calls on this machine); the flex == dense gradient test on CUDA
+  timeout "${TRAIN_BENCH_S:-150}" python3 -m dflash_train.bench_train --json "$OUTDIR/bench_train.json" \
+    --choice-file "$W/train_choice" --profile "$OUTDIR/bench_train_profile.txt" ${TRAIN_BENCH_ARGS:-} 2>&1 \
+    | grep -v "it/s]" | tee "$OUTDIR/bench_train.log"
+  log "trainer choice: $(cat "$W/train_choice" 2>/dev/null)"
+  ( cd "$HERE" && timeout "${FLEX_TEST_S:-90}" python3 -m pytest -q -rs -p no:cacheprovider "$HERE/tests/test_flexattn_torch.py" ) \
+    2>&1 | tail -n 5 | tee "$OUTDIR/flex_test.log"
+  # generator: flex decode attention only where it is faster and its graphs replay == eager
+  if [ "${GEN_BENCH:-1}" = 1 ]; then
+    timeout $(( $(left) - 10 )) python3 -m dflash_train.bench_gen throughput --json "$OUTDIR/bench_gen.json" ${BENCH_ARGS:-} 2>&1 \
+      | grep -v "it/s]" | tee "$OUTDIR/bench_gen.log"
+    python3 - "$OUTDIR/bench_gen.json" > "$W/gen_choice" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))["bfloat16"]
+ok = r["checks"].get("flex_graphs_equal_eager", {}).get("all_identical") and not any("flex" in k for k in r["errors"])
+print("--attn flex" if ok and r.get("steady_faster") == "flex" else "--attn bucket")
+PY
+    log "generator choice: $(cat "$W/gen_choice" 2>/dev/null)"
+  fi
   log "bench done"; exit 0
 fi
 
@@ -104,7 +140,7 @@ EVALS=("$W"/stage/eval/*.jsonl)
 # bf16/fp32 greedy agreement, once per machine, on the training GPU while the first shard is made
 # (the first call generates in fp32; later calls use bf16 when the agreement is >= AGREE_MIN)
 AGREE_PID=
-if [ ! -f "$W/agree.json" ]; then
+if [ "${AGREE:-1}" = 1 ] && [ ! -f "$W/agree.json" ]; then
   ( CUDA_VISIBLE_DEVICES=$(( NGPU - 1 )) timeout 200 python3 -m dflash_train.bench_gen agree --target "$TARGET" \
       --convs "$CONVS" --n 100 --n-hf 8 2>&1 | grep -v "it/s]" > "$OUTDIR/agree.log"; \
     tail -1 "$OUTDIR/agree.log" | python3 -c "import json, sys; json.loads(sys.stdin.read())" 2>/dev/null \
@@ -120,6 +156,11 @@ print('bfloat16' if a >= $AGREE_MIN else 'float32')")
 fi
 log "generator dtype $GEN_DTYPE"
 
+# measured choices of the bench call on this machine, and a carried drafter to start from
+[ -f "$W/train_choice" ] && TRAIN_ARGS="$(cat "$W/train_choice") ${TRAIN_ARGS:-}"
+[ -f "$W/gen_choice" ] && GEN_ARGS="$(cat "$W/gen_choice") ${GEN_ARGS:-}"
+[ -f "$W/init_drafter/config.json" ] && TRAIN_ARGS="--init-drafter $W/init_drafter ${TRAIN_ARGS:-}"
+log "trainer args: ${TRAIN_ARGS:-}; generator args: ${GEN_ARGS:-}"
 TGPU=$(( NGPU > 1 ? NGPU - 1 : 0 ))
 BUDGET=$(( $(left) - 45 ))
 KV=$([ "$NGPU" -gt 1 ] && echo 80 || echo 56)

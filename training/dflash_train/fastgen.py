@@ -8,16 +8,31 @@ State (all static, so a decode step can be captured in a CUDA graph):
   K, V   [L, B, kv_heads, T, head_dim]   one cache row per batch slot
   cur    [B]  token fed at the next step      pos  [B]  its position (= tokens cached)
   samp   [B]  bool: sample at T (Gumbel-max) instead of argmax
-A decode step embeds ``cur``, writes k/v at ``pos`` of every row, attends over the first
-``Tb`` cache positions with a per-row mask (t <= pos), picks the next token on the GPU and
-advances ``pos``.  ``Tb`` is a length bucket (multiple of ``bucket``) covering every active
-row; one CUDA graph of ``steps`` decode steps is captured per bucket.  Prefill of new rows runs
-eagerly in padded batches and writes their cache rows in place.  ``Engine`` keeps slots
-busy: finished rows are handed back to the caller (``Scheduler`` in gen_data.py) and refilled.
+A decode step embeds ``cur``, writes k/v at ``pos`` of every row, attends over t <= pos, picks
+the next token on the GPU and advances ``pos``.  Two decode attentions (``Engine(attn=...)``):
+
+* ``bucket``: two batched matmuls over the first ``Tb`` cache positions of every row with a
+  -inf bias for t > pos; ``Tb`` is a length bucket (multiple of ``bucket``) covering the
+  longest active row, so every row reads ``Tb`` positions whatever its own length.
+* ``flex``: FlexAttention over the whole cache with a BlockMask whose per-row block counts
+  (``ceil((pos+1) / bucket)``) are rewritten in place from ``pos`` every step, so each row reads
+  only its own blocks.  The g query heads of a KV group are passed as g query positions of
+  that KV head (the mask ignores the query index), so one K/V load serves all of them and the
+  compiled kernel is flex *decoding* (its GQA packing needs a power-of-two group, 3 is not).
+  Compiled (Triton) on CUDA; eager on the CPU by default (tests).
+
+Token choice: argmax for every row; Gumbel-max at T for the sampled rows only.  The noise is
+drawn for a static subset of ``ns`` rows (the sampled slots, padded with greedy ones; ``ns``
+from a few sizes, 0 when no row samples), listed in a static index tensor updated on the host
+when the slots change.  One CUDA graph of ``steps`` decode steps is captured per (Tb, ns)
+(flex: Tb is always the full cache).  Prefill of new rows runs eagerly in padded batches and
+writes their cache rows in place.  ``Engine`` keeps slots busy: finished rows are handed back
+to the caller (``Scheduler`` in gen_data.py) and refilled.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -91,12 +106,38 @@ class TargetWeights:
         return self.L * 2 * self.nkv * self.hd * torch.finfo(self.dtype).bits // 8
 
 
+ATTENTIONS = ("bucket", "flex")
+_FLEX_COMPILED = None
+
+
+def _flex_fn(compiled: bool):
+    """flex_attention, compiled once per process when asked (one compile per shape and dtype)."""
+    global _FLEX_COMPILED
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if not compiled:
+        return flex_attention
+    if _FLEX_COMPILED is None:
+        import torch._dynamo.config as dcfg
+
+        # one compile per (rows, cache length, dtype): engines of one shape share it (the mask's
+        # pos is a lifted input, checked by tests); leave room for many shapes in one process
+        for knob in ("cache_size_limit", "recompile_limit"):
+            if hasattr(dcfg, knob):
+                setattr(dcfg, knob, max(getattr(dcfg, knob), 64))
+        _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False, fullgraph=True)
+    return _FLEX_COMPILED
+
+
 class Engine:
     """Slots, cache and the decode / prefill kernels (see the module doc)."""
 
     def __init__(self, w: TargetWeights, batch: int, max_len: int, steps: int = 16, bucket: int = 128,
-                 temperature: float = 1.0, cuda_graphs: bool = True):
-        self.w, self.B, self.steps, self.bucket = w, batch, steps, bucket
+                 temperature: float = 1.0, cuda_graphs: bool = True, attn: str = "bucket",
+                 flex_compile: Optional[bool] = None):
+        if attn not in ATTENTIONS:
+            raise ValueError(f"attention {attn!r} is not one of {ATTENTIONS}")
+        self.w, self.B, self.steps, self.bucket, self.attn = w, batch, steps, bucket, attn
         self.T = -(-(max_len + steps) // bucket) * bucket
         if self.T > w.cos.shape[0]:
             raise ValueError(f"cache length {self.T} exceeds the rotary table ({w.cos.shape[0]})")
@@ -106,30 +147,94 @@ class Engine:
         self.cur = torch.zeros(batch, dtype=torch.long, device=dev)
         self.pos = torch.zeros(batch, dtype=torch.long, device=dev)
         self.samp = torch.zeros(batch, dtype=torch.bool, device=dev)
+        self.samp_host = np.zeros(batch, dtype=bool)
+        # sizes of the sampled-row subset that gets Gumbel noise: B, B/2, ..., B/16 (rounded up)
+        self.ns_sizes = sorted({-(-batch // 2**k) for k in range(5)})
+        self.sidx: Dict[int, torch.Tensor] = {}
+        self.sidx_rows: Dict[int, np.ndarray] = {}
         self.rows = torch.arange(batch, device=dev)
         self.tpos = torch.arange(self.T, device=dev)
         self.out = torch.zeros(steps, batch, dtype=torch.long, device=dev)
         self.inv_temp = 1.0 / temperature
         self.use_graphs = cuda_graphs and dev.type == "cuda"
-        self.graphs: Dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: Dict[Tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        if attn == "flex":
+            self._init_flex(dev.type == "cuda" if flex_compile is None else flex_compile)
+
+    # ------------------------------------------------------------------ flex attention
+    def _init_flex(self, compiled: bool):
+        from torch.nn.attention.flex_attention import BlockMask
+
+        nb = self.T // self.bucket
+        pos = self.pos
+
+        def causal_row(b, h, q_idx, kv_idx):
+            return kv_idx <= pos[b]
+
+        # static block tables: row b visits kv blocks 0 .. kv_blocks[b]-1 (all partial: mask_mod
+        # applies everywhere); only kv_blocks changes, in place, from pos (_update_blocks)
+        self.kv_blocks = torch.ones(self.B, 1, 1, dtype=torch.int32, device=pos.device)
+        kv_idx = torch.arange(nb, dtype=torch.int32, device=pos.device).expand(self.B, 1, 1, nb).contiguous()
+        g = self.w.nh // self.w.nkv
+        kw = dict(BLOCK_SIZE=(self.bucket, self.bucket), mask_mod=causal_row, seq_lengths=(g, self.T))
+        if "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters:
+            kw["compute_q_blocks"] = False  # the q-major tables serve only the backward pass
+        self.block_mask = BlockMask.from_kv_blocks(self.kv_blocks, kv_idx, **kw)
+        self.flex = _flex_fn(compiled)
+
+    def _update_blocks(self):
+        self.kv_blocks.copy_((torch.div(self.pos, self.bucket, rounding_mode="floor") + 1)
+                             .to(torch.int32)[:, None, None])
+
+    def _attend(self, l: int, q: torch.Tensor, tb: int, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """q [B, kv, g, hd] (the g heads of each KV group) -> [B, kv, g, hd]."""
+        w = self.w
+        Kl, Vl = self.K[l], self.V[l]
+        if self.attn == "flex":
+            return self.flex(q, Kl, Vl, block_mask=self.block_mask, scale=w.scale)
+        s = torch.matmul(q, Kl[:, :, :tb].transpose(-1, -2)).float()
+        p = torch.softmax(s * w.scale + bias, dim=-1).to(w.dtype)
+        return torch.matmul(p, Vl[:, :, :tb])
 
     # ------------------------------------------------------------------ token choice
-    def _choose(self, logits: torch.Tensor, samp: torch.Tensor) -> torch.Tensor:
+    def _choose(self, logits: torch.Tensor, samp: torch.Tensor, idx: Optional[torch.Tensor]) -> torch.Tensor:
+        """argmax of every row; rows ``idx`` (distinct) where ``samp`` is set: Gumbel-max at T."""
         greedy = logits.argmax(-1)
-        u = torch.rand_like(logits).clamp_(1e-20, 1.0)
-        sampled = (logits * self.inv_temp - torch.log(-torch.log(u))).argmax(-1)
-        return torch.where(samp, sampled, greedy)
+        if idx is None:
+            return greedy
+        sub = logits[idx]
+        u = torch.rand_like(sub).clamp_(1e-20, 1.0)
+        sampled = (sub * self.inv_temp - torch.log(-torch.log(u))).argmax(-1)
+        return greedy.index_copy(0, idx, torch.where(samp[idx], sampled, greedy[idx]))
+
+    def _subset(self) -> int:
+        """Size of the noise subset for the current slots; fills its static index tensor."""
+        n = int(self.samp_host.sum())
+        if n == 0:
+            return 0
+        ns = next(s for s in self.ns_sizes if s >= n)
+        rows = np.concatenate([np.flatnonzero(self.samp_host), np.flatnonzero(~self.samp_host)])[:ns]
+        if ns not in self.sidx:
+            self.sidx[ns] = torch.zeros(ns, dtype=torch.long, device=self.w.device)
+        if not np.array_equal(self.sidx_rows.get(ns), rows):
+            self.sidx[ns].copy_(torch.from_numpy(rows))
+            self.sidx_rows[ns] = rows
+        return ns
 
     # ------------------------------------------------------------------ decode
-    def _step(self, tb: int) -> torch.Tensor:
+    def _step(self, tb: int, ns: int) -> torch.Tensor:
         w, B = self.w, self.B
         g = w.nh // w.nkv
         pos = self.pos
         x = w.embed[self.cur]
         cos, sin = w.cos[pos][:, None], w.sin[pos][:, None]  # [B,1,hd]
-        bias = torch.zeros(B, 1, 1, tb, device=x.device, dtype=torch.float32)
-        bias.masked_fill_((self.tpos[:tb][None] > pos[:, None])[:, None, None], float("-inf"))
+        bias = None
+        if self.attn == "flex":
+            self._update_blocks()
+        else:
+            bias = torch.zeros(B, 1, 1, tb, device=x.device, dtype=torch.float32)
+            bias.masked_fill_((self.tpos[:tb][None] > pos[:, None])[:, None, None], float("-inf"))
         nq, nk = w.nh * w.hd, w.nkv * w.hd
         for l in range(w.L):
             h = _rms(x, w.ln1[l], w.eps)
@@ -139,55 +244,55 @@ class Engine:
             v = qkv[:, nq + nk:].view(B, w.nkv, w.hd)
             q = q * cos + _rot_half(q) * sin
             k = k * cos + _rot_half(k) * sin
-            Kl, Vl = self.K[l], self.V[l]
-            Kl[self.rows, :, pos] = k
-            Vl[self.rows, :, pos] = v
-            s = torch.matmul(q.view(B, w.nkv, g, w.hd), Kl[:, :, :tb].transpose(-1, -2)).float()
-            p = torch.softmax(s * w.scale + bias, dim=-1).to(w.dtype)
-            o = torch.matmul(p, Vl[:, :, :tb]).reshape(B, nq)
+            self.K[l][self.rows, :, pos] = k
+            self.V[l][self.rows, :, pos] = v
+            o = self._attend(l, q.view(B, w.nkv, g, w.hd), tb, bias).reshape(B, nq)
             x = x + o @ w.wo[l].t()
             h = _rms(x, w.ln2[l], w.eps)
             gu = h @ w.wgu[l].t()
             x = x + (F.silu(gu[:, :w.I]) * gu[:, w.I:]) @ w.wd[l].t()
         logits = (_rms(x, w.norm, w.eps) @ w.head.t()).float()
-        nxt = self._choose(logits, self.samp)
+        nxt = self._choose(logits, self.samp, self.sidx[ns] if ns else None)
         self.cur.copy_(nxt)
         self.pos.copy_((pos + 1).clamp_(max=self.T - 1))
         return nxt
 
-    def _steps(self, tb: int):
+    def _steps(self, tb: int, ns: int):
         for i in range(self.steps):
-            self.out[i].copy_(self._step(tb))
+            self.out[i].copy_(self._step(tb, ns))
 
     def bucket_for(self, max_pos: int) -> int:
+        if self.attn == "flex":
+            return self.T  # the block mask limits every row to its own length
         return min(self.T, -(-(max_pos + self.steps) // self.bucket) * self.bucket)
 
-    def _capture(self, tb: int):
+    def _capture(self, tb: int, ns: int):
         saved = (self.cur.clone(), self.pos.clone())
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            self._steps(tb)  # warm-up: writes only positions the real replay rewrites first
+            self._steps(tb, ns)  # warm-up (and compile): writes only positions the replay rewrites first
         torch.cuda.current_stream().wait_stream(s)
         self.cur.copy_(saved[0])
         self.pos.copy_(saved[1])
         gr = torch.cuda.CUDAGraph()
         with torch.cuda.graph(gr, pool=self.pool):
-            self._steps(tb)
+            self._steps(tb, ns)
         self.cur.copy_(saved[0])
         self.pos.copy_(saved[1])
-        self.graphs[tb] = gr
+        self.graphs[(tb, ns)] = gr
 
     @torch.no_grad()
     def decode(self, max_pos: int) -> torch.Tensor:
         """``steps`` decode steps for every slot; returns the chosen tokens [steps, B] (device)."""
         tb = self.bucket_for(max_pos)
+        ns = self._subset()
         if self.use_graphs:
-            if tb not in self.graphs:
-                self._capture(tb)
-            self.graphs[tb].replay()
+            if (tb, ns) not in self.graphs:
+                self._capture(tb, ns)
+            self.graphs[(tb, ns)].replay()
         else:
-            self._steps(tb)
+            self._steps(tb, ns)
         return self.out
 
     # ------------------------------------------------------------------ prefill
@@ -229,10 +334,13 @@ class Engine:
             x = x + (F.silu(gu[..., :w.I]) * gu[..., w.I:]) @ w.wd[l].t()
         last = x[torch.arange(m, device=w.device), ln - 1]
         logits = (_rms(last, w.norm, w.eps) @ w.head.t()).float()
-        first = self._choose(logits, sp)
+        sampled_rows = [i for i, f in enumerate(sampled) if f]
+        idx = torch.as_tensor(sampled_rows, dtype=torch.long, device=w.device) if sampled_rows else None
+        first = self._choose(logits, sp, idx)
         self.cur[sl] = first
         self.pos[sl] = ln
         self.samp[sl] = sp
+        self.samp_host[list(slots)] = list(sampled)
         return first
 
     def idle(self, slots: Sequence[int]):
@@ -242,6 +350,7 @@ class Engine:
             self.pos[sl] = 0
             self.cur[sl] = 0
             self.samp[sl] = False
+            self.samp_host[list(slots)] = False
 
 
 class Row:
@@ -277,19 +386,23 @@ def generate_loop(engine: Engine, source, eos: Sequence[int], should_stop, prefi
         free.append(i)
         st["rows_done"] += 1
 
-    def take(i: int, toks: np.ndarray) -> None:
+    def take(i: int, toks: np.ndarray, eos_at: int) -> None:
+        """Row i gets ``toks`` up to its room; ``eos_at``: index of the first EOS in toks, or -1."""
         r = rows[i]
         room = min(len(toks), r.max_new - len(r.resp), r.limit - len(r.prompt) - len(r.resp))
-        seg = toks[:room]
-        hit = np.flatnonzero(np.isin(seg, eos_set))
-        if hit.size:
-            seg = seg[:hit[0] + 1]
-        r.resp.extend(seg.tolist())
-        st["new_tokens"] += len(seg)
-        if hit.size:
+        hit = 0 <= eos_at < room
+        n = eos_at + 1 if hit else room
+        r.resp.extend(toks[:n].tolist())
+        st["new_tokens"] += n
+        if hit:
             finish_row(i, True)
         elif len(r.resp) >= r.max_new or len(r.prompt) + len(r.resp) >= r.limit:
             finish_row(i, False)
+
+    def first_eos(toks: np.ndarray) -> np.ndarray:
+        """toks [B, n] -> index of each row's first EOS, -1 where none (one vectorised pass)."""
+        hits = np.isin(toks, eos_set)
+        return np.where(hits.any(1), hits.argmax(1), -1)
 
     while True:
         stop = should_stop()
@@ -316,12 +429,13 @@ def generate_loop(engine: Engine, source, eos: Sequence[int], should_stop, prefi
                 grp = reqs[j:j + n]
                 slots = [free.pop() for _ in grp]
                 first = engine.prefill(slots, [g[1] for g in grp], [g[3] for g in grp]).cpu().numpy()
+                first_at = first_eos(first[:, None])
                 st["prefills"] += 1
                 st["prefill_tokens"] += sum(len(g[1]) for g in grp)
-                for s, g, t in zip(slots, grp, first):
+                for s, g, t, e in zip(slots, grp, first, first_at):
                     job, prompt, max_new, sampled = g
                     rows[s] = Row(job, prompt, max_new, limit_len, sampled)
-                    take(s, np.array([t]))
+                    take(s, np.array([t]), int(e))
                 j += n
         active = [i for i in range(B) if rows[i] is not None]
         if not active:
@@ -335,11 +449,12 @@ def generate_loop(engine: Engine, source, eos: Sequence[int], should_stop, prefi
         if free:
             engine.idle(free)
         max_pos = max(len(rows[i].prompt) + len(rows[i].resp) for i in active)
-        toks = engine.decode(max_pos).cpu().numpy()  # [steps, B]
+        toks = np.ascontiguousarray(engine.decode(max_pos).cpu().numpy().T)  # [B, steps]
+        eos_at = first_eos(toks)
         st["decode_calls"] += 1
         for i in active:
             if rows[i] is not None:
-                take(i, toks[:, i])
+                take(i, toks[i], int(eos_at[i]))
 
 
 class ListSource:

@@ -17,7 +17,10 @@ inputs (which conversations, which system prompts, greedy or sampled, RNG seed) 
 deterministic function of (slice, seed); the tokens are the target's up to GPU reduction order.
 ``state.json`` in the out dir records the first slice not yet written; a later call resumes
 there.  At the time limit, slices in flight are written as ``..._part.npz`` (their finished
-conversations), replaced when the slice is redone.
+conversations), replaced when the slice is redone.  Every ``--early-s`` seconds the conversations
+finished since the last flush in slices still in flight go to ``..._e<n>.npz`` (so a trainer that
+reads the directory starts long before the first slice is complete); the slice's full or partial
+shard repeats them (readers skip conversation ids they have seen) and replaces the early files.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import torch
 
 from .conversations import eval_key, eval_keys
 from .data import read_jsonl
-from .fastgen import Engine, TargetWeights, generate_loop
+from .fastgen import ATTENTIONS, Engine, TargetWeights, generate_loop
 from .store import write_conv_shard
 from .target import chat_prompt_ids, eos_token_ids, load_target, load_tokenizer, torch_dtype
 
@@ -132,6 +135,8 @@ class Scheduler:
         self.open: Dict[int, int] = collections.defaultdict(int)  # slice -> jobs not closed
         self.records: Dict[int, List[dict]] = collections.defaultdict(list)
         self.full_written = set()
+        self.early: Dict[int, List[str]] = collections.defaultdict(list)  # slice -> early files
+        self.flushed: Dict[int, int] = collections.defaultdict(int)  # slice -> records in them
         self.stopping = False
         self.stats = {"conversations": 0, "records": 0, "answer_tokens": 0, "answers": 0, "turns_sharegpt": 0,
                       "magpie_user_turns": 0, "magpie_rejected": 0, "shards": 0, "sampled_records": 0,
@@ -260,10 +265,10 @@ class Scheduler:
         meta = {"seed": self.a.seed, "slice": slc, "slice_size": self.a.slice_size, "partial": partial,
                 "max_new_tokens": self.a.max_new_tokens, "max_len": self.a.max_len, "dtype": self.a.dtype}
         ntok = write_conv_shard(os.path.join(self.out_dir, name), recs, meta)
-        if not partial:
-            p = os.path.join(self.out_dir, name.replace(".npz", "_part.npz"))
+        for p in self.early.pop(slc, []) + ([] if partial else [os.path.join(self.out_dir, name[:-4] + "_part.npz")]):
             if os.path.exists(p):
                 os.remove(p)
+        self.flushed.pop(slc, None)
         self.stats["shards"] += 1
         self.stats["records"] += len(recs)
         self.stats["tokens"] += ntok
@@ -277,6 +282,17 @@ class Scheduler:
             with open(self.state_path + ".tmp", "w") as f:
                 json.dump({"next_slice": nxt, "seed": self.a.seed}, f)
             os.replace(self.state_path + ".tmp", self.state_path)
+
+    def flush_early(self):
+        """Write the conversations finished since the last flush of every slice in flight."""
+        for slc, recs in list(self.records.items()):
+            new = recs[self.flushed[slc]:]
+            if not new:
+                continue
+            path = os.path.join(self.out_dir, f"conv_s{self.a.seed}_k{slc:05d}_e{len(self.early[slc])}.npz")
+            write_conv_shard(path, new, {"seed": self.a.seed, "slice": slc, "early": True})
+            self.early[slc].append(path)
+            self.flushed[slc] = len(recs)
 
     def close_partial(self):
         """At the time limit: write every slice in flight as a partial shard."""
@@ -309,6 +325,11 @@ def add_args(ap: argparse.ArgumentParser):
     g.add_argument("--kv-gib", type=float, default=56.0, help="KV cache size when --batch is 0")
     g.add_argument("--steps", type=int, default=16, help="decode steps per graph replay")
     g.add_argument("--no-graphs", action="store_true")
+    g.add_argument("--early-s", type=float, default=20,
+                   help="flush finished conversations of slices in flight this often (0 = never)")
+    g.add_argument("--attn", choices=list(ATTENTIONS), default="bucket",
+                   help="decode attention (fastgen.py): bucket (batched matmuls over the longest row's "
+                        "bucket) or flex (FlexAttention, each row reads its own length)")
 
 
 def make_engine(model, args, device) -> Engine:
@@ -318,7 +339,7 @@ def make_engine(model, args, device) -> Engine:
         per_row = w.kv_bytes_per_token() * (args.max_len + args.steps + 128)
         batch = max(64, int(args.kv_gib * 2**30 // per_row) // 64 * 64)
     return Engine(w, batch=batch, max_len=args.max_len, steps=args.steps,
-                  cuda_graphs=not args.no_graphs)
+                  cuda_graphs=not args.no_graphs, attn=args.attn)
 
 
 def main(argv=None):
@@ -345,7 +366,7 @@ def main(argv=None):
     sch = Scheduler(tok, eos, convs, args.out_dir, args)
     log = open(os.path.join(args.out_dir, "gen_log.txt"), "a")
     st: Dict = {}
-    last = [time.time(), 0]
+    last = [time.time(), 0, time.time()]
 
     def should_stop():
         now = time.time()
@@ -357,11 +378,14 @@ def main(argv=None):
             log.write(line + "\n")
             log.flush()
             last[0], last[1] = now, st.get("new_tokens", 0)
+        if args.early_s > 0 and now - last[2] > args.early_s:
+            sch.flush_early()
+            last[2] = now
         if now >= deadline:
             sch.stopping = True
         return sch.stopping
 
-    print(f"[gen] rows {eng.B}, cache {eng.T} positions, dtype {args.dtype}, resume at slice "
+    print(f"[gen] rows {eng.B}, cache {eng.T} positions, dtype {args.dtype}, attention {args.attn}, resume at slice "
           f"{sch.start_slice}, {len(convs)} ShareGPT conversations", flush=True)
     t_gen = time.time()
     generate_loop(eng, sch, eos, should_stop, stats=st)

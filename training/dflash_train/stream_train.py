@@ -38,6 +38,7 @@ from . import train as train_mod
 from .batch import collate
 from .drafter import batch_to_torch, block_loss
 from .export import check_export, export_drafter
+from .flexattn import padded_context_len
 from .loss import IGNORE_INDEX
 from .store import conv_shard_paths, read_conv_shard
 from .target import load_target, load_tokenizer, target_features
@@ -175,15 +176,27 @@ class StreamPrefetcher:
 
 
 class StreamTrainer(train_mod.Trainer):
+    """Trainer with distillation, block-sparse attention (--attn flex) and compiled drafter
+    layers (--compile) for training steps; evaluation runs the dense form eagerly."""
+
+    def _build(self):
+        super()._build()
+        a = self.args
+        self.ctx_pad = padded_context_len(a.max_seq_len) if a.attn == "flex" else 0
+        if a.compile:
+            for layer in self.drafter.layers:
+                layer.compile(dynamic=False)
+
     def _forward(self, bt, train: bool):
         a = self.args
         kd = a.kd_alpha > 0 and train
         out = target_features(self.target, bt["input_ids"], bt["attention_mask"].long(),
                               self.cfg.target_layer_ids, return_final=kd)
         feats, final = out if kd else (out, None)
-        with self._autocast():
+        with self._autocast(), torch.compiler.set_stance("default" if train else "force_eager"):
             return block_loss(self.drafter, self.emb_w, self.head_w, feats, bt, chunk_rows=a.chunk_rows,
-                              checkpoint_ce=train, target_final=final, kd_alpha=a.kd_alpha if kd else 0.0)
+                              checkpoint_ce=train, target_final=final, kd_alpha=a.kd_alpha if kd else 0.0,
+                              ctx_pad=self.ctx_pad if train else 0)
 
 
 def lr_wsd(step: int, now: float, decay_start: float, decay_s: float, warmup_steps: int, min_ratio: float) -> float:
@@ -201,6 +214,11 @@ def add_args(ap: argparse.ArgumentParser):
     g.add_argument("--decay-s", type=float, default=60)
     g.add_argument("--warmup-steps", type=int, default=200)
     g.add_argument("--kd-alpha", type=float, default=0.0, help="distillation weight (0 = CE only)")
+    g.add_argument("--attn", choices=["dense", "flex"], default="dense",
+                   help="training attention: dense mask (SDPA) or block-sparse FlexAttention")
+    g.add_argument("--compile", action="store_true", help="torch.compile the drafter layers (training steps)")
+    g.add_argument("--init-drafter", default=None,
+                   help="exported drafter to start from when WORK has no stable state (fresh optimizer)")
     g.add_argument("--val-frac", type=float, default=0.02)
     g.add_argument("--val-seqs-max", type=int, default=256)
     g.add_argument("--walk-seqs", type=int, default=128)
@@ -233,9 +251,9 @@ def main(argv=None):
     os.makedirs(args.work, exist_ok=True)
     tok = load_tokenizer(args.target, args.gguf_file)
     target = load_target(args.target, args.gguf_file, args.dtype, args.device)
-    args.resume = None
-    tr = StreamTrainer(args, target, tok, args.work, target_name=os.path.basename(args.target.rstrip("/")))
     stable = os.path.join(args.work, "stable.pt")
+    args.resume = args.init_drafter if args.init_drafter and not os.path.exists(stable) else None
+    tr = StreamTrainer(args, target, tok, args.work, target_name=os.path.basename(args.target.rstrip("/")))
     uses: Dict[int, int] = {}
     calls = 0
     if os.path.exists(stable):
@@ -341,8 +359,9 @@ def main(argv=None):
     tr.val = [(r["ids"], r["loss_mask"], r["sampled"]) for r in data.val]
     walk_set = [r for r in data.val if not r["sampled"]][:args.walk_seqs]
     ev = tr.evaluate(max_batches=max(1, len(tr.val) // max(1, args.batch_size)))
-    wk = walk_tau(tr.drafter, tr.target, tr.emb_w, tr.head_w, walk_set, max_new=args.walk_max_new,
-                  autocast=tr._autocast) if walk_set else {}
+    with torch.compiler.set_stance("force_eager"):
+        wk = walk_tau(tr.drafter, tr.target, tr.emb_w, tr.head_w, walk_set, max_new=args.walk_max_new,
+                      autocast=tr._autocast) if walk_set else {}
     res = {"step": tr.state["step"], "call": calls, "steps_this_call": steps_call, **ev, **wk,
            "walk_seqs": len(walk_set), "data": data.stats}
     tr.state.update({k: v for k, v in ev.items()})

@@ -2,6 +2,7 @@
 the walk tau (CPU, tiny models and a byte-level tokenizer)."""
 
 import json
+import re
 import types
 
 import numpy as np
@@ -125,6 +126,36 @@ def test_scheduler_partial_shards_at_stop(tmp_path, byte_tok):
     paths = conv_shard_paths(out)
     assert len(paths) == 1 and paths[0].endswith("_part.npz")
     assert read_conv_shard(paths[0])
+
+
+def is_early(path: str) -> bool:
+    return re.search(r"_e\d+\.npz$", path) is not None
+
+
+def test_scheduler_early_flush_then_full_shard(tmp_path, byte_tok):
+    tok = byte_tok
+    eos = tok.convert_tokens_to_ids(EOS)
+    out = str(tmp_path / "e")
+    sch = Scheduler(tok, [eos], CONVS, out, sched_args(tmp_path, slice_size=8, max_inflight_slices=1))
+    drive(sch, tok, 6)
+    sch.flush_early()
+    early = conv_shard_paths(out)
+    assert early and all(is_early(p) for p in early)
+    first = [r["cid"] for p in early for r in read_conv_shard(p)]
+    assert first
+    data = StreamData(out, 2000, val_frac=0.0, val_cap=0, max_passes=2, seed=0)
+    data.poll()
+    drive(sch, tok, 6)
+    sch.flush_early()  # only what finished since the first flush
+    second = [r["cid"] for p in conv_shard_paths(out) if p not in early for r in read_conv_shard(p)]
+    assert not set(first) & set(second)
+    drive(sch, tok, 200)
+    paths = conv_shard_paths(out)
+    assert paths and not any(is_early(p) for p in paths)  # the full shard replaced the early files
+    full = [r["cid"] for p in paths for r in read_conv_shard(p)]
+    assert set(first) <= set(full)
+    data.poll()  # a reader that saw the early file takes each conversation once
+    assert data.stats["conversations"] == len(set(full))
 
 
 def test_stream_data_passes_and_val_split(tmp_path, byte_tok):
