@@ -40,7 +40,8 @@ const CUDA_DEFAULT_BLOCK: usize = 4;
 /// Default draft vocabulary on the CPU: the drafter's head over the 4096 most frequent target
 /// tokens of its shipped ranking. With the shipped drafter at block 2 it measured best on a
 /// 2-core machine: DFlash / AR 0.93 against 0.86 at 8192, 0.87 at 16384 and 0.78 with the full
-/// vocabulary, for τ 1.46 against 1.48 (docs/benchmarks/2026-12-01-cpu-draft-shortlist.md).
+/// vocabulary, for τ 1.46 against 1.48; with the retrained drafter of 2026-12-01, 0.88 (tied
+/// with 8192) against 0.84 (docs/benchmarks/2026-12-01-cpu-draft-shortlist.md).
 const CPU_DEFAULT_DRAFT_VOCAB: usize = 4096;
 
 /// Default draft vocabulary on the CUDA backend: the full vocabulary (a shortlist is not
