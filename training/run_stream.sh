@@ -100,8 +100,9 @@ if [ "$MODE" = "eval" ]; then
     [ -f "$DD/config.json" ] || continue
     [ "$(left)" -lt 30 ] && break 2
     echo "== $DD block $BS" >> "$E/bench.txt"
-    timeout $(( $(left) - 10 )) "$BIN" bench -m "$M" --device cuda --draft "$DD" --block-size "$BS" -n 128 -r 3 2>&1 \
-      | tail -6 | tee -a "$E/bench.txt"
+    timeout $(( $(left) - 10 )) "$BIN" bench -m "$M" --device cuda --draft "$DD" --block-size "$BS" -n 128 -r 3 \
+      > "$E/bench_$(basename "$DD")_B$BS.txt" 2>&1
+    grep -E "^\| (AR|.*tg128)" "$E/bench_$(basename "$DD")_B$BS.txt" | tee -a "$E/bench.txt"
   done; done
   tar -czf "$OUTDIR/engine.tgz" -C "$W" engine
   log "eval done"; exit 0
