@@ -125,18 +125,71 @@ extern "C" __global__ void dequant_float_any(const u8* table, i64 row_bytes, int
 // w' = 1 + w when zero-centred. The sum of squares ss follows cpu::ops::dot exactly: sixteen
 // partial sums, partial l adding x[i]*x[i] (rounded product, then rounded sum) for
 // i = l, l + 16, ... in increasing order, then combined by halving (l + l+8, then + l+4, ...).
-// A block owns a group: lanes 0..15 of its first warp make the sixteen partials (loading
-// eight values ahead of summing them) and the shuffle-down tree is that halving, so the result
-// is bit-identical to the CPU backend's; then every thread scales its share of the group.
-// In place when x == out (the group is read completely before any of it is written).
+// A block owns a group. Groups of up to NORM_STAGE values take one round trip to memory: every
+// thread loads its share of x and w at once (x is also staged in shared memory), lanes 0..15 of
+// the first warp make the sixteen partials from the staged copy, the shuffle-down tree is that
+// halving, and every thread scales the values it holds. Longer groups stream x twice. Either
+// way the result is bit-identical to the CPU backend's. In place when x == out (the group is
+// read completely before any of it is written).
 #define NORM_THREADS 128
+#define NORM_STAGE 4096
+#define NORM_PER (NORM_STAGE / NORM_THREADS)
+
+// 1 / sqrt(ss / dim + eps) from the sixteen partials held by lanes 0..15 (lane 0 returns it).
+__device__ __forceinline__ float norm_inv(float acc, int dim, float eps) {
+#pragma unroll
+    for (int off = 8; off > 0; off >>= 1) {
+        acc = __fadd_rn(acc, __shfl_down_sync(DF_FULL_MASK, acc, off, 16));
+    }
+    return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(acc, (float)dim), eps)));
+}
+
+__device__ __forceinline__ float norm_weight(float w, int zero_centred) {
+    return zero_centred ? __fadd_rn(1.0f, w) : w;
+}
+
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     rms_norm_f32(const float* x, float* out, const float* w, i64 groups, int dim, float eps, int zero_centred) {
     df_kernel_begin();
     __shared__ float s_inv;
+    __shared__ float s_x[NORM_STAGE];
     const i64 grp = blockIdx.x;
     if (grp >= groups) return;
     const float* xs = x + grp * (i64)dim;
+    float* os = out + grp * (i64)dim;
+    if (dim <= NORM_STAGE) {
+        float xv[NORM_PER], wv[NORM_PER];
+#pragma unroll
+        for (int u = 0; u < NORM_PER; u++) {
+            const int i = threadIdx.x + NORM_THREADS * u;
+            xv[u] = i < dim ? xs[i] : 0.0f;
+            wv[u] = i < dim ? w[i] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < NORM_PER; u++) {
+            const int i = threadIdx.x + NORM_THREADS * u;
+            if (i < dim) s_x[i] = xv[u];
+        }
+        __syncthreads();
+        if (threadIdx.x < 32) {
+            const int lane = threadIdx.x;
+            float acc = 0.0f;
+            if (lane < 16) {
+#pragma unroll 8
+                for (int i = lane; i < dim; i += 16) acc = __fadd_rn(acc, __fmul_rn(s_x[i], s_x[i]));
+            }
+            const float inv = norm_inv(acc, dim, eps);
+            if (lane == 0) s_inv = inv;
+        }
+        __syncthreads();
+        const float inv = s_inv;
+#pragma unroll
+        for (int u = 0; u < NORM_PER; u++) {
+            const int i = threadIdx.x + NORM_THREADS * u;
+            if (i < dim) os[i] = __fmul_rn(norm_weight(wv[u], zero_centred), __fmul_rn(xv[u], inv));
+        }
+        return;
+    }
     if (threadIdx.x < 32) {
         const int lane = threadIdx.x;
         float acc = 0.0f;
@@ -154,15 +207,11 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
                 }
             }
         }
-#pragma unroll
-        for (int off = 8; off > 0; off >>= 1) {
-            acc = __fadd_rn(acc, __shfl_down_sync(DF_FULL_MASK, acc, off, 16));
-        }
-        if (lane == 0) s_inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(acc, (float)dim), eps)));
+        const float inv = norm_inv(acc, dim, eps);
+        if (lane == 0) s_inv = inv;
     }
     __syncthreads();
     const float inv = s_inv;
-    float* os = out + grp * (i64)dim;
     for (int i0 = threadIdx.x; i0 < dim; i0 += NORM_THREADS * 4) {
         float xv[4], wv[4];
 #pragma unroll
@@ -174,8 +223,7 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 #pragma unroll
         for (int u = 0; u < 4; u++) {
             const int i = i0 + NORM_THREADS * u;
-            const float wu = zero_centred ? __fadd_rn(1.0f, wv[u]) : wv[u];
-            if (i < dim) os[i] = __fmul_rn(wu, __fmul_rn(xv[u], inv));
+            if (i < dim) os[i] = __fmul_rn(norm_weight(wv[u], zero_centred), __fmul_rn(xv[u], inv));
         }
     }
 }
@@ -187,25 +235,38 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 // in double and rounded to f32 (closer to the CPU's libm cosf/sinf than the f32 intrinsics).
 // style 0: neox (i pairs with i + half); style 1: interleaved (2i pairs with 2i + 1).
 
-// Rotates pair i of the head at `head`, writing the results to `dst` (may equal head).
-__device__ __forceinline__ void rope_pair(const float* head, float* dst, int i, int half, int style, float pos,
-                                          const float* inv_freq) {
+// Pair i of a head: the offsets of its two values, and the pair rotated to angle pos *
+// inv_freq[i].
+__device__ __forceinline__ void rope_offsets(int i, int half, int style, int* ia, int* ib) {
+    *ia = style == 0 ? i : 2 * i;
+    *ib = style == 0 ? i + half : 2 * i + 1;
+}
+
+__device__ __forceinline__ void rope_rotate(float a, float b, int i, int style, float pos, const float* inv_freq,
+                                            float* ra, float* rb) {
     const float angle = __fmul_rn(pos, inv_freq[i]);
     double sd, cd;
     sincos((double)angle, &sd, &cd);
     const float c = (float)cd;
     const float s = (float)sd;
     if (style == 0) {
-        const float a = head[i];
-        const float b = head[i + half];
-        dst[i] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-        dst[i + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+        *ra = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+        *rb = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
     } else {
-        const float a = head[2 * i];
-        const float b = head[2 * i + 1];
-        dst[2 * i] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-        dst[2 * i + 1] = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
+        *ra = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+        *rb = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
     }
+}
+
+// Rotates pair i of the head at `head`, writing the results to `dst` (may equal head).
+__device__ __forceinline__ void rope_pair(const float* head, float* dst, int i, int half, int style, float pos,
+                                          const float* inv_freq) {
+    int ia, ib;
+    rope_offsets(i, half, style, &ia, &ib);
+    float ra, rb;
+    rope_rotate(head[ia], head[ib], i, style, pos, inv_freq, &ra, &rb);
+    dst[ia] = ra;
+    dst[ib] = rb;
 }
 
 extern "C" __global__ void rope_f32(float* x, const u32* meta, const float* inv_freq, int T, int cols,
@@ -247,29 +308,42 @@ extern "C" __global__ void rope_kv_f32(const RopeKvParams p) {
     df_kernel_begin();
     const int t = blockIdx.x;
     if (t >= p.t) return;
+    // Two round trips: the metadata (with q, k, v and the frequencies, which do not depend on
+    // it), then the row's KV storage. Rotated k pairs go straight to the cache as well; the
+    // dimensions past the rotary ones and v are copied.
     const u32* meta = (const u32*)p.meta + 4 * t;
-    const float pos = (float)meta[META_POS];
+    const u32 row = meta[META_ROW];
+    const u32 at = meta[META_POS];
+    const RowDesc rd = ((const RowDesc*)p.rows)[row];
+    const float pos = (float)at;
     const float* inv_freq = (const float*)p.inv_freq;
     float* qt = (float*)p.q + (size_t)t * p.q_cols;
     float* kt = (float*)p.k + (size_t)t * p.kv_dim;
+    const float* vt = (const float*)p.v + (size_t)t * p.kv_dim;
+    float* base = (float*)rd.base;
+    float* kd = base + ((size_t)(2 * p.layer) * rd.cap + at) * p.kv_dim;
+    float* vd = base + ((size_t)(2 * p.layer + 1) * rd.cap + at) * p.kv_dim;
     const int qpairs = (p.q_cols / p.head_dim) * p.half;
     const int kpairs = (p.kv_dim / p.head_dim) * p.half;
     for (int idx = threadIdx.x; idx < qpairs + kpairs; idx += blockDim.x) {
         const bool isq = idx < qpairs;
         const int j = isq ? idx : idx - qpairs;
         const int h = j / p.half;
+        const int i = j - h * p.half;
+        int ia, ib;
+        rope_offsets(i, p.half, p.style, &ia, &ib);
         float* head = (isq ? qt : kt) + (size_t)h * p.head_dim;
-        rope_pair(head, head, j - h * p.half, p.half, p.style, pos, inv_freq);
+        float ra, rb;
+        rope_rotate(head[ia], head[ib], i, p.style, pos, inv_freq, &ra, &rb);
+        head[ia] = ra;
+        head[ib] = rb;
+        if (!isq) {
+            kd[(size_t)h * p.head_dim + ia] = ra;
+            kd[(size_t)h * p.head_dim + ib] = rb;
+        }
     }
-    __syncthreads();
-    const RowDesc rd = ((const RowDesc*)p.rows)[meta[META_ROW]];
-    const size_t at = meta[META_POS];
-    float* base = (float*)rd.base;
-    float* kd = base + ((size_t)(2 * p.layer) * rd.cap + at) * p.kv_dim;
-    float* vd = base + ((size_t)(2 * p.layer + 1) * rd.cap + at) * p.kv_dim;
-    const float* vt = (const float*)p.v + (size_t)t * p.kv_dim;
     for (int c = threadIdx.x; c < p.kv_dim; c += blockDim.x) {
-        kd[c] = kt[c];
+        if (c % p.head_dim >= 2 * p.half) kd[c] = kt[c];
         vd[c] = vt[c];
     }
 }
