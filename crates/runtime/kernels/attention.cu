@@ -56,7 +56,7 @@ __device__ __forceinline__ float* att_part(const AttParams& p, int t, int h, int
 // PER = dimensions per lane (head_dim <= 32 * PER), GM = most query heads per KV head.
 template <int PER, int GM>
 __device__ __forceinline__ void attention_split_body(const AttParams& p) {
-    __shared__ __align__(16) float qs[GM * 32 * PER];
+    __shared__ float qs[GM * 32 * PER];
     __shared__ float st_m[ATT_WARPS][GM];
     __shared__ float st_l[ATT_WARPS][GM];
     __shared__ float st_acc[ATT_WARPS][GM * 32 * PER];
@@ -66,36 +66,22 @@ __device__ __forceinline__ void attention_split_body(const AttParams& p) {
     const int sp = blockIdx.z;
     const int hd = p.head_dim;
     const int G = p.n_heads / p.n_kv_heads;
-    const int warp = threadIdx.x >> 5;
-    const int lane = threadIdx.x & 31;
-
-    // Round trip 1: the token's metadata and its query heads (which do not depend on it).
     const u32* meta = (const u32*)p.meta + 4 * t;
-    const int q_cols = p.n_heads * hd;
-    const float* qt = (const float*)p.q + (size_t)t * q_cols + (size_t)kvh * G * hd;
-    constexpr int QPT = (GM * 32 * PER + ATT_WARPS * 32 - 1) / (ATT_WARPS * 32);
-    float qv[QPT];
-#pragma unroll
-    for (int u = 0; u < QPT; u++) {
-        const int i = threadIdx.x + ATT_WARPS * 32 * u;
-        qv[u] = i < G * hd ? qt[i] : 0.0f;
-    }
-    const int row = (int)meta[0];
     const int start = (int)meta[2];
     const int end = (int)meta[3];
     int nsplit, tps;
     att_splits(end > start ? end - start : 0, &nsplit, &tps);
     if (sp >= nsplit) return;  // the whole block leaves
+    const int warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
 
-    // Round trip 2: the row's KV storage.
-    const RowDesc rd = ((const RowDesc*)p.rows)[row];
+    const RowDesc rd = ((const RowDesc*)p.rows)[meta[0]];
     const float* kb = (const float*)rd.base + (size_t)(2 * p.layer) * rd.cap * p.kv_dim + (size_t)kvh * hd;
     const float* vb = (const float*)rd.base + (size_t)(2 * p.layer + 1) * rd.cap * p.kv_dim + (size_t)kvh * hd;
-#pragma unroll
-    for (int u = 0; u < QPT; u++) {
-        const int i = threadIdx.x + ATT_WARPS * 32 * u;
-        if (i < G * hd) qs[i] = qv[u];
-    }
+
+    const int q_cols = p.n_heads * hd;
+    const float* qt = (const float*)p.q + (size_t)t * q_cols + (size_t)kvh * G * hd;
+    for (int i = threadIdx.x; i < G * hd; i += blockDim.x) qs[i] = qt[i];
     __syncthreads();
 
     const bool vec4 = ((hd | p.kv_dim) & 3) == 0;
@@ -108,53 +94,36 @@ __device__ __forceinline__ void attention_split_body(const AttParams& p) {
         for (int i = 0; i < PER; i++) acc[g][i] = 0.0f;
     }
 
-    // Keys per batch of value loads (at most 64 values per lane in flight), and 16-byte key
-    // loads per batch (a 64-dimension key row in one batch).
-    constexpr int VB = 64 / PER < 32 ? 64 / PER : 32;
-    constexpr int KB = 16;
     const int tile_end = min((sp + 1) * tps, ((end - start) + 31) >> 5);
     for (int tile = sp * tps + warp; tile < tile_end; tile += ATT_WARPS) {
         const int t0 = start + 32 * tile;
         const int j = t0 + lane;
         const bool valid = j < end;
-        const int nk = min(32, end - t0);
-        // Round trip 3: the first VB keys' values are requested together with the keys, so
-        // they arrive while the scores are computed.
-        float vv[VB][PER];
-#pragma unroll
-        for (int u = 0; u < VB; u++) {
-            const float* vr = vb + (size_t)(t0 + u) * p.kv_dim;
-#pragma unroll
-            for (int i = 0; i < PER; i++) {
-                const int d = lane + 32 * i;
-                vv[u][i] = (u < nk && d < hd) ? vr[d] : 0.0f;
-            }
-        }
         float dot[GM];
 #pragma unroll
         for (int g = 0; g < GM; g++) dot[g] = 0.0f;
         if (valid) {
             const float* kr = kb + (size_t)j * p.kv_dim;
             if (vec4) {
-                // KB loads in flight, then their products in dimension order.
+                // Four loads in flight, then their products in dimension order.
                 const float4* k4 = (const float4*)kr;
                 const int n4 = hd / 4;
-                for (int d0 = 0; d0 < n4; d0 += KB) {
-                    float4 kk[KB];
+                for (int d0 = 0; d0 < n4; d0 += 4) {
+                    float4 kk[4];
 #pragma unroll
-                    for (int u = 0; u < KB; u++) kk[u] = d0 + u < n4 ? k4[d0 + u] : make_float4(0.f, 0.f, 0.f, 0.f);
+                    for (int u = 0; u < 4; u++) kk[u] = d0 + u < n4 ? k4[d0 + u] : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-                    for (int u = 0; u < KB; u++) {
+                    for (int u = 0; u < 4; u++) {
                         if (d0 + u < n4) {
 #pragma unroll
                             for (int g = 0; g < GM; g++) {
                                 if (g < G) {
-                                    const float4 q4 = *(const float4*)(qs + g * hd + 4 * (d0 + u));
+                                    const float* qg = qs + g * hd + 4 * (d0 + u);
                                     float a = dot[g];
-                                    a = __fmaf_rn(q4.x, kk[u].x, a);
-                                    a = __fmaf_rn(q4.y, kk[u].y, a);
-                                    a = __fmaf_rn(q4.z, kk[u].z, a);
-                                    a = __fmaf_rn(q4.w, kk[u].w, a);
+                                    a = __fmaf_rn(qg[0], kk[u].x, a);
+                                    a = __fmaf_rn(qg[1], kk[u].y, a);
+                                    a = __fmaf_rn(qg[2], kk[u].z, a);
+                                    a = __fmaf_rn(qg[3], kk[u].w, a);
                                     dot[g] = a;
                                 }
                             }
@@ -187,21 +156,21 @@ __device__ __forceinline__ void attention_split_body(const AttParams& p) {
                 pr[g] = 0.0f;
             }
         }
-        // The values are added in key order; batches after the first are loaded here.
-        for (int k0 = 0; k0 < nk; k0 += VB) {
-            if (k0 > 0) {
+        const int nk = min(32, end - t0);
+        // Values of eight keys are loaded before they are added (in key order).
+        for (int k0 = 0; k0 < nk; k0 += 8) {
+            float vv[8][PER];
 #pragma unroll
-                for (int u = 0; u < VB; u++) {
-                    const float* vr = vb + (size_t)(t0 + k0 + u) * p.kv_dim;
+            for (int u = 0; u < 8; u++) {
+                const float* vr = vb + (size_t)(t0 + k0 + u) * p.kv_dim;
 #pragma unroll
-                    for (int i = 0; i < PER; i++) {
-                        const int d = lane + 32 * i;
-                        vv[u][i] = (k0 + u < nk && d < hd) ? vr[d] : 0.0f;
-                    }
+                for (int i = 0; i < PER; i++) {
+                    const int d = lane + 32 * i;
+                    vv[u][i] = (k0 + u < nk && d < hd) ? vr[d] : 0.0f;
                 }
             }
 #pragma unroll
-            for (int u = 0; u < VB; u++) {
+            for (int u = 0; u < 8; u++) {
                 if (k0 + u < nk) {
 #pragma unroll
                     for (int g = 0; g < GM; g++) {
@@ -277,29 +246,19 @@ extern "C" __global__ void attention_merge(const AttParams p) {
     const int d = threadIdx.x;
     const int hd = p.head_dim;
     if (d >= hd) return;
-    // One round trip: the metadata and every split slot's state and value are requested
-    // together (slots past the token's splits hold stale data and are ignored), then the
-    // token's splits are combined in split order.
     const u32* meta = (const u32*)p.meta + 4 * t;
-    float ms[ATT_MAX_SPLITS], ls[ATT_MAX_SPLITS], vs[ATT_MAX_SPLITS];
-#pragma unroll
-    for (int s = 0; s < ATT_MAX_SPLITS; s++) {
-        const float* ps = att_part(p, t, h, s);
-        ms[s] = ps[0];
-        ls[s] = ps[1];
-        vs[s] = ps[2 + d];
-    }
     const int start = (int)meta[2];
     const int end = (int)meta[3];
     int nsplit, tps;
     att_splits(end > start ? end - start : 0, &nsplit, &tps);
+    // All splits' states and values are loaded before they are combined (in split order).
+    float ms[ATT_MAX_SPLITS], ls[ATT_MAX_SPLITS], vs[ATT_MAX_SPLITS];
 #pragma unroll
     for (int s = 0; s < ATT_MAX_SPLITS; s++) {
-        if (s >= nsplit) {
-            ms[s] = -DF_INF;
-            ls[s] = 0.0f;
-            vs[s] = 0.0f;
-        }
+        const float* ps = att_part(p, t, h, s < nsplit ? s : 0);
+        ms[s] = s < nsplit ? ps[0] : -DF_INF;
+        ls[s] = s < nsplit ? ps[1] : 0.0f;
+        vs[s] = s < nsplit ? ps[2 + d] : 0.0f;
     }
     float gm = -DF_INF;
 #pragma unroll

@@ -21,9 +21,9 @@
 //
 // Loads. The weight bytes of P consecutive steps (P = 4 for MT <= 2, 2 for MT = 4, else 1)
 // are loaded before their products, with the widest load the format's alignment allows (16
-// bytes for f16/bf16 and f32, 8 for the Q4_K nibbles, 4 for Q4_1), together with the x values
-// of those steps, so a warp waits on memory once per P steps. x is read through the read-only
-// path (it is small and shared by every warp of the grid).
+// bytes for f16/bf16 and f32, 8 for the Q4_K nibbles, 4 for Q4_1); with two or more rows of
+// x, the x values of those steps are requested with them, so a warp waits on memory once per
+// P steps. x is read through the read-only path (it is small and shared by every warp).
 //
 // Epilogues: store; add into `out` (out = out + s: the residual add, bit-identical to a
 // separate `add`); SwiGLU (two weights per output: out = silu(x·gᵀ) * (x·uᵀ), bit-identical to
@@ -57,13 +57,6 @@ struct MmParams {
     int m;
     int pad;
 };
-
-// The exact float of v - bias for a small code v (< 2^22) and bias (<= 128), without an
-// int-to-float conversion (a quarter-rate instruction, which made the 4-bit products
-// instruction-bound): v in the mantissa of 2^23 gives 2^23 + v, minus 2^23 + bias, both exact.
-__device__ __forceinline__ float code_f(u32 v, int bias) {
-    return __fsub_rn(__int_as_float(0x4B000000u | v), (float)(8388608 + bias));
-}
 
 // The 8 values of quarter s of group g: weights in w[0..8], matching x at offsets
 // 32g + xa .. +4 and 32g + xb .. +4.
@@ -130,8 +123,8 @@ struct MmPart<DT_Q4_0> {
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             const u32 byte = (q >> (8 * k)) & 0xffu;
-            w[k] = __fmul_rn(code_f(byte & 0x0fu, 8), df);
-            w[4 + k] = __fmul_rn(code_f(byte >> 4, 8), df);
+            w[k] = __fmul_rn((float)((int)(byte & 0x0fu) - 8), df);
+            w[4 + k] = __fmul_rn((float)((int)(byte >> 4) - 8), df);
         }
     }
 };
@@ -154,8 +147,8 @@ struct MmPart<DT_Q4_1> {
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             const u32 byte = (q >> (8 * k)) & 0xffu;
-            w[k] = __fmaf_rn(code_f(byte & 0x0fu, 0), d, m);
-            w[4 + k] = __fmaf_rn(code_f(byte >> 4, 0), d, m);
+            w[k] = __fmaf_rn((float)(byte & 0x0fu), d, m);
+            w[4 + k] = __fmaf_rn((float)(byte >> 4), d, m);
         }
     }
 };
@@ -178,9 +171,8 @@ struct MmPart<DT_Q8_0> {
         const float df = f16_to_f32(d);
 #pragma unroll
         for (int k = 0; k < 4; k++) {
-            // A signed byte b is the code (b + 128) = byte ^ 0x80, minus 128.
-            w[k] = __fmul_rn(code_f(((lo >> (8 * k)) & 0xffu) ^ 0x80u, 128), df);
-            w[4 + k] = __fmul_rn(code_f(((hi >> (8 * k)) & 0xffu) ^ 0x80u, 128), df);
+            w[k] = __fmul_rn((float)(signed char)((lo >> (8 * k)) & 0xffu), df);
+            w[4 + k] = __fmul_rn((float)(signed char)((hi >> (8 * k)) & 0xffu), df);
         }
     }
 };
@@ -225,8 +217,8 @@ struct MmPart<DT_Q4K> {
         const float neg_min = -__fmul_rn(dmin, (float)mn);
 #pragma unroll
         for (int k = 0; k < 4; k++) {
-            w[k] = __fmaf_rn(code_f((q.x >> (8 * k + shift)) & 0x0fu, 0), scale, neg_min);
-            w[4 + k] = __fmaf_rn(code_f((q.y >> (8 * k + shift)) & 0x0fu, 0), scale, neg_min);
+            w[k] = __fmaf_rn((float)((q.x >> (8 * k + shift)) & 0x0fu), scale, neg_min);
+            w[4 + k] = __fmaf_rn((float)((q.y >> (8 * k + shift)) & 0x0fu), scale, neg_min);
         }
     }
 };
@@ -268,7 +260,7 @@ struct MmPart<DT_Q6K> {
             const u32 hw = k < 4 ? qh0 : qh1;
             const u32 low = ((lw >> (8 * (k & 3))) >> lshift) & 0x0fu;
             const u32 high = ((hw >> (8 * (k & 3))) >> hshift) & 3u;
-            w[k] = __fmul_rn(code_f(low | (high << 4), 32), scale);
+            w[k] = __fmul_rn((float)((int)(low | (high << 4)) - 32), scale);
         }
     }
 };
@@ -284,6 +276,18 @@ __device__ __forceinline__ float fma8(const float* w, float4 a, float4 b, float 
     acc = __fmaf_rn(w[6], b.z, acc);
     acc = __fmaf_rn(w[7], b.w, acc);
     return acc;
+}
+
+// Every row's x values at group g that quarter (xa, xb) multiplies (rows past ml re-read row 0).
+template <int MT>
+__device__ __forceinline__ void mm_load_x(const float* __restrict__ x, int K, int m0, int ml, int g, int xa, int xb,
+                                          float4* xa4, float4* xb4) {
+#pragma unroll
+    for (int m = 0; m < MT; m++) {
+        const float* xr = x + (size_t)(m0 + (m < ml ? m : 0)) * K + (size_t)g * GROUP;
+        xa4[m] = __ldg((const float4*)(xr + xa));
+        xb4[m] = __ldg((const float4*)(xr + xb));
+    }
 }
 
 // silu(g) * u exactly as silu_mul_f32 (ops.cu) computes it.
@@ -322,13 +326,16 @@ __device__ __forceinline__ void mm_warp(const MmSeg& sg, int n0, const float* __
     // P steps' weight bytes are loaded before any of their products (P more loads in flight
     // per lane); the products then run in step order, so the sum is the same for every P.
     constexpr int P = MT <= 2 ? 4 : (MT <= 4 ? 2 : 1);
+    constexpr bool XH = MT >= 2;
     const int xa = MmPart<DT>::xa(s);
     const int xb = MmPart<DT>::xb(s);
     for (int g0 = j; g0 < groups; g0 += 8 * P) {
         MmPart<DT> part[P][R][W];
-        // Every row's x values for the P steps are requested with the weights (one round
-        // trip per P steps).
-        float4 xa4[P][MT], xb4[P][MT];
+        // With several rows of x, every row's x values for the P steps are requested with the
+        // weights (one round trip per P steps); a single row loads its x values step by step
+        // (fewer registers, which the many-block products at M = 1 need for occupancy).
+        constexpr int XP = XH ? P : 1;
+        float4 xa4[XP][MT], xb4[XP][MT];
 #pragma unroll
         for (int q = 0; q < P; q++) {
             const int g = g0 + 8 * q;
@@ -337,12 +344,7 @@ __device__ __forceinline__ void mm_warp(const MmSeg& sg, int n0, const float* __
                 for (int r = 0; r < R; r++)
 #pragma unroll
                     for (int v = 0; v < W; v++) part[q][r][v].load(rows[r][v], g, s);
-#pragma unroll
-                for (int m = 0; m < MT; m++) {
-                    const float* xr = x + (size_t)(m0 + (m < ml ? m : 0)) * K + (size_t)g * GROUP;
-                    xa4[q][m] = __ldg((const float4*)(xr + xa));
-                    xb4[q][m] = __ldg((const float4*)(xr + xb));
-                }
+                if (XH) mm_load_x<MT>(x, K, m0, ml, g, xa, xb, xa4[q % XP], xb4[q % XP]);
             }
         }
 #pragma unroll
@@ -354,6 +356,7 @@ __device__ __forceinline__ void mm_warp(const MmSeg& sg, int n0, const float* __
                 for (int r = 0; r < R; r++)
 #pragma unroll
                     for (int v = 0; v < W; v++) part[q][r][v].decode(w[r][v]);
+                if (!XH) mm_load_x<MT>(x, K, m0, ml, g, xa, xb, xa4[0], xb4[0]);
 #pragma unroll
                 for (int m = 0; m < MT; m++) {
                     if (m < ml) {
@@ -361,7 +364,7 @@ __device__ __forceinline__ void mm_warp(const MmSeg& sg, int n0, const float* __
                         for (int r = 0; r < R; r++)
 #pragma unroll
                             for (int v = 0; v < W; v++)
-                                acc[r][v][m] = fma8(w[r][v], xa4[q][m], xb4[q][m], acc[r][v][m]);
+                                acc[r][v][m] = fma8(w[r][v], xa4[q % XP][m], xb4[q % XP][m], acc[r][v][m]);
                     }
                 }
             }

@@ -13,9 +13,14 @@
 //!   when they exist so that future kernels can use the toolkit headers.
 //! - `CUDA_HOME`, `CUDA_PATH`: `<dir>/include` is searched, then `/usr/local/cuda/include`,
 //!   `/opt/cuda/include` and `/usr/local/cuda-*/include`.
+//! - `DFLASH_CUDA_KERNEL_DIR`: a directory whose `<file>.cu` files replace the embedded
+//!   sources of the same name (kernel work on a GPU machine that has no Rust toolchain: edit a
+//!   kernel there and rerun the same binary). Each replaced file is named in a warning; the
+//!   kernel parameter structs must still match the Rust side.
 //! - `DFLASH_CACHE_DIR`, else `$XDG_CACHE_HOME/dflash`, else `~/.cache/dflash`: the cache
 //!   root (kernels go to `<root>/cuda-kernels`). `DFLASH_CUDA_NO_CACHE=1` turns the cache off.
 
+use std::borrow::Cow;
 use std::ffi::{c_char, c_int, CStr, CString};
 use std::path::{Path, PathBuf};
 
@@ -55,6 +60,18 @@ impl Module {
         }
     }
 
+    /// The file's text: `$DFLASH_CUDA_KERNEL_DIR/<file>.cu` when that exists, else embedded.
+    fn text(self) -> Cow<'static, str> {
+        let file = match self {
+            Module::Matmul(_) => "matmul.cu",
+            Module::Ops => "ops.cu",
+            Module::Attention => "attention.cu",
+            Module::Gdn => "gdn.cu",
+            Module::Sample => "sample.cu",
+        };
+        kernel_file(file, self.raw_source())
+    }
+
     fn raw_source(self) -> &'static str {
         match self {
             Module::Matmul(_) => include_str!("../../kernels/matmul.cu"),
@@ -69,7 +86,8 @@ impl Module {
     /// ([`format_defines`]), then the file with `common.cu` pasted in (and, for matmul, the
     /// format to instantiate defined first).
     pub fn source(self) -> String {
-        let raw = self.raw_source();
+        let raw = self.text();
+        let common = kernel_file("common.cu", COMMON);
         assert!(
             raw.lines().any(|l| l.trim() == INCLUDE_COMMON),
             "{}.cu must include common.cu",
@@ -85,13 +103,29 @@ impl Module {
         }
         for line in raw.lines() {
             if line.trim() == INCLUDE_COMMON {
-                body.push_str(COMMON);
+                body.push_str(&common);
             } else {
                 body.push_str(line);
             }
             body.push('\n');
         }
         body
+    }
+}
+
+/// `file` from `$DFLASH_CUDA_KERNEL_DIR` when it is set and holds a readable copy, else the
+/// embedded text.
+fn kernel_file(file: &str, embedded: &'static str) -> Cow<'static, str> {
+    let Some(dir) = std::env::var_os("DFLASH_CUDA_KERNEL_DIR").filter(|d| !d.is_empty()) else {
+        return Cow::Borrowed(embedded);
+    };
+    let path = Path::new(&dir).join(file);
+    match std::fs::read_to_string(&path) {
+        Ok(text) => {
+            tracing::warn!("CUDA kernel source {file} read from {}", path.display());
+            Cow::Owned(text)
+        }
+        Err(_) => Cow::Borrowed(embedded),
     }
 }
 
