@@ -368,13 +368,16 @@ impl<B: Backend> LlamaModel<B> {
         };
         let hidden = cfg.hidden;
         for (li, layer) in self.layers.iter().enumerate() {
-            b.rms_norm(
-                &mut ws.x,
-                &layer.attn_norm,
-                cfg.rms_eps,
-                false,
-                Some(&mut ws.h),
-            );
+            // Later layers' attention norms come fused into the previous down product.
+            if li == 0 {
+                b.rms_norm(
+                    &mut ws.x,
+                    &layer.attn_norm,
+                    cfg.rms_eps,
+                    false,
+                    Some(&mut ws.h),
+                );
+            }
             b.matmul_many(
                 &ws.h,
                 &[&layer.wq, &layer.wk, &layer.wv],
@@ -401,16 +404,30 @@ impl<B: Backend> LlamaModel<B> {
                 cfg.rope_style,
             );
             b.attention(&ws.q, &self.kv, li, meta, shape, &mut ws.att);
-            b.matmul_add(&ws.att, &layer.wo, &mut ws.x, &mut ws.o);
-            b.rms_norm(
+            b.matmul_add_norm(
+                &ws.att,
+                &layer.wo,
                 &mut ws.x,
+                &mut ws.o,
                 &layer.ffn_norm,
                 cfg.rms_eps,
                 false,
-                Some(&mut ws.h),
+                &mut ws.h,
             );
             b.matmul_swiglu(&ws.h, &layer.w_gate, &layer.w_up, &mut ws.gate, &mut ws.up);
-            b.matmul_add(&ws.gate, &layer.w_down, &mut ws.x, &mut ws.o);
+            match self.layers.get(li + 1) {
+                Some(next) => b.matmul_add_norm(
+                    &ws.gate,
+                    &layer.w_down,
+                    &mut ws.x,
+                    &mut ws.o,
+                    &next.attn_norm,
+                    cfg.rms_eps,
+                    false,
+                    &mut ws.h,
+                ),
+                None => b.matmul_add(&ws.gate, &layer.w_down, &mut ws.x, &mut ws.o),
+            }
             for (slot, _) in self.tap_layers.iter().enumerate().filter(|(_, &l)| l == li) {
                 b.copy_columns(&ws.x, &mut ws.taps, slot * hidden);
             }

@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 
 use super::device::{
     ck, ensure, int, long, Arg, CudaOptions, Device, Epilogue, PrefillGemm, ATT_GM, ATT_MAX_GHD,
-    ATT_MAX_SPLITS, ATT_PER, ATT_THREADS, MM_SEGS, MM_TILES, MM_WARPS,
+    ATT_MAX_SPLITS, ATT_PER, ATT_THREADS, MM_ADD_NORM_MAX_MT, MM_SEGS, MM_TILES, MM_WARPS,
 };
 use super::gdn::CudaGdn;
 use super::graph::Graphs;
@@ -55,6 +55,20 @@ struct MmParams {
     k: i32,
     m: i32,
     pad: i32,
+    norm_w: u64,
+    norm_out: u64,
+    counter: u64,
+    eps: f32,
+    zero_centred: i32,
+}
+
+/// The RMS norm a residual-add product runs in its last block (`mm_tail_norm` in matmul.cu).
+#[derive(Clone, Copy)]
+struct NormTail {
+    w: u64,
+    out: u64,
+    eps: f32,
+    zero_centred: bool,
 }
 
 /// `AttParams` in attention.cu.
@@ -274,6 +288,18 @@ impl CudaBackend {
     /// The products `prods` of one x and format in one launch, each output already shaped
     /// `[M, N]` (`MM_SEGS` products at most; SwiGLU products carry their up weight).
     fn mm_launch(&self, x: &CudaTensor, prods: &[Product<'_>], epi: Epilogue) {
+        self.mm_launch_tail(x, prods, epi, None)
+    }
+
+    /// As [`Self::mm_launch`]; with `tail` (an `Add` of one product of at most 16 rows), the
+    /// product's last block then writes the RMS norm of the updated rows.
+    fn mm_launch_tail(
+        &self,
+        x: &CudaTensor,
+        prods: &[Product<'_>],
+        epi: Epilogue,
+        tail: Option<NormTail>,
+    ) {
         let m = x.rows;
         let Some(first) = prods.first() else { return };
         if m == 0 {
@@ -323,7 +349,25 @@ impl CudaBackend {
         if blocks == 0 {
             return;
         }
-        let f = &self.dev.loaded(first.w.dtype).mm[ti][epi as usize];
+        let kernels = self.dev.loaded(first.w.dtype);
+        let f = match tail {
+            None => &kernels.mm[ti][epi as usize],
+            Some(t) => {
+                assert!(
+                    epi == Epilogue::Add && prods.len() == 1 && tile.mt <= MM_ADD_NORM_MAX_MT,
+                    "an add + norm tail needs one residual-add product of at most 16 rows"
+                );
+                p.norm_w = t.w;
+                p.norm_out = t.out;
+                p.eps = t.eps;
+                p.zero_centred = t.zero_centred as i32;
+                p.counter = {
+                    let mut s = self.dev.scratch.lock().expect("scratch lock");
+                    ensure(&self.dev.stream, &self.dev.epoch, &mut s.tail_counter, 1)
+                };
+                &kernels.mm_add_norm[ti]
+            }
+        };
         self.dev.launch_with(
             f,
             &format!("matmul[{}]", first.w.name),
@@ -1323,6 +1367,49 @@ impl Backend for CudaBackend {
             out: self.tptr(out),
         };
         self.mm_launch(x, &[prod], Epilogue::Add);
+    }
+
+    fn matmul_add_norm(
+        &self,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        out: &mut CudaTensor,
+        scratch: &mut CudaTensor,
+        weight: &CudaTensor,
+        eps: f32,
+        zero_centred: bool,
+        normed: &mut CudaTensor,
+    ) {
+        // Products of up to 16 rows (decode, verify) run tiles with a fused tail; larger
+        // ones, a forced tile of 16 and norms of part of a row take the two ops.
+        let fused = x.rows <= 2 * MM_ADD_NORM_MAX_MT
+            && self.dev.fixed_mt.is_none_or(|t| t <= MM_ADD_NORM_MAX_MT)
+            && weight.len() == w.rows;
+        if !fused {
+            self.matmul_add(x, w, out, scratch);
+            return self.rms_norm(out, weight, eps, zero_centred, Some(normed));
+        }
+        Self::check_product(x, w);
+        assert_eq!(
+            (out.rows, out.cols),
+            (x.rows, w.rows),
+            "matmul_add_norm {}: the output has the wrong shape",
+            w.name
+        );
+        self.reshape(normed, out.rows, out.cols);
+        self.dev.bind();
+        let prod = Product {
+            w,
+            w2: None,
+            out: self.tptr(out),
+        };
+        let tail = NormTail {
+            w: self.tptr(weight),
+            out: self.tptr(normed),
+            eps,
+            zero_centred,
+        };
+        self.mm_launch_tail(x, &[prod], Epilogue::Add, Some(tail));
     }
 
     fn matmul_swiglu(

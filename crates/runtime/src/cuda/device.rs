@@ -109,6 +109,9 @@ pub(crate) const MM_TILES: [MmTile; 5] = [
         r_swiglu: 2,
     },
 ];
+/// The largest tile with an add + norm kernel (MM_KERNELS in matmul.cu): products of up to
+/// 16 rows of x (two tiles of 8) can fuse the next RMS norm.
+pub(crate) const MM_ADD_NORM_MAX_MT: usize = 8;
 /// Warps per matmul block (MM_WARPS in matmul.cu).
 pub(crate) const MM_WARPS: usize = 4;
 /// Products one matmul launch can hold (MM_SEGS in matmul.cu).
@@ -173,6 +176,9 @@ pub(crate) struct Kernels {
 pub(crate) struct FormatKernels {
     /// `mm[tile index][epilogue index]` for the tiles of `MM_TILES`.
     pub mm: Vec<Vec<CudaFunction>>,
+    /// `mm_add_norm[tile index]`: the residual add then RMS norm (`mm_<format>_<MT>_<R>_addnorm`)
+    /// for the tiles of up to [`MM_ADD_NORM_MAX_MT`] rows.
+    pub mm_add_norm: Vec<CudaFunction>,
     pub dequant: CudaFunction,
 }
 
@@ -216,6 +222,9 @@ pub(crate) struct Scratch {
     pub deq: Option<CudaSlice<f32>>,
     /// Partial softmax states of the split attention.
     pub att_part: Option<CudaSlice<f32>>,
+    /// The block counter of the add + norm products (zero between launches: the last block
+    /// resets it).
+    pub tail_counter: Option<CudaSlice<u32>>,
 }
 
 /// Returns `slot`'s buffer, reallocated when shorter than `n` (contents undefined). A
@@ -481,8 +490,14 @@ impl Device {
             }
             mm.push(by_epi);
         }
+        let mm_add_norm = MM_TILES
+            .iter()
+            .filter(|t| t.mt <= MM_ADD_NORM_MAX_MT)
+            .map(|t| get(&format!("mm_{sfx}_{}_{}_addnorm", t.mt, t.r)))
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(FormatKernels {
             mm,
+            mm_add_norm,
             dequant: get(&format!("dequant_{sfx}"))?,
         })
     }
