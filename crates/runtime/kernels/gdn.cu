@@ -160,15 +160,17 @@ GDN_DELTA(256)
 //   U = T diag(β) V, W = T diag(β e^γ) K; V_new = U - W S;
 //   O_i = Σ_a (q_ia e^{γ_i}) S_a + Σ_{j<=i} ((q_i·k_j) e^{γ_i-γ_j}) V_new_j;
 //   S <- e^{γ_last} S + Σ_j (k_j e^{γ_last-γ_j}) V_new_jᵀ.
-// Dots over k_dim use the CPU's order (`dot`: 16 running sums, lane l of a half-warp takes
-// i = l, l+16, ..., then the halving tree 8, 4, 2, 1); every other sum runs in index order in
-// one thread. q and k are L2-normalised with the same dot.
+// Dots over k_dim use the CPU's order (`dot`: 16 running sums, sum l taking i = l, l+16, ...,
+// then the halving tree 8, 4, 2, 1): one thread per pair for the q·k and k·k products, a
+// half-warp (one running sum per lane, the tree by xor shuffles) for the L2 norms; every
+// other sum runs in index order in one thread.
 //
 // grid (spans, v_heads, ceil(dv / GDN_CT)), GDN_CTHREADS threads: a block owns GDN_CT columns
 // of one head's state (in shared memory for the whole span) and recomputes the chunk's T, W
 // and q·k products, which do not depend on the columns. Shared memory (floats):
-// 3 C DK (q, k, W) + 2 C C + C CT (v, then V_new) + DK CT (state) + 4 C (gates): 153 KiB for
-// DK = 128 (`chunk_smem_bytes` in cuda/gdn.rs).
+// 2 C (DK + 1) (q, k; rows padded against bank conflicts) + C DK (W) + 2 C C + C CT (v, then
+// V_new) + DK CT (state) + 4 C (gates): 154 KiB for DK = 128 (`chunk_smem_bytes` in
+// cuda/gdn.rs).
 #define GDN_CHUNK 64
 #define GDN_CT 32
 #define GDN_CTHREADS 256
@@ -181,6 +183,26 @@ struct GdnChunkParams {
     int dv;
     int tiled;
 };
+
+// a·b over DK values in the CPU's order, in one thread.
+template <int DK>
+__device__ __forceinline__ float df_dot_seq(const float* a, const float* b) {
+    float acc[16];
+#pragma unroll
+    for (int l = 0; l < 16; l++) acc[l] = 0.0f;
+#pragma unroll
+    for (int c = 0; c < DK / 16; c++) {
+#pragma unroll
+        for (int l = 0; l < 16; l++) acc[l] = __fadd_rn(acc[l], __fmul_rn(a[16 * c + l], b[16 * c + l]));
+    }
+#pragma unroll
+    for (int l = 0; l < 8; l++) acc[l] = __fadd_rn(acc[l], acc[l + 8]);
+#pragma unroll
+    for (int l = 0; l < 4; l++) acc[l] = __fadd_rn(acc[l], acc[l + 4]);
+    acc[0] = __fadd_rn(acc[0], acc[2]);
+    acc[1] = __fadd_rn(acc[1], acc[3]);
+    return __fadd_rn(acc[0], acc[1]);
+}
 
 // a·b over DK values in the CPU's order, on the 16 lanes of a half-warp (lane16 = lane & 15);
 // every lane returns the sum. All 32 lanes of the warp must call it together.
@@ -208,10 +230,11 @@ __device__ void gdn_chunk(const GdnChunkParams& p) {
     constexpr int C = GDN_CHUNK;
     constexpr int CT = GDN_CT;
     constexpr int RPT = C * CT / GDN_CTHREADS;  // (token, column) elements per thread
+    constexpr int KS = DK + 1;                   // row stride of q and k
     extern __shared__ float sm[];
-    float* qs = sm;               // C x DK: normalised, scaled q
-    float* ks = qs + C * DK;      // C x DK: normalised k
-    float* ws = ks + C * DK;      // C x DK: W
+    float* qs = sm;               // C x KS: normalised, scaled q
+    float* ks = qs + C * KS;      // C x KS: normalised k
+    float* ws = ks + C * KS;      // C x DK: W
     float* m1 = ws + C * DK;      // C x C: L, then diag(β e^γ) factors, then q·k products
     float* m2 = m1 + C * C;       // C x C: the substitution's sums, then T diag(β)
     float* vs = m2 + C * C;       // C x CT: v, then V_new
@@ -249,8 +272,8 @@ __device__ void gdn_chunk(const GdnChunkParams& p) {
         for (int i = hw; i < C; i += GDN_CTHREADS / 16) {
             const bool live = i < m;
             const float* row = s.x + (c0 + (live ? i : 0)) * xc;
-            float* q = qs + i * DK;
-            float* k = ks + i * DK;
+            float* q = qs + i * KS;
+            float* k = ks + i * KS;
             for (int a = lane16; a < DK; a += 16) {
                 q[a] = live ? row[kh * DK + a] : 0.0f;
                 k[a] = live ? row[key_dim + kh * DK + a] : 0.0f;
@@ -279,18 +302,15 @@ __device__ void gdn_chunk(const GdnChunkParams& p) {
             vs[e] = (i < m && x < ncol) ? s.x[(c0 + i) * xc + 2 * key_dim + h * p.dv + col0 + x] : 0.0f;
         }
         __syncthreads();
-        // L (strict lower triangle) into m1 and m2, one half-warp per pair.
+        // L (strict lower triangle) into m1 and m2, one thread per pair.
         const int nl = m * (m - 1) / 2;
-        for (int b0 = 0; b0 < nl; b0 += GDN_CTHREADS / 16) {
-            const int pi = b0 + hw;
+        for (int pi = tid; pi < nl; pi += GDN_CTHREADS) {
             int i, l;
-            df_tri(pi < nl ? pi : 0, &i, &l);
-            const float d = df_dot16<DK>(ks + i * DK, ks + l * DK, lane16);
-            if (pi < nl && lane16 == 0) {
-                const float v = __fmul_rn(__fmul_rn(bt[i], d), df_exp(__fsub_rn(gam[i], gam[l])));
-                m1[i * C + l] = v;
-                m2[i * C + l] = v;
-            }
+            df_tri(pi, &i, &l);
+            const float d = df_dot_seq<DK>(ks + i * KS, ks + l * KS);
+            const float v = __fmul_rn(__fmul_rn(bt[i], d), df_exp(__fsub_rn(gam[i], gam[l])));
+            m1[i * C + l] = v;
+            m2[i * C + l] = v;
         }
         __syncthreads();
         // Forward substitution, right-looking: at step l every sum of row i > l, column j < l
@@ -318,7 +338,7 @@ __device__ void gdn_chunk(const GdnChunkParams& p) {
         for (int e = tid; e < m * DK; e += GDN_CTHREADS) {
             const int i = e / DK, a = e % DK;
             float acc = 0.0f;
-            for (int j = 0; j <= i; j++) acc = __fadd_rn(acc, __fmul_rn(m1[i * C + j], ks[j * DK + a]));
+            for (int j = 0; j <= i; j++) acc = __fadd_rn(acc, __fmul_rn(m1[i * C + j], ks[j * KS + a]));
             ws[e] = acc;
         }
         float u[RPT];
@@ -343,13 +363,12 @@ __device__ void gdn_chunk(const GdnChunkParams& p) {
             }
         }
         const int na = m * (m + 1) / 2;
-        for (int b0 = 0; b0 < na; b0 += GDN_CTHREADS / 16) {
-            const int pi = b0 + hw;
+        for (int pi = tid; pi < na; pi += GDN_CTHREADS) {
             int i, j;
-            df_tri(pi < na ? pi : 0, &i, &j);
+            df_tri(pi, &i, &j);
             i -= 1;  // index over the lower triangle with its diagonal
-            const float d = df_dot16<DK>(qs + i * DK, ks + j * DK, lane16);
-            if (pi < na && lane16 == 0) m1[i * C + j] = __fmul_rn(d, df_exp(__fsub_rn(gam[i], gam[j])));
+            const float d = df_dot_seq<DK>(qs + i * KS, ks + j * KS);
+            m1[i * C + j] = __fmul_rn(d, df_exp(__fsub_rn(gam[i], gam[j])));
         }
         __syncthreads();
         // Outputs of this block's columns.
@@ -359,7 +378,7 @@ __device__ void gdn_chunk(const GdnChunkParams& p) {
             if (i < m && cx < ncol) {
                 const float e = eg[i];
                 float o = 0.0f;
-                for (int a = 0; a < DK; a++) o = __fadd_rn(o, __fmul_rn(__fmul_rn(qs[i * DK + a], e), ss[a * CT + cx]));
+                for (int a = 0; a < DK; a++) o = __fadd_rn(o, __fmul_rn(__fmul_rn(qs[i * KS + a], e), ss[a * CT + cx]));
                 for (int j = 0; j <= i; j++) o = __fadd_rn(o, __fmul_rn(m1[i * C + j], vs[j * CT + cx]));
                 if (s.out) s.out[(c0 + i) * vd + h * p.dv + col0 + cx] = o;
             }
@@ -370,7 +389,7 @@ __device__ void gdn_chunk(const GdnChunkParams& p) {
         for (int e = tid; e < DK * CT; e += GDN_CTHREADS) {
             const int a = e / CT, x = e % CT;
             float sv = __fmul_rn(ss[e], decay);
-            for (int j = 0; j < m; j++) sv = __fadd_rn(sv, __fmul_rn(__fmul_rn(ks[j * DK + a], ed[j]), vs[j * CT + x]));
+            for (int j = 0; j < m; j++) sv = __fadd_rn(sv, __fmul_rn(__fmul_rn(ks[j * KS + a], ed[j]), vs[j * CT + x]));
             ss[e] = sv;
         }
     }
@@ -382,7 +401,7 @@ __device__ void gdn_chunk(const GdnChunkParams& p) {
 }
 
 #define GDN_CHUNK_DK(DK)                                                                         \
-    extern "C" __global__ void __launch_bounds__(GDN_CTHREADS)                                  \
+    extern "C" __global__ void __launch_bounds__(GDN_CTHREADS, 1)                               \
         gdn_chunk_##DK(const GdnChunkParams p) {                                                 \
         df_kernel_begin();                                                                       \
         gdn_chunk<DK>(p);                                                                        \

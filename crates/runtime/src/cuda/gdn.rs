@@ -31,7 +31,7 @@ const MAX_CONV_K: usize = 8;
 /// k_dim values the delta kernel is instantiated for.
 const DELTA_DK: [usize; 5] = [16, 32, 64, 128, 256];
 /// k_dim values the chunked kernel is instantiated for (its shared memory grows with k_dim,
-/// 153 KiB at 128); chunked spans of wider heads run token by token.
+/// 154 KiB at 128); chunked spans of wider heads run token by token.
 const CHUNK_DK: [usize; 4] = [16, 32, 64, 128];
 /// State columns per block of the chunked kernel (GDN_CT in gdn.cu).
 const CHUNK_COLS: usize = 32;
@@ -40,11 +40,17 @@ const CHUNK_THREADS: u32 = 256;
 /// Words of one `GdnSpan` record.
 const SPAN_WORDS: usize = 9;
 
-/// Dynamic shared memory of the chunked kernel for `dk` (its layout in gdn.cu): q, k and W
-/// (`CHUNK x dk` each), two `CHUNK x CHUNK` matrices, v (`CHUNK x CHUNK_COLS`), the state's
-/// columns (`dk x CHUNK_COLS`) and four gate vectors of `CHUNK`.
+/// Dynamic shared memory of the chunked kernel for `dk` (its layout in gdn.cu): q and k
+/// (`CHUNK x (dk + 1)` each), W (`CHUNK x dk`), two `CHUNK x CHUNK` matrices, v
+/// (`CHUNK x CHUNK_COLS`), the state's columns (`dk x CHUNK_COLS`) and four gate vectors.
 fn chunk_smem_bytes(dk: usize) -> usize {
-    4 * (3 * CHUNK * dk + 2 * CHUNK * CHUNK + CHUNK * CHUNK_COLS + dk * CHUNK_COLS + 4 * CHUNK)
+    let floats = 2 * CHUNK * (dk + 1)
+        + CHUNK * dk
+        + 2 * CHUNK * CHUNK
+        + CHUNK * CHUNK_COLS
+        + dk * CHUNK_COLS
+        + 4 * CHUNK;
+    4 * floats
 }
 
 /// `GdnChunkParams` in gdn.cu.
