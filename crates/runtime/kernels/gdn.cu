@@ -352,15 +352,20 @@ __device__ void gdn_chunk(const GdnChunkParams& p) {
             u[r] = acc;
         }
         __syncthreads();
-        // V_new = U - W S into vs; the q·k products into m1.
+        // V_new = U - W S into vs (the thread's RPT sums side by side, each over a in order;
+        // rows past m read W's stale rows and are not stored); the q·k products into m1.
+        for (int a = 0; a < DK; a++) {
+            const float sv = ss[a * CT + cx];
+#pragma unroll
+            for (int r = 0; r < RPT; r++) {
+                const int i = ry + r * (GDN_CTHREADS / CT);
+                u[r] = __fsub_rn(u[r], __fmul_rn(ws[i * DK + a], sv));
+            }
+        }
 #pragma unroll
         for (int r = 0; r < RPT; r++) {
             const int i = ry + r * (GDN_CTHREADS / CT);
-            if (i < m) {
-                float acc = u[r];
-                for (int a = 0; a < DK; a++) acc = __fsub_rn(acc, __fmul_rn(ws[i * DK + a], ss[a * CT + cx]));
-                vs[i * CT + cx] = acc;
-            }
+            if (i < m) vs[i * CT + cx] = u[r];
         }
         const int na = m * (m + 1) / 2;
         for (int pi = tid; pi < na; pi += GDN_CTHREADS) {
@@ -371,27 +376,47 @@ __device__ void gdn_chunk(const GdnChunkParams& p) {
             m1[i * C + j] = __fmul_rn(d, df_exp(__fsub_rn(gam[i], gam[j])));
         }
         __syncthreads();
-        // Outputs of this block's columns.
+        // Outputs of this block's columns: the state term (RPT sums side by side), then the
+        // chunk's own term.
+        float o[RPT];
+#pragma unroll
+        for (int r = 0; r < RPT; r++) o[r] = 0.0f;
+        for (int a = 0; a < DK; a++) {
+            const float sv = ss[a * CT + cx];
+#pragma unroll
+            for (int r = 0; r < RPT; r++) {
+                const int i = ry + r * (GDN_CTHREADS / CT);
+                o[r] = __fadd_rn(o[r], __fmul_rn(__fmul_rn(qs[i * KS + a], eg[i]), sv));
+            }
+        }
 #pragma unroll
         for (int r = 0; r < RPT; r++) {
             const int i = ry + r * (GDN_CTHREADS / CT);
             if (i < m && cx < ncol) {
-                const float e = eg[i];
-                float o = 0.0f;
-                for (int a = 0; a < DK; a++) o = __fadd_rn(o, __fmul_rn(__fmul_rn(qs[i * KS + a], e), ss[a * CT + cx]));
-                for (int j = 0; j <= i; j++) o = __fadd_rn(o, __fmul_rn(m1[i * C + j], vs[j * CT + cx]));
-                if (s.out) s.out[(c0 + i) * vd + h * p.dv + col0 + cx] = o;
+                float acc = o[r];
+                for (int j = 0; j <= i; j++) acc = __fadd_rn(acc, __fmul_rn(m1[i * C + j], vs[j * CT + cx]));
+                if (s.out) s.out[(c0 + i) * vd + h * p.dv + col0 + cx] = acc;
             }
         }
         __syncthreads();
-        // The state at the chunk's end.
+        // The state at the chunk's end: element (a, cx) for a = ry, ry + 8, ... (DK / 8 sums
+        // side by side, each over j in order).
+        constexpr int SPT = DK * CT / GDN_CTHREADS;
         const float decay = eg[m - 1];
-        for (int e = tid; e < DK * CT; e += GDN_CTHREADS) {
-            const int a = e / CT, x = e % CT;
-            float sv = __fmul_rn(ss[e], decay);
-            for (int j = 0; j < m; j++) sv = __fadd_rn(sv, __fmul_rn(__fmul_rn(ks[j * KS + a], ed[j]), vs[j * CT + x]));
-            ss[e] = sv;
+        float st[SPT];
+#pragma unroll
+        for (int r = 0; r < SPT; r++) st[r] = __fmul_rn(ss[(ry + r * (GDN_CTHREADS / CT)) * CT + cx], decay);
+        for (int j = 0; j < m; j++) {
+            const float vj = vs[j * CT + cx];
+            const float dj = ed[j];
+#pragma unroll
+            for (int r = 0; r < SPT; r++) {
+                const int a = ry + r * (GDN_CTHREADS / CT);
+                st[r] = __fadd_rn(st[r], __fmul_rn(__fmul_rn(ks[j * KS + a], dj), vj));
+            }
         }
+#pragma unroll
+        for (int r = 0; r < SPT; r++) ss[(ry + r * (GDN_CTHREADS / CT)) * CT + cx] = st[r];
     }
     __syncthreads();
     for (int e = tid; e < DK * CT; e += GDN_CTHREADS) {
