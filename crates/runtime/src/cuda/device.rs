@@ -552,10 +552,24 @@ impl Device {
         block: (u32, u32, u32),
         p: &P,
     ) {
+        self.launch_with_smem(f, name, grid, block, 0, p)
+    }
+
+    /// [`Device::launch_with`] with `smem` bytes of dynamic shared memory per block (beyond
+    /// 48 KiB only for a function whose limit was raised when it was loaded).
+    pub fn launch_with_smem<P: Copy>(
+        &self,
+        f: &CudaFunction,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        smem: u32,
+        p: &P,
+    ) {
         let mut params = [p as *const P as *mut c_void];
         // SAFETY: the kernel takes one parameter of P's layout (both sides are C structs of
         // the same fields); the call copies it.
-        unsafe { self.launch_raw(f, name, grid, block, 0, &mut params) }
+        unsafe { self.launch_raw(f, name, grid, block, smem, &mut params) }
     }
 
     unsafe fn launch_raw(

@@ -7,12 +7,15 @@
 //! recurrence with the step's own kernels. Ops describe each row's share of a step to the
 //! kernels through a small array of `GdnSpan` records (row addresses + token range).
 //!
-//! The gated delta rule runs token by token on the GPU for every span (the chunked form is a
-//! CPU prefill path only); its summation orders are fixed per (row, head, column), so a block
-//! equals the same tokens one at a time, bit for bit.
+//! The gated delta rule runs token by token for decode and verify spans: its summation orders
+//! are fixed per (row, head, column), so a block equals the same tokens one at a time, bit for
+//! bit. Spans marked [`RowSpan::chunked`] (prefill) run the chunked form instead, with the CPU
+//! chunked form's formula and summation orders (`cpu::ops::gdn::delta_chunked`), so both
+//! backends round alike up to exp; a rollback replays token by token as after any step.
 
 use std::sync::OnceLock;
 
+use cudarc::driver::sys as cu;
 use cudarc::driver::{CudaFunction, CudaSlice};
 
 use super::backend::CudaBackend;
@@ -20,17 +23,53 @@ use super::compile::{self, Module};
 use super::device::{ensure, int, long, Arg, Device};
 use super::tensor::CudaTensor;
 use crate::backend::{Backend, GdnShape, RowSpan};
+use crate::cpu::ops::gdn::CHUNK;
 use crate::error::RuntimeError;
 
 /// Largest conv kernel width (GDN_MAX_K in gdn.cu).
 const MAX_CONV_K: usize = 8;
 /// k_dim values the delta kernel is instantiated for.
 const DELTA_DK: [usize; 5] = [16, 32, 64, 128, 256];
+/// k_dim values the chunked kernel is instantiated for (its shared memory grows with k_dim,
+/// 154 KiB at 128); chunked spans of wider heads run token by token.
+const CHUNK_DK: [usize; 4] = [16, 32, 64, 128];
+/// State columns per block of the chunked kernel (GDN_CT in gdn.cu).
+const CHUNK_COLS: usize = 32;
+/// Threads per block of the chunked kernel (GDN_CTHREADS in gdn.cu).
+const CHUNK_THREADS: u32 = 256;
+/// Words of one `GdnSpan` record.
+const SPAN_WORDS: usize = 9;
+
+/// Dynamic shared memory of the chunked kernel for `dk` (its layout in gdn.cu): q and k
+/// (`CHUNK x (dk + 1)` each), W (`CHUNK x dk`), two `CHUNK x CHUNK` matrices, v
+/// (`CHUNK x CHUNK_COLS`), the state's columns (`dk x CHUNK_COLS`) and four gate vectors.
+fn chunk_smem_bytes(dk: usize) -> usize {
+    let floats = 2 * CHUNK * (dk + 1)
+        + CHUNK * dk
+        + 2 * CHUNK * CHUNK
+        + CHUNK * CHUNK_COLS
+        + dk * CHUNK_COLS
+        + 4 * CHUNK;
+    4 * floats
+}
+
+/// `GdnChunkParams` in gdn.cu.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct GdnChunkParams {
+    spans: u64,
+    k_heads: i32,
+    v_heads: i32,
+    dv: i32,
+    tiled: i32,
+}
 
 /// The kernels of gdn.cu.
 pub(crate) struct GdnKernels {
     conv: CudaFunction,
     delta: Vec<CudaFunction>,
+    /// By [`CHUNK_DK`]; `None` where the device cannot give the kernel its shared memory.
+    chunk: Vec<Option<CudaFunction>>,
     gates: CudaFunction,
     norm_gated: CudaFunction,
     sigmoid_mul: CudaFunction,
@@ -50,11 +89,34 @@ fn kernels(dev: &Device) -> &'static GdnKernels {
                     .load_function(n)
                     .map_err(|e| format!("kernel {n} missing from gdn.cu: {e}"))
             };
+            let optin = dev
+                .ctx
+                .attribute(
+                    cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+                )
+                .map_err(|e| format!("reading the shared memory limit: {e}"))?;
+            let chunk = |dk: usize| -> Result<Option<CudaFunction>, String> {
+                let bytes = chunk_smem_bytes(dk);
+                if bytes > optin.max(0) as usize {
+                    return Ok(None);
+                }
+                let f = get(&format!("gdn_chunk_{dk}"))?;
+                f.set_attribute(
+                    cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    bytes as i32,
+                )
+                .map_err(|e| format!("gdn_chunk_{dk}: shared memory of {bytes} bytes: {e}"))?;
+                Ok(Some(f))
+            };
             Ok(GdnKernels {
                 conv: get("gdn_conv_f32")?,
                 delta: DELTA_DK
                     .iter()
                     .map(|dk| get(&format!("gdn_delta_{dk}")))
+                    .collect::<Result<_, _>>()?,
+                chunk: CHUNK_DK
+                    .iter()
+                    .map(|&dk| chunk(dk))
                     .collect::<Result<_, _>>()?,
                 gates: get("gdn_gates_f32")?,
                 norm_gated: get("gdn_rms_norm_gated_f32")?,
@@ -180,7 +242,7 @@ impl CudaBackend {
 
     /// Launches the conv kernel over span records (9 words each).
     fn gdn_conv_launch(&self, st: &mut CudaGdn, records: &[i64], weight: u64) {
-        let n = records.len() / 9;
+        let n = records.len() / SPAN_WORDS;
         if n == 0 {
             return;
         }
@@ -202,9 +264,18 @@ impl CudaBackend {
         );
     }
 
-    /// Launches the delta kernel over span records (9 words each).
+    /// Launches the token-by-token delta kernel over span records (9 words each).
     fn gdn_delta_launch(&self, st: &mut CudaGdn, records: &[i64]) {
-        let n = records.len() / 9;
+        let n = records.len() / SPAN_WORDS;
+        if n == 0 {
+            return;
+        }
+        let d = self.gdn_desc(st, records);
+        self.gdn_delta_launch_at(st, d, n);
+    }
+
+    /// Launches the token-by-token delta kernel over `n` uploaded span records at `d`.
+    fn gdn_delta_launch_at(&self, st: &CudaGdn, d: u64, n: usize) {
         if n == 0 {
             return;
         }
@@ -213,7 +284,6 @@ impl CudaBackend {
             .iter()
             .position(|&d| d == s.k_dim)
             .expect("k_dim checked at gdn_new");
-        let d = self.gdn_desc(st, records);
         let dev = self.device();
         let threads = s.v_dim.max(32).next_multiple_of(32);
         dev.launch(
@@ -229,6 +299,39 @@ impl CudaBackend {
                 int(s.v_dim),
                 int(s.tiled_heads as usize),
             ],
+        );
+    }
+
+    /// The chunked-form kernel for this shape, if the device runs it.
+    fn gdn_chunk_kernel(&self, st: &CudaGdn) -> Option<&'static CudaFunction> {
+        let i = CHUNK_DK.iter().position(|&d| d == st.shape.k_dim)?;
+        kernels(self.device()).chunk[i].as_ref()
+    }
+
+    /// Launches the chunked-form kernel over `n` uploaded span records at `d`.
+    fn gdn_chunk_launch_at(&self, st: &CudaGdn, f: &CudaFunction, d: u64, n: usize) {
+        if n == 0 {
+            return;
+        }
+        let s = st.shape;
+        let p = GdnChunkParams {
+            spans: d,
+            k_heads: s.k_heads as i32,
+            v_heads: s.v_heads as i32,
+            dv: s.v_dim as i32,
+            tiled: s.tiled_heads as i32,
+        };
+        self.device().launch_with_smem(
+            f,
+            "gdn delta chunked",
+            (
+                n as u32,
+                s.v_heads as u32,
+                s.v_dim.div_ceil(CHUNK_COLS) as u32,
+            ),
+            (CHUNK_THREADS, 1, 1),
+            chunk_smem_bytes(s.k_dim) as u32,
+            &p,
         );
     }
 
@@ -395,7 +498,7 @@ impl CudaBackend {
     ) -> Vec<i64> {
         let l = st.layout;
         let hv = st.shape.v_heads;
-        let mut rec = Vec::with_capacity(9 * spans.len());
+        let mut rec = Vec::with_capacity(SPAN_WORDS * spans.len());
         for s in spans {
             let r = st.row(s.row as usize);
             let (cur, prev) = (r.cur, 1 - r.cur);
@@ -495,9 +598,22 @@ impl CudaBackend {
             dev.ptr(&out.buf),
         );
         let mut records = self.gdn_records(st, layer, spans, qp, c, gp, op, vd, false);
-        for (rec, sp) in records.chunks_exact_mut(9).zip(spans) {
+        for (rec, sp) in records.chunks_exact_mut(SPAN_WORDS).zip(spans) {
             rec[6] = (bp + 4 * sp.first as u64 * hv as u64) as i64;
         }
+        // Token-by-token records first, then the chunked ones (when this shape has the kernel).
+        let chunk_kernel = self.gdn_chunk_kernel(st);
+        let is_chunked = |sp: &RowSpan| sp.chunked && chunk_kernel.is_some();
+        let mut ordered = Vec::with_capacity(records.len());
+        for pass in [false, true] {
+            for (rec, sp) in records.chunks_exact(SPAN_WORDS).zip(spans) {
+                if is_chunked(sp) == pass {
+                    ordered.extend_from_slice(rec);
+                }
+            }
+        }
+        let n_chunked = spans.iter().filter(|sp| is_chunked(sp)).count();
+        let n_steps = spans.len() - n_chunked;
         let l = st.layout;
         let mut copies = Vec::new();
         for sp in spans {
@@ -508,7 +624,14 @@ impl CudaBackend {
             copies.push((gp + 4 * f * hv as u64, b + 4 * l.hist_g() as u64, n * hv));
             copies.push((bp + 4 * f * hv as u64, b + 4 * l.hist_beta() as u64, n * hv));
         }
-        self.gdn_delta_launch(st, &records);
+        if !spans.is_empty() {
+            let d = self.gdn_desc(st, &ordered);
+            self.gdn_delta_launch_at(st, d, n_steps);
+            if let Some(f) = chunk_kernel {
+                let at = d + (8 * SPAN_WORDS * n_steps) as u64;
+                self.gdn_chunk_launch_at(st, f, at, n_chunked);
+            }
+        }
         self.gdn_copies(st, &copies);
     }
 
