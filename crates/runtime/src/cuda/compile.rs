@@ -25,6 +25,9 @@ use crate::dtype::{DType, FORMATS};
 
 const COMMON: &str = include_str!("../../kernels/common.cu");
 const INCLUDE_COMMON: &str = "#include \"common.cu\"";
+/// The tensor-core products of prompt rows, pasted into matmul.cu where it includes them.
+const MATMUL_TC: &str = include_str!("../../kernels/matmul_tc.cu");
+const INCLUDE_MATMUL_TC: &str = "#include \"matmul_tc.cu\"";
 
 /// A compiled unit: `ops.cu`, `attention.cu`, `sample.cu`, or `matmul.cu` for one format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -66,8 +69,8 @@ impl Module {
     }
 
     /// The complete source handed to NVRTC: the format constants of the table
-    /// ([`format_defines`]), then the file with `common.cu` pasted in (and, for matmul, the
-    /// format to instantiate defined first).
+    /// ([`format_defines`]), then the file with `common.cu` (and, in matmul.cu,
+    /// `matmul_tc.cu`) pasted in (and, for matmul, the format to instantiate defined first).
     pub fn source(self) -> String {
         let raw = self.raw_source();
         assert!(
@@ -86,6 +89,8 @@ impl Module {
         for line in raw.lines() {
             if line.trim() == INCLUDE_COMMON {
                 body.push_str(COMMON);
+            } else if line.trim() == INCLUDE_MATMUL_TC {
+                body.push_str(MATMUL_TC);
             } else {
                 body.push_str(line);
             }
@@ -510,7 +515,9 @@ mod tests {
             assert_eq!(s.matches("#define DT_Q6K 7\n").count(), 1);
             assert_eq!(s.matches("#define DT_Q4_1_BYTES 20\n").count(), 1);
             assert!(s.contains("decode_group"));
+            assert!(!s.lines().any(|l| l.trim() == INCLUDE_MATMUL_TC));
             if let Module::Matmul(d) = m {
+                assert!(s.contains("mmtc_body"));
                 assert!(s.contains(&format!(
                     "#define DF_MM_DTYPE {}\n#define DF_MM_SUFFIX {}\n",
                     d.index(),
