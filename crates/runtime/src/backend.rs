@@ -164,6 +164,10 @@ pub struct RowSpan {
     /// is bit-identical between a block of tokens and the same tokens one at a time, so
     /// verification always uses it.
     pub chunked: bool,
+    /// The tokens are a piece of the row's prompt (prefill), not decode or verify tokens:
+    /// products over the step (`Backend::step_matmul_*`) may run these rows on the backend's
+    /// prefill path.
+    pub prompt: bool,
 }
 
 /// What a captured step graph is replayed for: a model instance ([`Backend::graph_owner`])
@@ -421,6 +425,54 @@ pub trait Backend: Send + Sync + 'static {
     ) {
         self.matmul_many(x, &[gate, up], &mut [out, scratch]);
         self.silu_mul(out, scratch);
+    }
+
+    // Products over a forward step's activations, whose rows are laid out by `spans` (rows
+    // `first..first + count` of each span). The rows of spans marked `prompt` may take a
+    // prefill path of the backend (the CUDA backend's tensor-core kernels); every other row
+    // takes the path of the plain op, bit for bit. On either path a row's result depends on
+    // that row alone (not on the other rows, their number or their order), so a prompt token
+    // gets the same bits whether its prompt runs whole or in pieces that ride in other rows'
+    // steps, and decode and verify rows keep equal bits. The defaults ignore `spans` (the
+    // CPU's products are row-invariant already).
+
+    /// [`Backend::matmul_many`] over a step laid out by `spans` (see above).
+    fn step_matmul_many(
+        &self,
+        x: &Self::Tensor,
+        ws: &[&Self::Weight],
+        outs: &mut [&mut Self::Tensor],
+        spans: &[RowSpan],
+    ) {
+        let _ = spans;
+        self.matmul_many(x, ws, outs)
+    }
+
+    /// [`Backend::matmul_add`] over a step laid out by `spans` (see above).
+    fn step_matmul_add(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        out: &mut Self::Tensor,
+        scratch: &mut Self::Tensor,
+        spans: &[RowSpan],
+    ) {
+        let _ = spans;
+        self.matmul_add(x, w, out, scratch)
+    }
+
+    /// [`Backend::matmul_swiglu`] over a step laid out by `spans` (see above).
+    fn step_matmul_swiglu(
+        &self,
+        x: &Self::Tensor,
+        gate: &Self::Weight,
+        up: &Self::Weight,
+        out: &mut Self::Tensor,
+        scratch: &mut Self::Tensor,
+        spans: &[RowSpan],
+    ) {
+        let _ = spans;
+        self.matmul_swiglu(x, gate, up, out, scratch)
     }
 
     /// RoPE of `q` and `k` at each token's position, then the KV write of `k` and `v`.
