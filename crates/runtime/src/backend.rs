@@ -170,6 +170,35 @@ pub struct RowSpan {
     pub prompt: bool,
 }
 
+/// The rows `0..rows` of a step laid out by `spans` (in order, disjoint, inside `0..rows`) as
+/// maximal runs of rows that are prompt rows (`true`) or not, in order; rows no span covers
+/// are not prompt rows. Panics when the spans break that layout.
+pub fn prompt_runs(rows: usize, spans: &[RowSpan]) -> Vec<(std::ops::Range<usize>, bool)> {
+    let mut runs: Vec<(std::ops::Range<usize>, bool)> = Vec::new();
+    let mut push = |r: std::ops::Range<usize>, prompt: bool| {
+        if r.is_empty() {
+            return;
+        }
+        match runs.last_mut() {
+            Some((last, p)) if *p == prompt && last.end == r.start => last.end = r.end,
+            _ => runs.push((r, prompt)),
+        }
+    };
+    let mut at = 0;
+    for s in spans {
+        let (first, end) = (s.first as usize, (s.first + s.count) as usize);
+        assert!(
+            first >= at && end <= rows,
+            "step spans must be in order, disjoint and inside the step's {rows} rows"
+        );
+        push(at..first, false);
+        push(first..end, s.prompt);
+        at = end;
+    }
+    push(at..rows, false);
+    runs
+}
+
 /// What a captured step graph is replayed for: a model instance ([`Backend::graph_owner`])
 /// and the launch shapes of its step. Two steps with equal keys launch the same kernels with
 /// the same arguments; only device data (step inputs, KV contents) differ.
@@ -546,5 +575,42 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Option<Vec<Verdict>> {
         let _ = (target, draft, block, rows);
         None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn span(first: u32, count: u32, prompt: bool) -> RowSpan {
+        RowSpan {
+            first,
+            count,
+            prompt,
+            ..RowSpan::default()
+        }
+    }
+
+    #[test]
+    fn prompt_runs_merge_neighbours_and_cover_every_row() {
+        let spans = [
+            span(0, 3, false),
+            span(3, 1, false),
+            span(4, 5, true),
+            span(9, 2, true),
+            span(12, 1, false),
+        ];
+        assert_eq!(
+            prompt_runs(15, &spans),
+            vec![(0..4, false), (4..11, true), (11..15, false)]
+        );
+        assert_eq!(prompt_runs(4, &[span(0, 4, true)]), vec![(0..4, true)]);
+        assert_eq!(prompt_runs(0, &[]), vec![]);
+    }
+
+    #[test]
+    #[should_panic(expected = "in order")]
+    fn prompt_runs_reject_overlapping_spans() {
+        prompt_runs(8, &[span(0, 4, true), span(2, 4, false)]);
     }
 }

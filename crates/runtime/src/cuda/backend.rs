@@ -15,8 +15,8 @@ use super::kv::CudaKv;
 use super::profile::{KernelClassTime, Profiler};
 use super::tensor::{CudaMeta, CudaStep, CudaTensor, CudaWeight};
 use crate::backend::{
-    Activations, AttnShape, Backend, GdnShape, GraphKey, RopeStyle, RowSpan, TokenMeta, WeightPath,
-    WeightRole,
+    prompt_runs, Activations, AttnShape, Backend, GdnShape, GraphKey, RopeStyle, RowSpan,
+    TokenMeta, WeightPath, WeightRole,
 };
 use crate::choice::{DraftRow, SampleRow, Verdict, VerifyRow};
 use crate::dtype::DType;
@@ -417,33 +417,13 @@ impl CudaBackend {
     /// The runs of rows `0..rows` of a step laid out by `spans` that take one product path,
     /// in order: `true` for prompt rows when the tensor-core path is on.
     fn row_runs(&self, rows: usize, spans: &[RowSpan]) -> Vec<(Range<usize>, bool)> {
-        let mut runs: Vec<(Range<usize>, bool)> = Vec::new();
-        let mut push = |r: Range<usize>, tensor: bool| {
-            if r.is_empty() {
-                return;
-            }
-            match runs.last_mut() {
-                Some((last, t)) if *t == tensor && last.end == r.start => last.end = r.end,
-                _ => runs.push((r, tensor)),
-            }
-        };
-        if self.dev.prefill_gemm != PrefillGemm::Tensor {
-            push(0..rows, false);
-            return runs;
+        if self.dev.prefill_gemm == PrefillGemm::Tensor {
+            prompt_runs(rows, spans)
+        } else if rows > 0 {
+            vec![(0..rows, false)]
+        } else {
+            Vec::new()
         }
-        let mut at = 0;
-        for s in spans {
-            let (first, end) = (s.first as usize, (s.first + s.count) as usize);
-            assert!(
-                first >= at && end <= rows,
-                "step spans must be in order, disjoint and inside the activations"
-            );
-            push(at..first, false);
-            push(first..end, s.prompt);
-            at = end;
-        }
-        push(at..rows, false);
-        runs
     }
 
     /// `out = x · wᵀ`, out already shaped `[M, N]`.
