@@ -1,9 +1,8 @@
 //! `Backend` for CUDA GPUs.
 
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-
-use std::ops::Range;
 
 use super::device::{
     ck, ensure, int, long, Arg, CudaOptions, Device, Epilogue, PrefillGemm, ATT_GM, ATT_MAX_GHD,
