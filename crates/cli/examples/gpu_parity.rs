@@ -80,6 +80,7 @@ fn greedy<T: Target>(t: &mut T, prompt: &[u32], n: usize) -> Result<Vec<(u32, Ve
         row,
         tokens: prompt,
         logits: LogitRows::Last,
+        prompt: true,
     }])?;
     for _ in 0..n {
         t.backend().copy_to_host(t.logits(), &mut logits);
@@ -89,6 +90,7 @@ fn greedy<T: Target>(t: &mut T, prompt: &[u32], n: usize) -> Result<Vec<(u32, Ve
             row,
             tokens: &[next],
             logits: LogitRows::Last,
+            prompt: false,
         }])?;
     }
     t.release_row(row);

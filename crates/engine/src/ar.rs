@@ -36,6 +36,7 @@ pub(crate) fn prefill<T: Target>(
             } else {
                 LogitRows::None
             },
+            prompt: true,
         }])?;
         on_piece(target, len)?;
     }
@@ -247,6 +248,7 @@ impl<T: Target> Decoder for ArDecoder<T> {
                 row,
                 tokens: tok,
                 logits: LogitRows::Last,
+                prompt: false,
             })
             .collect();
         steps.extend(prefill_steps(&self.queue, &pieces));
@@ -345,6 +347,7 @@ pub(crate) fn prefill_steps<'a, X>(
                 } else {
                     LogitRows::None
                 },
+                prompt: true,
             }
         })
         .collect()

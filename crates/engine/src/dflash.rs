@@ -571,6 +571,7 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
                 row: r,
                 tokens: b,
                 logits: LogitRows::All,
+                prompt: false,
             })
             .collect();
         // Queued prompts' pieces ride in the same forward, in what the blocks leave of the

@@ -64,6 +64,7 @@ fn pieces_give_the_logits_and_taps_of_a_whole_prefill() {
         row: whole,
         tokens: &prompt,
         logits: LogitRows::All,
+        prompt: true,
     }])
     .unwrap();
     let want_logits = b.to_host(t.logits());
@@ -75,6 +76,7 @@ fn pieces_give_the_logits_and_taps_of_a_whole_prefill() {
         row: busy,
         tokens: &other,
         logits: LogitRows::None,
+        prompt: true,
     }])
     .unwrap();
     let pieced = t.new_row(8).unwrap();
@@ -86,11 +88,13 @@ fn pieces_give_the_logits_and_taps_of_a_whole_prefill() {
                 row: busy,
                 tokens: &[other[at % other.len()]],
                 logits: LogitRows::Last,
+                prompt: false,
             },
             RowStep {
                 row: pieced,
                 tokens: &prompt[at..at + len],
                 logits: LogitRows::All,
+                prompt: true,
             },
         ])
         .unwrap();

@@ -24,6 +24,7 @@ fn qwen35<B: Backend>(b: Arc<B>, path: &Path) -> TargetModel<B> {
 }
 
 /// Runs one step of `rows` (row, tokens) asking for each row's last logits; returns them.
+/// Rows of several tokens are prompt pieces, single tokens decode steps.
 fn step<T: Target>(m: &mut T, rows: &[(usize, &[u32])]) -> Vec<f32> {
     let steps: Vec<RowStep<'_>> = rows
         .iter()
@@ -31,6 +32,7 @@ fn step<T: Target>(m: &mut T, rows: &[(usize, &[u32])]) -> Vec<f32> {
             row,
             tokens,
             logits: LogitRows::Last,
+            prompt: tokens.len() > 1,
         })
         .collect();
     m.forward(&steps).unwrap();

@@ -275,6 +275,7 @@ impl Drafter for Peek {
                     row,
                     tokens,
                     logits: LogitRows::Last,
+                    prompt: false,
                 })
                 .collect();
             self.model.forward(&steps)?;

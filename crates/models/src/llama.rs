@@ -1,7 +1,7 @@
 //! Llama-family decoder (Llama, SmolLM2, Qwen2 with qkv bias, Qwen3 with q/k norm) on any
 //! backend, batched over rows with their own positions and KV lengths.
 
-use dflash_runtime::backend::{AttnShape, GraphKey, TokenMeta, WeightRole};
+use dflash_runtime::backend::{AttnShape, GraphKey, RowSpan, TokenMeta, WeightRole};
 use dflash_runtime::{Backend, HostWeight};
 
 use crate::config::LlamaConfig;
@@ -134,6 +134,9 @@ pub struct LlamaModel<B: Backend> {
     ws: Workspace<B>,
     ids: Vec<u32>,
     meta: Vec<TokenMeta>,
+    /// Each row's tokens in the step; prompt pieces are marked (their products may take the
+    /// backend's prefill path, `Backend::step_matmul_*`).
+    spans: Vec<RowSpan>,
     sel_rows: Vec<u32>,
     /// The step inputs on the device (metadata, ids, selected rows).
     step: B::Step,
@@ -263,6 +266,7 @@ impl<B: Backend> LlamaModel<B> {
             ws,
             ids: Vec::new(),
             meta: Vec::new(),
+            spans: Vec::new(),
             sel_rows: Vec::new(),
             step,
             graph_owner,
@@ -274,6 +278,7 @@ impl<B: Backend> LlamaModel<B> {
     fn plan(&mut self, steps: &[RowStep<'_>]) -> Result<()> {
         self.ids.clear();
         self.meta.clear();
+        self.spans.clear();
         self.sel_rows.clear();
         for s in steps {
             let start = self.rows.len_of(s.row)?;
@@ -296,6 +301,15 @@ impl<B: Backend> LlamaModel<B> {
                 self.backend.kv_reserve(&mut self.kv, s.row, new_cap, start);
             }
             let first = self.ids.len();
+            if !s.tokens.is_empty() {
+                self.spans.push(RowSpan {
+                    row: s.row as u32,
+                    first: first as u32,
+                    count: s.tokens.len() as u32,
+                    chunked: false,
+                    prompt: s.prompt,
+                });
+            }
             for (i, &t) in s.tokens.iter().enumerate() {
                 self.ids.push(t);
                 self.meta
@@ -313,6 +327,25 @@ impl<B: Backend> LlamaModel<B> {
             }
         }
         Ok(())
+    }
+
+    /// The planned step's [`GraphKey::variant`]: the tap layout's generation and the first
+    /// row of the step's prompt pieces (its products launch other kernels for them), which
+    /// the engines put after every decode and verify row. `None` when prompt rows come before
+    /// other rows: such a step runs eagerly.
+    fn graph_variant(&self) -> Option<u64> {
+        let t = self.ids.len();
+        let from = self
+            .spans
+            .iter()
+            .find(|s| s.prompt)
+            .map_or(t, |s| s.first as usize);
+        let suffix = self
+            .spans
+            .iter()
+            .filter(|s| s.first as usize >= from)
+            .all(|s| s.prompt);
+        suffix.then(|| self.tap_gen * (GRAPH_MAX_TOKENS as u64 + 1) + from as u64)
     }
 
     /// Sets every workspace tensor to its shape for a step of `t` tokens and `s` logit rows,
@@ -359,6 +392,10 @@ impl<B: Backend> LlamaModel<B> {
         let b = &*self.backend;
         let cfg = &self.cfg;
         let ws = &mut self.ws;
+        let spans = &self.spans;
+        // Prompt rows may take other products (`Backend::step_matmul_*`), so their steps keep
+        // the norms apart.
+        let fuse_norms = !spans.iter().any(|s| s.prompt);
         let meta = b.step_meta(&self.step);
         let shape = AttnShape {
             n_heads: cfg.heads,
@@ -368,8 +405,9 @@ impl<B: Backend> LlamaModel<B> {
         };
         let hidden = cfg.hidden;
         for (li, layer) in self.layers.iter().enumerate() {
-            // Later layers' attention norms come fused into the previous down product.
-            if li == 0 {
+            // Without prompt rows, later layers' attention norms come fused into the previous
+            // down product (bit-identical to the separate norm).
+            if li == 0 || !fuse_norms {
                 b.rms_norm(
                     &mut ws.x,
                     &layer.attn_norm,
@@ -378,10 +416,11 @@ impl<B: Backend> LlamaModel<B> {
                     Some(&mut ws.h),
                 );
             }
-            b.matmul_many(
+            b.step_matmul_many(
                 &ws.h,
                 &[&layer.wq, &layer.wk, &layer.wv],
                 &mut [&mut ws.q, &mut ws.k, &mut ws.v],
+                spans,
             );
             if let Some([bq, bk, bv]) = &layer.bias {
                 b.add_bias(&mut ws.q, bq);
@@ -404,18 +443,36 @@ impl<B: Backend> LlamaModel<B> {
                 cfg.rope_style,
             );
             b.attention(&ws.q, &self.kv, li, meta, shape, &mut ws.att);
-            b.matmul_add_norm(
-                &ws.att,
-                &layer.wo,
-                &mut ws.x,
-                &mut ws.o,
-                &layer.ffn_norm,
-                cfg.rms_eps,
-                false,
-                &mut ws.h,
+            if fuse_norms {
+                b.matmul_add_norm(
+                    &ws.att,
+                    &layer.wo,
+                    &mut ws.x,
+                    &mut ws.o,
+                    &layer.ffn_norm,
+                    cfg.rms_eps,
+                    false,
+                    &mut ws.h,
+                );
+            } else {
+                b.step_matmul_add(&ws.att, &layer.wo, &mut ws.x, &mut ws.o, spans);
+                b.rms_norm(
+                    &mut ws.x,
+                    &layer.ffn_norm,
+                    cfg.rms_eps,
+                    false,
+                    Some(&mut ws.h),
+                );
+            }
+            b.step_matmul_swiglu(
+                &ws.h,
+                &layer.w_gate,
+                &layer.w_up,
+                &mut ws.gate,
+                &mut ws.up,
+                spans,
             );
-            b.matmul_swiglu(&ws.h, &layer.w_gate, &layer.w_up, &mut ws.gate, &mut ws.up);
-            match self.layers.get(li + 1) {
+            match self.layers.get(li + 1).filter(|_| fuse_norms) {
                 Some(next) => b.matmul_add_norm(
                     &ws.gate,
                     &layer.w_down,
@@ -426,7 +483,7 @@ impl<B: Backend> LlamaModel<B> {
                     false,
                     &mut ws.h,
                 ),
-                None => b.matmul_add(&ws.gate, &layer.w_down, &mut ws.x, &mut ws.o),
+                None => b.step_matmul_add(&ws.gate, &layer.w_down, &mut ws.x, &mut ws.o, spans),
             }
             for (slot, _) in self.tap_layers.iter().enumerate().filter(|(_, &l)| l == li) {
                 b.copy_columns(&ws.x, &mut ws.taps, slot * hidden);
@@ -512,18 +569,21 @@ impl<B: Backend> Target for LlamaModel<B> {
         let backend = self.backend.clone();
         let b = &*backend;
         b.step_upload(&mut self.step, &self.meta, &self.ids, &self.sel_rows);
-        let key = GraphKey {
-            owner: self.graph_owner,
-            tokens: self.ids.len(),
-            rows: self.sel_rows.len(),
-            variant: self.tap_gen,
-        };
+        let (tokens, rows) = (self.ids.len(), self.sel_rows.len());
+        let variant = self.graph_variant();
         b.run(|| {
-            self.shape_workspace(key.tokens, key.rows);
-            if key.tokens <= GRAPH_MAX_TOKENS {
-                b.graph(key, &mut || self.device_step());
-            } else {
-                self.device_step();
+            self.shape_workspace(tokens, rows);
+            match variant {
+                Some(variant) if tokens <= GRAPH_MAX_TOKENS => {
+                    let key = GraphKey {
+                        owner: self.graph_owner,
+                        tokens,
+                        rows,
+                        variant,
+                    };
+                    b.graph(key, &mut || self.device_step())
+                }
+                _ => self.device_step(),
             }
         });
         for s in steps {

@@ -59,6 +59,7 @@ impl StepPlan {
                     first: first as u32,
                     count: s.tokens.len() as u32,
                     chunked: chunked(s),
+                    prompt: s.prompt,
                 });
             }
             for (j, &t) in s.tokens.iter().enumerate() {

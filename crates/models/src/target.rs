@@ -22,6 +22,12 @@ pub struct RowStep<'a> {
     pub row: usize,
     pub tokens: &'a [u32],
     pub logits: LogitRows,
+    /// The tokens are a piece of the row's prompt (prefill), not decode or verify tokens. A
+    /// backend may compute prompt rows on a faster path (`dflash_runtime::RowSpan::prompt`);
+    /// a prompt must be fed with this set in every piece, so that its tokens get the same
+    /// bits however it is cut, and generated tokens never with it, so that decode and verify
+    /// rows keep equal bits.
+    pub prompt: bool,
 }
 
 /// A causal language model that runs batches of rows, each with its own KV cache length.

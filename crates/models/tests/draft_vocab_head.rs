@@ -39,6 +39,7 @@ fn shortlist_logits_are_the_full_logits_at_the_listed_ids() {
                 row,
                 tokens: &prompt,
                 logits: LogitRows::Last,
+                prompt: true,
             }])
             .unwrap();
         let drow = drafter.new_row(64).unwrap();

@@ -129,6 +129,7 @@ fn walk(m: &mut dflash_models::LoadedModel<CpuBackend>, close: impl Fn(f32, f32)
                     row,
                     tokens: &next,
                     logits: LogitRows::Last,
+                    prompt: step == 0,
                 }])
                 .unwrap();
             let logits = model.backend().to_host(model.logits());

@@ -59,6 +59,7 @@ fn check(name: &str) {
                     row,
                     tokens: &next,
                     logits: LogitRows::Last,
+                    prompt: step == 0,
                 }])
                 .unwrap();
             let logits = model.backend().to_host(model.logits());

@@ -92,6 +92,8 @@ fn logits(
         row,
         tokens,
         logits: which,
+        // Here every multi-token step asking for the last logits is a prompt.
+        prompt: which == LogitRows::Last && tokens.len() > 1,
     }])
     .unwrap();
     m.backend().to_host(m.logits())

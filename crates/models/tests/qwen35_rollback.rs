@@ -76,6 +76,9 @@ fn forward(
             row,
             tokens,
             logits: which,
+            // On the CPU the flag changes no product; these checks are about the gated
+            // delta rule's forms (`chunked`).
+            prompt: false,
         })
         .collect();
     m.forward(&steps).unwrap();

@@ -49,6 +49,7 @@ fn shipped_drafter_matches_the_training_implementation() {
                 row,
                 tokens: &toks[..a],
                 logits: LogitRows::None,
+                prompt: true,
             }])
             .unwrap();
         let tap_rows: Vec<u32> = (0..a as u32).collect();

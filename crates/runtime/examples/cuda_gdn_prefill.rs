@@ -142,6 +142,7 @@ fn main() {
                             first: (r * prompt) as u32,
                             count: prompt as u32,
                             chunked,
+                            prompt: true,
                         })
                         .collect()
                 };

@@ -1,11 +1,12 @@
 //! Kernel microbench of the CUDA backend: each weight format x M = 1, 2, 4, 8, 16 x the
 //! projection shapes of a model, and split attention at contexts 128 .. 8k, as µs per call
-//! and GB/s against the measured device-to-device copy bandwidth.
+//! and GB/s against the measured device-to-device copy bandwidth; and prompt (prefill) rows,
+//! M = 64, 128, 512, on the CUDA-core kernel against the tensor-core kernels.
 //!
 //! ```text
 //! cargo build --release -p dflash-runtime --features cuda --example cuda_microbench
 //! cuda_microbench [--shapes smollm2|qwen3-4b|all] [--formats q4_0,q4_1,...] [--reps 50]
-//!                 [--only matmul|attention]
+//!                 [--only matmul|attention|prefill]
 //! ```
 //!
 //! Method: every measured call is one of `reps` launches captured in a CUDA graph (so launch
@@ -14,7 +15,7 @@
 //! L2 cache, so each call reads its weight from HBM. Bytes counted: the weight once per call
 //! (matmul); the visible K and V once per call (attention).
 
-use dflash_runtime::backend::{AttnShape, GraphKey};
+use dflash_runtime::backend::{AttnShape, GraphKey, RowSpan};
 use dflash_runtime::cuda::CudaBackend;
 use dflash_runtime::{Backend, DType, HostWeight, TokenMeta, WeightBytes, WeightRole};
 use rand::{Rng, SeedableRng};
@@ -200,6 +201,61 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                         cells.push(format!("{us:.2} ({gbs:.0}, {:.0}%)", 100.0 * gbs / bw));
                     }
                     println!("| {dtype} | {label} | {} |", cells.join(" | "));
+                }
+            }
+        }
+        if only.is_empty() || only == "prefill" {
+            println!(
+                "\n## {} prefill rows: us per call, CUDA cores (`matmul`) / tensor cores \
+                 (`step_matmul_many`, every row a prompt row; prefill path {:?}) (TFLOP/s)",
+                sh.name,
+                g.prefill_gemm()
+            );
+            println!("| format | shape | M | CUDA cores | tensor cores | speedup |");
+            println!("|---|---|---|---|---|---|");
+            for &dtype in &formats {
+                for &(label, n, k) in sh.products.iter().filter(|p| !p.0.starts_with("head")) {
+                    if !k.is_multiple_of(dtype.block_len()) {
+                        continue;
+                    }
+                    let w =
+                        g.upload_weight(&random_weight(dtype, n, k, 7), WeightRole::Projection)?;
+                    for m in [64usize, 128, 512] {
+                        let mut r = rand::rngs::StdRng::seed_from_u64(m as u64);
+                        let xv: Vec<f32> = (0..m * k).map(|_| r.random_range(-1.0..1.0)).collect();
+                        let x = g.upload(&xv, m, k);
+                        let mut out = g.tensor(m, n);
+                        let spans = [RowSpan {
+                            row: 0,
+                            first: 0,
+                            count: m as u32,
+                            chunked: false,
+                            prompt: true,
+                        }];
+                        let mut us = [0.0f64; 2];
+                        for (tensor, slot) in us.iter_mut().enumerate() {
+                            variant_owner += 1;
+                            let ms = time_graph(&g, variant_owner, m, &mut || {
+                                for _ in 0..reps {
+                                    if tensor == 1 {
+                                        g.step_matmul_many(&x, &[&w], &mut [&mut out], &spans);
+                                    } else {
+                                        g.matmul(&x, &w, &mut out);
+                                    }
+                                }
+                            });
+                            *slot = 1000.0 * ms / reps as f64;
+                        }
+                        let tflops = |us: f64| 2.0 * (m * n * k) as f64 / (us * 1e-6) / 1e12;
+                        println!(
+                            "| {dtype} | {label} | {m} | {:.2} ({:.1}) | {:.2} ({:.1}) | {:.2}x |",
+                            us[0],
+                            tflops(us[0]),
+                            us[1],
+                            tflops(us[1]),
+                            us[0] / us[1]
+                        );
+                    }
                 }
             }
         }

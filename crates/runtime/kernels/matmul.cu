@@ -1,4 +1,5 @@
-// dflash-rs CUDA kernels: matrix products with weights in their stored format, and
+// dflash-rs CUDA kernels: matrix products with weights in their stored format (on CUDA cores
+// for every row; prompt rows may take the tensor-core kernels of matmul_tc.cu), and
 // dequantization (embedding rows, and whole weights for the optional cuBLAS prefill path).
 #include "common.cu"
 
@@ -305,6 +306,9 @@ __device__ __forceinline__ float swiglu(float g, float u) {
     return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, e)), u);
 }
 
+// Prompt (prefill) rows on tensor cores: mmtc_body, reusing MmPart and swiglu above.
+#include "matmul_tc.cu"
+
 // One warp: R output rows (each from W rows, W = 2 for SwiGLU) for MT rows of x.
 template <int DT, int MT, int R, int EPI>
 __device__ __forceinline__ void mm_warp(const MmSeg& sg, int n0, const float* __restrict__ x, int K, int M,
@@ -502,6 +506,19 @@ __device__ __forceinline__ void mm_body(const MmParams& p) {
     MM_KERNEL(SUFFIX, DT, 4, 2, EPI_ADD_NORM, addnorm)     \
     MM_KERNEL(SUFFIX, DT, 8, 4, EPI_ADD_NORM, addnorm)
 
+// Kernel names: mmtc_<format>_<epilogue> (prompt rows on tensor cores, matmul_tc.cu).
+#define MMTC_KERNEL(SUFFIX, DT, EPI, ENAME)                                            \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS)                           \
+        mmtc_##SUFFIX##_##ENAME(const MmParams p) {                                    \
+        df_kernel_begin();                                                             \
+        mmtc_body<DT, EPI>(p);                                                         \
+    }
+
+#define MMTC_KERNELS(SUFFIX, DT)                 \
+    MMTC_KERNEL(SUFFIX, DT, EPI_STORE, store)    \
+    MMTC_KERNEL(SUFFIX, DT, EPI_ADD, add)        \
+    MMTC_KERNEL(SUFFIX, DT, EPI_SWIGLU, swiglu)
+
 // ---- dequantization --------------------------------------------------------------------
 //
 // out[t] = row ids[t] of the table (or row row0 + t when ids is null), as f32; cols must be a
@@ -541,6 +558,7 @@ __device__ __forceinline__ void dequant_body(const u8* __restrict__ table, i64 r
 // DF_MM_SUFFIX set to that format's number and name (from the format table, dtype.rs).
 #define DF_FORMAT(SUFFIX, DT) \
     MM_KERNELS(SUFFIX, DT)    \
+    MMTC_KERNELS(SUFFIX, DT)  \
     DQ_KERNEL(SUFFIX, DT)
 #define DF_FORMAT_OF(SUFFIX, DT) DF_FORMAT(SUFFIX, DT)
 DF_FORMAT_OF(DF_MM_SUFFIX, DF_MM_DTYPE)

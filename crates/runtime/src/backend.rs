@@ -164,6 +164,39 @@ pub struct RowSpan {
     /// is bit-identical between a block of tokens and the same tokens one at a time, so
     /// verification always uses it.
     pub chunked: bool,
+    /// The tokens are a piece of the row's prompt (prefill), not decode or verify tokens:
+    /// products over the step (`Backend::step_matmul_*`) may run these rows on the backend's
+    /// prefill path.
+    pub prompt: bool,
+}
+
+/// The rows `0..rows` of a step laid out by `spans` (in order, disjoint, inside `0..rows`) as
+/// maximal runs of rows that are prompt rows (`true`) or not, in order; rows no span covers
+/// are not prompt rows. Panics when the spans break that layout.
+pub fn prompt_runs(rows: usize, spans: &[RowSpan]) -> Vec<(std::ops::Range<usize>, bool)> {
+    let mut runs: Vec<(std::ops::Range<usize>, bool)> = Vec::new();
+    let mut push = |r: std::ops::Range<usize>, prompt: bool| {
+        if r.is_empty() {
+            return;
+        }
+        match runs.last_mut() {
+            Some((last, p)) if *p == prompt && last.end == r.start => last.end = r.end,
+            _ => runs.push((r, prompt)),
+        }
+    };
+    let mut at = 0;
+    for s in spans {
+        let (first, end) = (s.first as usize, (s.first + s.count) as usize);
+        assert!(
+            first >= at && end <= rows,
+            "step spans must be in order, disjoint and inside the step's {rows} rows"
+        );
+        push(at..first, false);
+        push(first..end, s.prompt);
+        at = end;
+    }
+    push(at..rows, false);
+    runs
 }
 
 /// What a captured step graph is replayed for: a model instance ([`Backend::graph_owner`])
@@ -442,6 +475,54 @@ pub trait Backend: Send + Sync + 'static {
         self.silu_mul(out, scratch);
     }
 
+    // Products over a forward step's activations, whose rows are laid out by `spans` (rows
+    // `first..first + count` of each span). The rows of spans marked `prompt` may take a
+    // prefill path of the backend (the CUDA backend's tensor-core kernels); every other row
+    // takes the path of the plain op, bit for bit. On either path a row's result depends on
+    // that row alone (not on the other rows, their number or their order), so a prompt token
+    // gets the same bits whether its prompt runs whole or in pieces that ride in other rows'
+    // steps, and decode and verify rows keep equal bits. The defaults ignore `spans` (the
+    // CPU's products are row-invariant already).
+
+    /// [`Backend::matmul_many`] over a step laid out by `spans` (see above).
+    fn step_matmul_many(
+        &self,
+        x: &Self::Tensor,
+        ws: &[&Self::Weight],
+        outs: &mut [&mut Self::Tensor],
+        spans: &[RowSpan],
+    ) {
+        let _ = spans;
+        self.matmul_many(x, ws, outs)
+    }
+
+    /// [`Backend::matmul_add`] over a step laid out by `spans` (see above).
+    fn step_matmul_add(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        out: &mut Self::Tensor,
+        scratch: &mut Self::Tensor,
+        spans: &[RowSpan],
+    ) {
+        let _ = spans;
+        self.matmul_add(x, w, out, scratch)
+    }
+
+    /// [`Backend::matmul_swiglu`] over a step laid out by `spans` (see above).
+    fn step_matmul_swiglu(
+        &self,
+        x: &Self::Tensor,
+        gate: &Self::Weight,
+        up: &Self::Weight,
+        out: &mut Self::Tensor,
+        scratch: &mut Self::Tensor,
+        spans: &[RowSpan],
+    ) {
+        let _ = spans;
+        self.matmul_swiglu(x, gate, up, out, scratch)
+    }
+
     /// RoPE of `q` and `k` at each token's position, then the KV write of `k` and `v`.
     /// Bit-identical to `rope(q)`, `rope(k)`, `kv_write`.
     #[allow(clippy::too_many_arguments)]
@@ -513,5 +594,42 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Option<Vec<Verdict>> {
         let _ = (target, draft, block, rows);
         None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn span(first: u32, count: u32, prompt: bool) -> RowSpan {
+        RowSpan {
+            first,
+            count,
+            prompt,
+            ..RowSpan::default()
+        }
+    }
+
+    #[test]
+    fn prompt_runs_merge_neighbours_and_cover_every_row() {
+        let spans = [
+            span(0, 3, false),
+            span(3, 1, false),
+            span(4, 5, true),
+            span(9, 2, true),
+            span(12, 1, false),
+        ];
+        assert_eq!(
+            prompt_runs(15, &spans),
+            vec![(0..4, false), (4..11, true), (11..15, false)]
+        );
+        assert_eq!(prompt_runs(4, &[span(0, 4, true)]), vec![(0..4, true)]);
+        assert_eq!(prompt_runs(0, &[]), vec![]);
+    }
+
+    #[test]
+    #[should_panic(expected = "in order")]
+    fn prompt_runs_reject_overlapping_spans() {
+        prompt_runs(8, &[span(0, 4, true), span(2, 4, false)]);
     }
 }

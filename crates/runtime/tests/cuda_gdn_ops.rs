@@ -49,6 +49,7 @@ fn step(shape: &GdnShape, counts: &[(u32, u32)], seed: u64) -> Step {
             first,
             count,
             chunked: false,
+            prompt: false,
         });
         first += count;
     }
@@ -260,12 +261,14 @@ fn chunked_rows_do_not_depend_on_the_batch() {
                 first: 0,
                 count: 40,
                 chunked: false,
+                prompt: false,
             },
             RowSpan {
                 row: 0,
                 first: 40,
                 count: 150,
                 chunked: true,
+                prompt: true,
             },
         ],
     };
@@ -298,12 +301,14 @@ fn a_block_equals_its_tokens_one_at_a_time_and_any_batch() {
                     first: 0,
                     count: 3,
                     chunked: false,
+                    prompt: false,
                 },
                 RowSpan {
                     row: 0,
                     first: 3,
                     count: 6,
                     chunked: false,
+                    prompt: false,
                 },
             ],
         };
@@ -323,6 +328,7 @@ fn a_block_equals_its_tokens_one_at_a_time_and_any_batch() {
                     first: 0,
                     count: 1,
                     chunked: false,
+                    prompt: false,
                 }],
             };
             let (_, o) = run(gb, &mut c, &shape, &wg, &one);
@@ -357,6 +363,7 @@ fn rollback_equals_a_step_of_the_kept_tokens() {
                     first: 0,
                     count: keep as u32,
                     chunked: false,
+                    prompt: false,
                 }],
             };
             // Rolled back on the GPU.

@@ -14,7 +14,7 @@ use common::{bits, cpu, gpu, random_vec, random_weight, rng};
 use dflash_runtime::backend::{AttnShape, RopeStyle};
 use dflash_runtime::cpu::{CpuBackend, CpuWeight};
 use dflash_runtime::cuda::{compile, CudaBackend, CudaOptions, PrefillGemm};
-use dflash_runtime::{Backend, DType, HostWeight, TokenMeta, WeightRole};
+use dflash_runtime::{Backend, DType, HostWeight, RowSpan, TokenMeta, WeightRole};
 use rand::Rng;
 
 /// Asserts |a - b| <= abs + rel * scale[i] element-wise.
@@ -261,6 +261,233 @@ fn matmul_many_equals_separate_products() {
         let mut single = g.tensor(0, 0);
         g.matmul(&x, w, &mut single);
         assert_eq!(bits(&g.to_host(o)), bits(&g.to_host(&single)));
+    }
+}
+
+/// Spans of a step made of runs of `(rows, prompt)`, one row (sequence) per run.
+fn step_spans(runs: &[(usize, bool)]) -> Vec<RowSpan> {
+    let mut first = 0;
+    runs.iter()
+        .enumerate()
+        .map(|(i, &(count, prompt))| {
+            let s = RowSpan {
+                row: i as u32,
+                first: first as u32,
+                count: count as u32,
+                chunked: false,
+                prompt,
+            };
+            first += count;
+            s
+        })
+        .collect()
+}
+
+/// The GPU when its prompt rows take the tensor-core kernels (compute capability 8.0 and up).
+fn tensor_gpu() -> Option<&'static CudaBackend> {
+    let g = gpu()?;
+    if g.prefill_gemm() != PrefillGemm::Tensor {
+        println!(
+            "skipped: no tensor-core prefill path on {} (compute capability {:?})",
+            g.device_name(),
+            g.compute_capability()
+        );
+        return None;
+    }
+    Some(g)
+}
+
+/// `out = x · wᵀ` of rows laid out by `spans` through `step_matmul_many`.
+fn step_product(
+    g: &CudaBackend,
+    x: &[f32],
+    m: usize,
+    w: &dflash_runtime::cuda::CudaWeight,
+    spans: &[RowSpan],
+) -> Vec<f32> {
+    let xg = g.upload(x, m, x.len() / m);
+    let mut og = g.tensor(0, 0);
+    g.step_matmul_many(&xg, &[w], &mut [&mut og], spans);
+    g.to_host(&og)
+}
+
+/// Prompt rows on tensor cores (TF32 operands, f32 accumulation) against the CPU's f32
+/// reference product, for every format, the default model's shapes and a K that is not a
+/// whole number of the kernel's 64-value K tiles, at M = 17, 64, 100 and 512; and a row's bits
+/// do not depend on M, on its place in the tile or on the rows around it, while decode rows
+/// of the same step keep the CUDA-core kernel's bits.
+///
+/// Tolerance: each operand is rounded to TF32 (unit roundoff 2^-11), so a product is off by
+/// at most 2^-10 (+2^-22) of its size; the f32 accumulations (the GPU's and the CPU's) add
+/// at most K·2^-23 each. So |gpu - cpu| <= (2^-10 + K·2^-22) · Σ_k |x_k w_k| + 1e-6.
+#[test]
+fn tensor_core_prefill_matches_cpu_and_is_row_invariant() {
+    let Some(g) = tensor_gpu() else { return };
+    let c = cpu();
+    for (di, dtype) in DType::ALL.into_iter().enumerate() {
+        // K-quant rows are whole 256-value super-blocks, always whole K tiles.
+        let odd_k = if dtype.block_len() == 256 { 1280 } else { 1120 };
+        // SmolLM2-135M: q/o (576 x 576), k/v (192 x 576), gate/up (1536 x 576), down
+        // (576 x 1536); and 67 rows (not whole 32-row tiles) of the odd K.
+        let shapes = [
+            (576, 576),
+            (192, 576),
+            (1536, 576),
+            (576, 1536),
+            (67, odd_k),
+        ];
+        for (si, &(n, k)) in shapes.iter().enumerate() {
+            let seed = 1000 + 10 * di as u64 + si as u64;
+            let w = random_weight(dtype, n, k, seed);
+            let wg = g.upload_weight(&w, WeightRole::Projection).unwrap();
+            let x_all = random_vec(512 * k, -2.0, 2.0, seed + 500);
+            let what = format!("tensor-core {dtype} {n}x{k}");
+
+            let full = step_product(g, &x_all, 512, &wg, &step_spans(&[(512, true)]));
+            let mut oc = c.tensor(0, 0);
+            c.matmul(
+                &c.upload(&x_all, 512, k),
+                &CpuWeight::f32(w.clone()),
+                &mut oc,
+            );
+            let rel = 2f32.powi(-10) + k as f32 * 2f32.powi(-22);
+            assert_close(
+                &format!("{what} M=512"),
+                &full,
+                &c.to_host(&oc),
+                &product_magnitudes(&w, &x_all, 512),
+                rel,
+                1e-6,
+            );
+
+            for m in [17usize, 64, 100] {
+                let got = step_product(g, &x_all[..m * k], m, &wg, &step_spans(&[(m, true)]));
+                assert_eq!(
+                    bits(&got),
+                    bits(&full[..m * n]),
+                    "{what}: rows at M={m} differ from the same rows at M=512"
+                );
+            }
+            if si > 0 && si + 1 < shapes.len() {
+                continue;
+            }
+            // A step of 5 decode rows (x rows 200..205), then two prompt pieces: x rows 99
+            // down to 40 and 39 down to 0 (every row at another place in its tile, among
+            // other rows), then 3 decode rows (x rows 300..303).
+            let mut x = Vec::new();
+            let order: Vec<usize> = (200..205).chain((0..100).rev()).chain(300..303).collect();
+            for &r in &order {
+                x.extend_from_slice(&x_all[r * k..(r + 1) * k]);
+            }
+            let spans = step_spans(&[(5, false), (60, true), (40, true), (3, false)]);
+            let got = step_product(g, &x, order.len(), &wg, &spans);
+            let xg = g.upload(&x, order.len(), k);
+            let mut plain = g.tensor(0, 0);
+            g.matmul(&xg, &wg, &mut plain);
+            let plain = g.to_host(&plain);
+            for (i, &r) in order.iter().enumerate() {
+                let row = &got[i * n..(i + 1) * n];
+                if (5..105).contains(&i) {
+                    assert_eq!(
+                        bits(row),
+                        bits(&full[r * n..(r + 1) * n]),
+                        "{what}: prompt row {r} at step row {i} differs from its M=512 result"
+                    );
+                } else {
+                    assert_eq!(
+                        bits(row),
+                        bits(&plain[i * n..(i + 1) * n]),
+                        "{what}: decode row {i} of a mixed step left the CUDA-core kernel"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The fused tensor-core epilogues (residual add, SwiGLU) and the multi-product launch equal,
+/// bit for bit, the tensor-core product followed by the separate op, in a step that mixes
+/// decode and prompt rows; at the default model's shapes and at shapes with partial tiles
+/// everywhere (K = 1120 and 96: a last K tile of 32; N = 67 and 96; 90 prompt rows). Small
+/// enough for the memcheck pass, which so covers every bound of the kernels.
+#[test]
+fn tensor_core_prefill_epilogues_equal_separate_ops() {
+    let Some(g) = tensor_gpu() else { return };
+    let m = 100;
+    let spans = step_spans(&[(3, false), (90, true), (7, false)]);
+    let cases = [
+        (DType::Q4_1, 576, 1536, 192),
+        (DType::Q6K, 576, 1536, 192),
+        (DType::BF16, 576, 1536, 192),
+        (DType::Q4_1, 1120, 96, 67),
+        (DType::BF16, 1120, 96, 67),
+    ];
+    for (di, &(dtype, h, f, kv)) in cases.iter().enumerate() {
+        let seed = 2000 + 10 * di as u64;
+        let up = |w: HostWeight| g.upload_weight(&w, WeightRole::Projection).unwrap();
+        let (wq, wk, wv) = (
+            up(random_weight(dtype, h, h, seed)),
+            up(random_weight(dtype, kv, h, seed + 1)),
+            up(random_weight(dtype, kv, h, seed + 2)),
+        );
+        let (wg, wu, wd) = (
+            up(random_weight(dtype, f, h, seed + 3)),
+            up(random_weight(dtype, f, h, seed + 4)),
+            up(random_weight(dtype, h, f, seed + 5)),
+        );
+        let wk8 = up(random_weight(DType::Q8_0, kv, h, seed + 6));
+        let x = g.upload(&random_vec(m * h, -2.0, 2.0, seed + 7), m, h);
+        let xf = g.upload(&random_vec(m * f, -2.0, 2.0, seed + 8), m, f);
+        let base = random_vec(m * h, -1.0, 1.0, seed + 9);
+        let alone = |x: &dflash_runtime::cuda::CudaTensor, w| {
+            let mut o = g.tensor(0, 0);
+            g.step_matmul_many(x, &[w], &mut [&mut o], &spans);
+            g.to_host(&o)
+        };
+
+        // q/k/v in one launch per run of rows, and a mixed-format set one by one.
+        let (mut q, mut k, mut v) = (g.tensor(0, 0), g.tensor(0, 0), g.tensor(0, 0));
+        g.step_matmul_many(&x, &[&wq, &wk, &wv], &mut [&mut q, &mut k, &mut v], &spans);
+        for (o, w, name) in [(&q, &wq, "q"), (&k, &wk, "k"), (&v, &wv, "v")] {
+            assert_eq!(
+                bits(&g.to_host(o)),
+                bits(&alone(&x, w)),
+                "{dtype}: {name} of the fused q/k/v launch"
+            );
+        }
+        g.step_matmul_many(&x, &[&wq, &wk8], &mut [&mut q, &mut k], &spans);
+        assert_eq!(
+            bits(&g.to_host(&q)),
+            bits(&alone(&x, &wq)),
+            "{dtype}: mixed q"
+        );
+        assert_eq!(
+            bits(&g.to_host(&k)),
+            bits(&alone(&x, &wk8)),
+            "{dtype}: mixed k"
+        );
+
+        // SwiGLU: silu(x·gᵀ) * (x·uᵀ).
+        let (mut out, mut scratch) = (g.tensor(0, 0), g.tensor(0, 0));
+        g.step_matmul_swiglu(&x, &wg, &wu, &mut out, &mut scratch, &spans);
+        let mut gate = g.upload(&alone(&x, &wg), m, f);
+        g.silu_mul(&mut gate, &g.upload(&alone(&x, &wu), m, f));
+        assert_eq!(
+            bits(&g.to_host(&out)),
+            bits(&g.to_host(&gate)),
+            "{dtype}: fused SwiGLU"
+        );
+
+        // Residual add: out = base + xf·dᵀ.
+        let mut res = g.upload(&base, m, h);
+        g.step_matmul_add(&xf, &wd, &mut res, &mut scratch, &spans);
+        let mut want = g.upload(&base, m, h);
+        g.add(&mut want, &g.upload(&alone(&xf, &wd), m, h));
+        assert_eq!(
+            bits(&g.to_host(&res)),
+            bits(&g.to_host(&want)),
+            "{dtype}: fused residual add"
+        );
     }
 }
 

@@ -443,10 +443,11 @@ impl<B: Backend> Qwen35Model<B> {
             b.rms_norm(&mut ws.x, &layer.attn_norm, eps, zc, Some(&mut ws.h));
             match &layer.mixer {
                 Mixer::Attn(a) => {
-                    b.matmul_many(
+                    b.step_matmul_many(
                         &ws.h,
                         &[&a.wq, &a.wgate, &a.wk, &a.wv],
                         &mut [&mut ws.q, &mut ws.qgate, &mut ws.k, &mut ws.v],
+                        spans,
                     );
                     b.rms_norm(&mut ws.q, &a.q_norm, eps, zc, None);
                     b.rms_norm(&mut ws.k, &a.k_norm, eps, zc, None);
@@ -456,13 +457,14 @@ impl<B: Backend> Qwen35Model<B> {
                     b.kv_write(&mut self.kv, a.kv_layer, &ws.k, &ws.v, meta);
                     b.attention(&ws.q, &self.kv, a.kv_layer, meta, shape, &mut ws.att);
                     b.sigmoid_mul(&mut ws.att, &ws.qgate);
-                    b.matmul(&ws.att, &a.wo, &mut ws.o);
+                    b.step_matmul_many(&ws.att, &[&a.wo], &mut [&mut ws.o], spans);
                 }
                 Mixer::Gdn(g) => {
-                    b.matmul_many(
+                    b.step_matmul_many(
                         &ws.h,
                         &[&g.w_qkv, &g.w_z, &g.w_b, &g.w_a],
                         &mut [&mut ws.qkv, &mut ws.z, &mut ws.gb, &mut ws.ga],
+                        spans,
                     );
                     let sl = g.state_layer;
                     b.causal_conv(&mut self.gdn, sl, &ws.qkv, &g.conv, spans, &mut ws.conv);
@@ -477,18 +479,19 @@ impl<B: Backend> Qwen35Model<B> {
                         &mut ws.core,
                     );
                     b.rms_norm_gated(&mut ws.core, &ws.z, &g.norm, eps);
-                    b.matmul(&ws.core, &g.w_out, &mut ws.o);
+                    b.step_matmul_many(&ws.core, &[&g.w_out], &mut [&mut ws.o], spans);
                 }
             }
             b.add(&mut ws.x, &ws.o);
             b.rms_norm(&mut ws.x, &layer.ffn_norm, eps, zc, Some(&mut ws.h));
-            b.matmul_many(
+            b.step_matmul_many(
                 &ws.h,
                 &[&layer.w_gate, &layer.w_up],
                 &mut [&mut ws.gate, &mut ws.up],
+                spans,
             );
             b.silu_mul(&mut ws.gate, &ws.up);
-            b.matmul(&ws.gate, &layer.w_down, &mut ws.o);
+            b.step_matmul_many(&ws.gate, &[&layer.w_down], &mut [&mut ws.o], spans);
             b.add(&mut ws.x, &ws.o);
             for (slot, _) in self.tap_layers.iter().enumerate().filter(|(_, &l)| l == li) {
                 b.copy_columns(&ws.x, &mut ws.taps, slot * hidden);

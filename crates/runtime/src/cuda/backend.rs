@@ -1,11 +1,13 @@
 //! `Backend` for CUDA GPUs.
 
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::device::{
     ck, ensure, int, long, Arg, CudaOptions, Device, Epilogue, PrefillGemm, ATT_GM, ATT_MAX_GHD,
-    ATT_MAX_SPLITS, ATT_PER, ATT_THREADS, MM_ADD_NORM_MAX_MT, MM_SEGS, MM_TILES, MM_WARPS,
+    ATT_MAX_SPLITS, ATT_PER, ATT_THREADS, MM_ADD_NORM_MAX_MT, MM_SEGS, MM_TILES, MM_WARPS, TC_BM,
+    TC_BN, TC_THREADS,
 };
 use super::gdn::CudaGdn;
 use super::graph::Graphs;
@@ -13,8 +15,8 @@ use super::kv::CudaKv;
 use super::profile::{KernelClassTime, Profiler};
 use super::tensor::{CudaMeta, CudaStep, CudaTensor, CudaWeight};
 use crate::backend::{
-    Activations, AttnShape, Backend, GdnShape, GraphKey, RopeStyle, RowSpan, TokenMeta, WeightPath,
-    WeightRole,
+    prompt_runs, Activations, AttnShape, Backend, GdnShape, GraphKey, RopeStyle, RowSpan,
+    TokenMeta, WeightPath, WeightRole,
 };
 use crate::choice::{DraftRow, SampleRow, Verdict, VerifyRow};
 use crate::dtype::DType;
@@ -32,6 +34,11 @@ const DEQ_PANEL_MAX: usize = 32 << 20;
 
 /// KV rows the device table is first made for (it grows by doubling, which moves it).
 const KV_TABLE_ROWS: usize = 256;
+
+/// `usize` as an `int` launch parameter; panics when it does not fit.
+fn int_of(v: usize) -> i32 {
+    i32::try_from(v).unwrap_or_else(|_| panic!("{v} does not fit a 32-bit kernel parameter"))
+}
 
 /// One product of a fused matmul launch (`MmSeg` in matmul.cu).
 #[repr(C)]
@@ -288,7 +295,7 @@ impl CudaBackend {
     /// The products `prods` of one x and format in one launch, each output already shaped
     /// `[M, N]` (`MM_SEGS` products at most; SwiGLU products carry their up weight).
     fn mm_launch(&self, x: &CudaTensor, prods: &[Product<'_>], epi: Epilogue) {
-        self.mm_launch_tail(x, prods, epi, None)
+        self.mm_rows(x, prods, epi, 0..x.rows, false, None);
     }
 
     /// As [`Self::mm_launch`]; with `tail` (an `Add` of one product of at most 16 rows), the
@@ -300,12 +307,48 @@ impl CudaBackend {
         epi: Epilogue,
         tail: Option<NormTail>,
     ) {
-        let m = x.rows;
+        self.mm_rows(x, prods, epi, 0..x.rows, false, tail);
+    }
+
+    /// [`Self::mm_launch`] over the runs of a step's rows, each on its path.
+    fn mm_runs(
+        &self,
+        x: &CudaTensor,
+        prods: &[Product<'_>],
+        epi: Epilogue,
+        runs: &[(Range<usize>, bool)],
+    ) {
+        for (rows, tensor) in runs {
+            self.mm_rows(x, prods, epi, rows.clone(), *tensor, None);
+        }
+    }
+
+    /// Rows `rows` of the products of [`Self::mm_launch`] (x and outputs addressed from the
+    /// range's first row), on the tensor-core kernels when `tensor`, else on the CUDA-core
+    /// kernel (with the norm `tail` when given). Neither makes a row's result depend on the
+    /// range.
+    fn mm_rows(
+        &self,
+        x: &CudaTensor,
+        prods: &[Product<'_>],
+        epi: Epilogue,
+        rows: Range<usize>,
+        tensor: bool,
+        tail: Option<NormTail>,
+    ) {
+        let m = rows.len();
         let Some(first) = prods.first() else { return };
         if m == 0 {
             return;
         }
+        assert!(rows.end <= x.rows, "product rows outside x");
         assert!(prods.len() <= MM_SEGS);
+        let k = first.w.cols;
+        let x_ptr = self.tptr(x) + (4 * rows.start * k) as u64;
+        if tensor {
+            assert!(tail.is_none(), "prompt rows take no norm tail");
+            return self.mm_tensor(x_ptr, m, k, prods, epi, rows.start);
+        }
         // The smallest tile holding all of x up to 8 rows; 9..=16 rows as two tiles of 8
         // (twice the blocks: a 576-row product at M = 16 takes 3.7 us this way against 12.0
         // with one tile of 16 on the H200); prefill (M > 16) as tiles of 16.
@@ -325,27 +368,7 @@ impl CudaBackend {
         } else {
             tile.r
         };
-        let mut p = MmParams {
-            x: self.tptr(x),
-            nseg: prods.len() as i32,
-            k: first.w.cols as i32,
-            m: m as i32,
-            ..Default::default()
-        };
-        let mut blocks = 0usize;
-        for (seg, pr) in p.seg.iter_mut().zip(prods) {
-            assert_eq!(pr.w.dtype, first.w.dtype, "one launch, one format");
-            assert_eq!(pr.w.cols, first.w.cols, "one launch, one K");
-            *seg = MmSeg {
-                w: self.ptr(&pr.w.buf),
-                w2: pr.w2.map_or(0, |w2| self.ptr(&w2.buf)),
-                out: pr.out,
-                row_bytes: pr.w.row_bytes as i64,
-                n: pr.w.rows as i32,
-                block0: blocks as i32,
-            };
-            blocks += pr.w.rows.div_ceil(MM_WARPS * r);
-        }
+        let (mut p, blocks) = self.mm_params(x_ptr, m, k, prods, rows.start, MM_WARPS * r);
         if blocks == 0 {
             return;
         }
@@ -375,6 +398,79 @@ impl CudaBackend {
             ((MM_WARPS * 32) as u32, 1, 1),
             &p,
         );
+    }
+
+    /// The launch parameters of products over `m` rows of x at `x_ptr` (row `row0` of the
+    /// outputs), `per_block` weight rows a block; and the blocks.
+    fn mm_params(
+        &self,
+        x_ptr: u64,
+        m: usize,
+        k: usize,
+        prods: &[Product<'_>],
+        row0: usize,
+        per_block: usize,
+    ) -> (MmParams, usize) {
+        let first = &prods[0];
+        let mut p = MmParams {
+            x: x_ptr,
+            nseg: prods.len() as i32,
+            k: int_of(k),
+            m: int_of(m),
+            ..Default::default()
+        };
+        let mut blocks = 0usize;
+        for (seg, pr) in p.seg.iter_mut().zip(prods) {
+            assert_eq!(pr.w.dtype, first.w.dtype, "one launch, one format");
+            assert_eq!(pr.w.cols, k, "one launch, one K");
+            *seg = MmSeg {
+                w: self.ptr(&pr.w.buf),
+                w2: pr.w2.map_or(0, |w2| self.ptr(&w2.buf)),
+                out: pr.out + (4 * row0 * pr.w.rows) as u64,
+                row_bytes: pr.w.row_bytes as i64,
+                n: int_of(pr.w.rows),
+                block0: int_of(blocks),
+            };
+            blocks += pr.w.rows.div_ceil(per_block);
+        }
+        (p, blocks)
+    }
+
+    /// The tensor-core kernels (matmul_tc.cu) over `m` rows of x at `x_ptr`.
+    fn mm_tensor(
+        &self,
+        x_ptr: u64,
+        m: usize,
+        k: usize,
+        prods: &[Product<'_>],
+        epi: Epilogue,
+        row0: usize,
+    ) {
+        let (p, blocks) = self.mm_params(x_ptr, m, k, prods, row0, TC_BN);
+        if blocks == 0 {
+            return;
+        }
+        let first = &prods[0];
+        let f = &self.dev.loaded(first.w.dtype).mmtc[epi as usize];
+        self.dev.launch_with(
+            f,
+            &format!("matmul_tc[{}]", first.w.name),
+            (blocks as u32, m.div_ceil(TC_BM) as u32, 1),
+            (TC_THREADS, 1, 1),
+            &p,
+        );
+    }
+
+    /// The runs of rows `0..rows` of a step laid out by `spans` that take one product path,
+    /// in order: `true` for prompt rows when the tensor-core path is on.
+    fn row_runs(&self, rows: usize, spans: &[RowSpan]) -> Vec<(Range<usize>, bool)> {
+        if self.dev.prefill_gemm == PrefillGemm::Tensor {
+            prompt_runs(rows, spans)
+        } else if rows > 0 {
+            vec![(0..rows, false)]
+        } else {
+            Vec::new()
+        }
     }
 
     /// `out = x · wᵀ`, out already shaped `[M, N]`.
@@ -1436,6 +1532,100 @@ impl Backend for CudaBackend {
             out: self.tptr(out),
         };
         self.mm_launch(x, &[prod], Epilogue::Swiglu);
+    }
+
+    /// Prompt rows on the tensor-core kernels (when that path is on), the other rows as
+    /// `matmul_many`; one launch per run of rows for products that share a format.
+    fn step_matmul_many(
+        &self,
+        x: &CudaTensor,
+        ws: &[&CudaWeight],
+        outs: &mut [&mut CudaTensor],
+        spans: &[RowSpan],
+    ) {
+        let runs = self.row_runs(x.rows, spans);
+        if !runs.iter().any(|(_, tensor)| *tensor) {
+            return self.matmul_many(x, ws, outs);
+        }
+        assert_eq!(ws.len(), outs.len());
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            Self::check_product(x, w);
+            self.reshape(out, x.rows, w.rows);
+        }
+        self.dev.bind();
+        let prods: Vec<Product<'_>> = ws
+            .iter()
+            .zip(outs.iter())
+            .map(|(w, out)| Product {
+                w,
+                w2: None,
+                out: self.tptr(out),
+            })
+            .collect();
+        if ws.len() <= MM_SEGS && ws.iter().all(|w| w.dtype == ws[0].dtype) {
+            self.mm_runs(x, &prods, Epilogue::Store, &runs);
+        } else {
+            for p in prods.chunks(1) {
+                self.mm_runs(x, p, Epilogue::Store, &runs);
+            }
+        }
+    }
+
+    fn step_matmul_add(
+        &self,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        out: &mut CudaTensor,
+        scratch: &mut CudaTensor,
+        spans: &[RowSpan],
+    ) {
+        let runs = self.row_runs(x.rows, spans);
+        if !runs.iter().any(|(_, tensor)| *tensor) {
+            return self.matmul_add(x, w, out, scratch);
+        }
+        Self::check_product(x, w);
+        assert_eq!(
+            (out.rows, out.cols),
+            (x.rows, w.rows),
+            "matmul_add {}: the output has the wrong shape",
+            w.name
+        );
+        self.dev.bind();
+        let prod = Product {
+            w,
+            w2: None,
+            out: self.tptr(out),
+        };
+        self.mm_runs(x, &[prod], Epilogue::Add, &runs);
+    }
+
+    fn step_matmul_swiglu(
+        &self,
+        x: &CudaTensor,
+        gate: &CudaWeight,
+        up: &CudaWeight,
+        out: &mut CudaTensor,
+        scratch: &mut CudaTensor,
+        spans: &[RowSpan],
+    ) {
+        let runs = self.row_runs(x.rows, spans);
+        if !runs.iter().any(|(_, tensor)| *tensor) {
+            return self.matmul_swiglu(x, gate, up, out, scratch);
+        }
+        if gate.dtype != up.dtype || gate.rows != up.rows {
+            self.step_matmul_many(x, &[gate, up], &mut [&mut *out, &mut *scratch], spans);
+            return self.silu_mul(out, scratch);
+        }
+        Self::check_product(x, gate);
+        Self::check_product(x, up);
+        self.reshape(out, x.rows, gate.rows);
+        self.dev.bind();
+        let prod = Product {
+            w: gate,
+            w2: Some(up),
+            out: self.tptr(out),
+        };
+        self.mm_runs(x, &[prod], Epilogue::Swiglu, &runs);
     }
 
     fn rope_kv_write(

@@ -30,6 +30,9 @@ use crate::dtype::{DType, FORMATS};
 
 const COMMON: &str = include_str!("../../kernels/common.cu");
 const INCLUDE_COMMON: &str = "#include \"common.cu\"";
+/// The tensor-core products of prompt rows, pasted into matmul.cu where it includes them.
+const MATMUL_TC: &str = include_str!("../../kernels/matmul_tc.cu");
+const INCLUDE_MATMUL_TC: &str = "#include \"matmul_tc.cu\"";
 
 /// A compiled unit: `ops.cu`, `attention.cu`, `sample.cu`, or `matmul.cu` for one format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -83,8 +86,8 @@ impl Module {
     }
 
     /// The complete source handed to NVRTC: the format constants of the table
-    /// ([`format_defines`]), then the file with `common.cu` pasted in (and, for matmul, the
-    /// format to instantiate defined first).
+    /// ([`format_defines`]), then the file with `common.cu` (and, in matmul.cu,
+    /// `matmul_tc.cu`) pasted in (and, for matmul, the format to instantiate defined first).
     pub fn source(self) -> String {
         let raw = self.text();
         let common = kernel_file("common.cu", COMMON);
@@ -104,6 +107,8 @@ impl Module {
         for line in raw.lines() {
             if line.trim() == INCLUDE_COMMON {
                 body.push_str(&common);
+            } else if line.trim() == INCLUDE_MATMUL_TC {
+                body.push_str(&kernel_file("matmul_tc.cu", MATMUL_TC));
             } else {
                 body.push_str(line);
             }
@@ -544,7 +549,9 @@ mod tests {
             assert_eq!(s.matches("#define DT_Q6K 7\n").count(), 1);
             assert_eq!(s.matches("#define DT_Q4_1_BYTES 20\n").count(), 1);
             assert!(s.contains("decode_group"));
+            assert!(!s.lines().any(|l| l.trim() == INCLUDE_MATMUL_TC));
             if let Module::Matmul(d) = m {
+                assert!(s.contains("mmtc_body"));
                 assert!(s.contains(&format!(
                     "#define DF_MM_DTYPE {}\n#define DF_MM_SUFFIX {}\n",
                     d.index(),

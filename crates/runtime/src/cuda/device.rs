@@ -17,8 +17,14 @@ use crate::error::RuntimeError;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PrefillGemm {
     /// The same kernel as decode, over blocks of 16 rows of x: every row's result is
-    /// bit-identical to what it gets alone (M = 1), for any M. The default.
+    /// bit-identical to what it gets alone (M = 1), for any M.
     Kernel,
+    /// The default: rows the model marks as prompt tokens (`Backend::step_matmul_*` with
+    /// `RowSpan::prompt`) run on tensor cores (TF32 MMA, f32 accumulation; matmul_tc.cu),
+    /// every other row as `Kernel`. A prompt row's result depends on that row alone, so it is
+    /// the same for any M and any cut of the prompt; it differs from the decode kernel's by
+    /// TF32 rounding. Needs compute capability 8.0 or later; below that it acts as `Kernel`.
+    Tensor,
     /// For `M >= min_rows` (and M > 16): dequantize the weight to f32 and call cuBLAS SGEMM
     /// (pedantic math: no TF32). Faster prefill, but a row's result then depends on M, so the
     /// prompt's KV is no longer bit-identical to a token-by-token run. Needs libcublas.
@@ -37,14 +43,15 @@ impl Default for CudaOptions {
     fn default() -> Self {
         Self {
             device: 0,
-            prefill_gemm: PrefillGemm::Kernel,
+            prefill_gemm: PrefillGemm::Tensor,
         }
     }
 }
 
 impl CudaOptions {
     /// Defaults, overridden by `DFLASH_CUDA_DEVICE` (ordinal) and `DFLASH_CUDA_GEMM`
-    /// (`kernel`, or `cublas` / `cublas:<min_rows>` for the cuBLAS prefill path).
+    /// (`tensor`, the default; `kernel`; or `cublas` / `cublas:<min_rows>` for the cuBLAS
+    /// prefill path).
     pub fn from_env() -> Result<Self, RuntimeError> {
         let mut o = Self::default();
         if let Ok(v) = std::env::var("DFLASH_CUDA_DEVICE") {
@@ -55,7 +62,8 @@ impl CudaOptions {
         if let Ok(v) = std::env::var("DFLASH_CUDA_GEMM") {
             let v = v.trim();
             o.prefill_gemm = match v.split_once(':') {
-                _ if v.is_empty() || v == "kernel" => PrefillGemm::Kernel,
+                _ if v.is_empty() || v == "tensor" => PrefillGemm::Tensor,
+                None if v == "kernel" => PrefillGemm::Kernel,
                 None if v == "cublas" => PrefillGemm::Cublas { min_rows: 64 },
                 Some(("cublas", n)) => PrefillGemm::Cublas {
                     min_rows: n.parse().map_err(|_| {
@@ -64,7 +72,8 @@ impl CudaOptions {
                 },
                 _ => {
                     return Err(RuntimeError::Device(format!(
-                        "DFLASH_CUDA_GEMM={v:?}: expected `kernel`, `cublas` or `cublas:<rows>`"
+                        "DFLASH_CUDA_GEMM={v:?}: expected `tensor`, `kernel`, `cublas` or \
+                         `cublas:<rows>`"
                     )))
                 }
             };
@@ -112,6 +121,11 @@ pub(crate) const MM_TILES: [MmTile; 5] = [
 /// The largest tile with an add + norm kernel (MM_KERNELS in matmul.cu): products of up to
 /// 16 rows of x (two tiles of 8) can fuse the next RMS norm.
 pub(crate) const MM_ADD_NORM_MAX_MT: usize = 8;
+/// Rows of x and weight rows per block of the tensor-core kernels (TC_BM, TC_BN in
+/// matmul_tc.cu), and threads per block (TC_THREADS).
+pub(crate) const TC_BM: usize = 64;
+pub(crate) const TC_BN: usize = 32;
+pub(crate) const TC_THREADS: u32 = 128;
 /// Warps per matmul block (MM_WARPS in matmul.cu).
 pub(crate) const MM_WARPS: usize = 4;
 /// Products one matmul launch can hold (MM_SEGS in matmul.cu).
@@ -179,6 +193,8 @@ pub(crate) struct FormatKernels {
     /// `mm_add_norm[tile index]`: the residual add then RMS norm (`mm_<format>_<MT>_<R>_addnorm`)
     /// for the tiles of up to [`MM_ADD_NORM_MAX_MT`] rows.
     pub mm_add_norm: Vec<CudaFunction>,
+    /// `mmtc[epilogue index]`: the tensor-core kernels of prompt rows (matmul_tc.cu).
+    pub mmtc: Vec<CudaFunction>,
     pub dequant: CudaFunction,
 }
 
@@ -391,7 +407,7 @@ impl Device {
         };
 
         let blas = match opts.prefill_gemm {
-            PrefillGemm::Kernel => None,
+            PrefillGemm::Kernel | PrefillGemm::Tensor => None,
             PrefillGemm::Cublas { .. } => {
                 let blas = CudaBlas::new(stream.clone())
                     .map_err(|e| dev_err(format!("could not start cuBLAS: {e}")))?;
@@ -421,7 +437,12 @@ impl Device {
             compute_capability: cc,
             target,
             blas,
-            prefill_gemm: opts.prefill_gemm,
+            // The tensor-core kernels need TF32 MMA (sm_80), in the chip and in the target
+            // the kernels were compiled for (they are empty below it).
+            prefill_gemm: match opts.prefill_gemm {
+                PrefillGemm::Tensor if cc.0 < 8 || target.arch < 80 => PrefillGemm::Kernel,
+                g => g,
+            },
             scratch: Mutex::new(Scratch::default()),
             meta_pool: Arc::new(Mutex::new(Vec::new())),
             epoch: AtomicU64::new(0),
@@ -495,9 +516,14 @@ impl Device {
             .filter(|t| t.mt <= MM_ADD_NORM_MAX_MT)
             .map(|t| get(&format!("mm_{sfx}_{}_{}_addnorm", t.mt, t.r)))
             .collect::<Result<Vec<_>, _>>()?;
+        let mmtc = Epilogue::ALL
+            .iter()
+            .map(|e| get(&format!("mmtc_{sfx}_{}", e.name())))
+            .collect::<Result<_, _>>()?;
         Ok(FormatKernels {
             mm,
             mm_add_norm,
+            mmtc,
             dequant: get(&format!("dequant_{sfx}"))?,
         })
     }
