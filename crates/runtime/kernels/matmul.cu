@@ -43,6 +43,8 @@
 #define EPI_ADD 1
 #define EPI_SWIGLU 2
 #define EPI_ADD_NORM 3
+// Values per lane of a row the add + norm tail holds (rows of up to 32 * MM_TAIL_PER).
+#define MM_TAIL_PER 32
 
 struct MmSeg {
     u64 w;         // weight rows (gate rows for SwiGLU)
@@ -411,9 +413,9 @@ __device__ __forceinline__ void mm_warp(const MmSeg& sg, int n0, const float* __
 // last block to finish (counted on p.counter, which it resets) writes norm_out = the RMS norm
 // of each of the M rows of out with weight norm_w, with the arithmetic of rms_norm_f32
 // (ops.cu): lanes 0..15 sum x[i]^2 for i = lane, lane + 16, ... in order, the halving tree
-// combines them, inv = 1 / sqrt(ss / n + eps), out = w' * (x * inv). A warp per row. The rows
-// are read from L2 (ld.global.cg): lines of them this block cached before the other blocks
-// wrote would be stale.
+// combines them, inv = 1 / sqrt(ss / n + eps), out = w' * (x * inv). A warp per row, holding
+// the row in registers (one round trip). The rows are read from L2 (ld.global.cg): lines of
+// them this block cached before the other blocks wrote would be stale.
 __device__ __forceinline__ void mm_tail_norm(const MmParams& p) {
     __shared__ int s_last;
     __syncthreads();
@@ -427,33 +429,39 @@ __device__ __forceinline__ void mm_tail_norm(const MmParams& p) {
     __threadfence();
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
-    const int dim = p.seg[0].n;
+    const int dim = p.seg[0].n;  // <= 32 * MM_TAIL_PER (the host checks)
     const float* w = (const float*)p.norm_w;
     for (int m = warp; m < p.m; m += MM_WARPS) {
         const float* xs = (const float*)p.seg[0].out + (size_t)m * dim;
         float* os = (float*)p.norm_out + (size_t)m * dim;
+        // One round trip: element lane + 32j of the row and of the weight.
+        float xv[MM_TAIL_PER], wv[MM_TAIL_PER];
+#pragma unroll
+        for (int j = 0; j < MM_TAIL_PER; j++) {
+            const int i = lane + 32 * j;
+            xv[j] = i < dim ? __ldcg(xs + i) : 0.0f;
+            wv[j] = i < dim ? w[i] : 0.0f;
+        }
+        // Partial l (lanes 0..15) adds elements l, l + 16, l + 32, ... in order: element
+        // l + 32j is its own xv[j], element l + 16 + 32j lane l + 16's.
         float acc = 0.0f;
-        if (lane < 16) {
-            for (int i0 = lane; i0 < dim; i0 += 16 * 8) {
-                float v[8];
 #pragma unroll
-                for (int u = 0; u < 8; u++) {
-                    const int i = i0 + 16 * u;
-                    v[u] = i < dim ? __ldcg(xs + i) : 0.0f;
-                }
-#pragma unroll
-                for (int u = 0; u < 8; u++) {
-                    if (i0 + 16 * u < dim) acc = __fadd_rn(acc, __fmul_rn(v[u], v[u]));
-                }
+        for (int j = 0; j < MM_TAIL_PER; j++) {
+            const float hi = __shfl_down_sync(DF_FULL_MASK, xv[j], 16);
+            if (lane < 16) {
+                if (lane + 32 * j < dim) acc = __fadd_rn(acc, __fmul_rn(xv[j], xv[j]));
+                if (lane + 16 + 32 * j < dim) acc = __fadd_rn(acc, __fmul_rn(hi, hi));
             }
         }
 #pragma unroll
         for (int off = 8; off > 0; off >>= 1) acc = __fadd_rn(acc, __shfl_down_sync(DF_FULL_MASK, acc, off, 16));
         acc = __shfl_sync(DF_FULL_MASK, acc, 0);
         const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(acc, (float)dim), p.eps)));
-        for (int i = lane; i < dim; i += 32) {
-            const float wu = p.zero_centred ? __fadd_rn(1.0f, w[i]) : w[i];
-            os[i] = __fmul_rn(wu, __fmul_rn(__ldcg(xs + i), inv));
+#pragma unroll
+        for (int j = 0; j < MM_TAIL_PER; j++) {
+            const int i = lane + 32 * j;
+            const float wu = p.zero_centred ? __fadd_rn(1.0f, wv[j]) : wv[j];
+            if (i < dim) os[i] = __fmul_rn(wu, __fmul_rn(xv[j], inv));
         }
     }
     if (threadIdx.x == 0) *(volatile u32*)p.counter = 0u;

@@ -329,7 +329,7 @@ fn tensor_core_prefill_matches_cpu_and_is_row_invariant() {
         let odd_k = if dtype.block_len() == 256 { 1280 } else { 1120 };
         // SmolLM2-135M: q/o (576 x 576), k/v (192 x 576), gate/up (1536 x 576), down
         // (576 x 1536); and 67 rows (not whole 32-row tiles) of the odd K.
-        let shapes = [
+        let shapes: [(usize, usize); 5] = [
             (576, 576),
             (192, 576),
             (1536, 576),
@@ -337,6 +337,8 @@ fn tensor_core_prefill_matches_cpu_and_is_row_invariant() {
             (67, odd_k),
         ];
         for (si, &(n, k)) in shapes.iter().enumerate() {
+            // K-quant rows must be whole super-blocks: K = 576 becomes 768 for them.
+            let k = k.next_multiple_of(dtype.block_len());
             let seed = 1000 + 10 * di as u64 + si as u64;
             let w = random_weight(dtype, n, k, seed);
             let wg = g.upload_weight(&w, WeightRole::Projection).unwrap();
@@ -417,7 +419,7 @@ fn tensor_core_prefill_epilogues_equal_separate_ops() {
     let spans = step_spans(&[(3, false), (90, true), (7, false)]);
     let cases = [
         (DType::Q4_1, 576, 1536, 192),
-        (DType::Q6K, 576, 1536, 192),
+        (DType::Q6K, 512, 1536, 192),
         (DType::BF16, 576, 1536, 192),
         (DType::Q4_1, 1120, 96, 67),
         (DType::BF16, 1120, 96, 67),

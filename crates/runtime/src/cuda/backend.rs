@@ -6,8 +6,8 @@ use std::sync::{Arc, Mutex};
 
 use super::device::{
     ck, ensure, int, long, Arg, CudaOptions, Device, Epilogue, PrefillGemm, ATT_GM, ATT_MAX_GHD,
-    ATT_MAX_SPLITS, ATT_PER, ATT_THREADS, MM_ADD_NORM_MAX_MT, MM_SEGS, MM_TILES, MM_WARPS, TC_BM,
-    TC_BN, TC_THREADS,
+    ATT_MAX_SPLITS, ATT_PER, ATT_THREADS, MM_ADD_NORM_MAX_MT, MM_SEGS, MM_TAIL_MAX_DIM, MM_TILES,
+    MM_WARPS, TC_BM, TC_BN, TC_THREADS,
 };
 use super::gdn::CudaGdn;
 use super::graph::Graphs;
@@ -1116,7 +1116,7 @@ impl Backend for CudaBackend {
         );
         let group = n_heads / n_kv_heads;
         let per = ATT_PER.iter().position(|&p| 32 * p >= head_dim);
-        let gm = ATT_GM.iter().position(|&g| g >= group);
+        let gm = ATT_GM.iter().position(|&g| g == group);
         let (Some(pi), Some(gi)) = (per, gm) else {
             panic!(
                 "attention: head_dim {head_dim} with {group} query heads per KV head is not \
@@ -1476,11 +1476,14 @@ impl Backend for CudaBackend {
         zero_centred: bool,
         normed: &mut CudaTensor,
     ) {
-        // Products of up to 16 rows (decode, verify) run tiles with a fused tail; larger
-        // ones, a forced tile of 16 and norms of part of a row take the two ops.
-        let fused = x.rows <= 2 * MM_ADD_NORM_MAX_MT
+        // Products of up to 16 rows (decode, verify) with rows of up to MM_TAIL_MAX_DIM run
+        // tiles with a fused tail; larger ones, a forced tile of 16, norms of part of a row
+        // and DFLASH_CUDA_NORM_TAIL=0 take the two ops.
+        let fused = self.dev.norm_tail
+            && x.rows <= 2 * MM_ADD_NORM_MAX_MT
             && self.dev.fixed_mt.is_none_or(|t| t <= MM_ADD_NORM_MAX_MT)
-            && weight.len() == w.rows;
+            && weight.len() == w.rows
+            && w.rows <= MM_TAIL_MAX_DIM;
         if !fused {
             self.matmul_add(x, w, out, scratch);
             return self.rms_norm(out, weight, eps, zero_centred, Some(normed));

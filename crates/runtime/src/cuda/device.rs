@@ -121,6 +121,8 @@ pub(crate) const MM_TILES: [MmTile; 5] = [
 /// The largest tile with an add + norm kernel (MM_KERNELS in matmul.cu): products of up to
 /// 16 rows of x (two tiles of 8) can fuse the next RMS norm.
 pub(crate) const MM_ADD_NORM_MAX_MT: usize = 8;
+/// The longest row the add + norm tail normalises (32 lanes x MM_TAIL_PER in matmul.cu).
+pub(crate) const MM_TAIL_MAX_DIM: usize = 1024;
 /// Rows of x and weight rows per block of the tensor-core kernels (TC_BM, TC_BN in
 /// matmul_tc.cu), and threads per block (TC_THREADS).
 pub(crate) const TC_BM: usize = 64;
@@ -154,10 +156,10 @@ impl Epilogue {
     }
 }
 
-/// Query-head dimensions per lane (head_dim <= 32 * PER) and query heads per KV head of the
-/// split attention kernels (`attention_split_<PER>_<GM>` in attention.cu).
+/// Query-head dimensions per lane (head_dim <= 32 * PER) and query heads per KV head (exactly
+/// GM) of the split attention kernels (`attention_split_<PER>_<GM>` in attention.cu).
 pub(crate) const ATT_PER: [usize; 4] = [1, 2, 4, 8];
-pub(crate) const ATT_GM: [usize; 4] = [1, 2, 4, 8];
+pub(crate) const ATT_GM: [usize; 8] = [1, 2, 3, 4, 5, 6, 7, 8];
 /// Largest GM * 32 * PER (ATT_MAX_GHD in attention.cu).
 pub(crate) const ATT_MAX_GHD: usize = 1024;
 /// Splits of a token's keys (ATT_MAX_SPLITS in attention.cu).
@@ -280,6 +282,9 @@ pub(crate) struct Device {
     /// launch: sm_90 and later, unless `DFLASH_CUDA_PDL=0`), so each kernel's blocks start
     /// while the one before finishes and wait for it in `df_kernel_begin` (common.cu).
     pub pdl: bool,
+    /// Residual-add products of up to 16 rows normalise the updated rows in their last block
+    /// (`matmul_add_norm`), unless `DFLASH_CUDA_NORM_TAIL=0`.
+    pub norm_tail: bool,
     pub name: String,
     pub compute_capability: (i32, i32),
     pub target: Target,
@@ -400,6 +405,15 @@ impl Device {
             Err(_) => None,
         };
 
+        let norm_tail = match std::env::var("DFLASH_CUDA_NORM_TAIL").as_deref() {
+            Err(_) | Ok("1") | Ok("") => true,
+            Ok("0") => false,
+            Ok(v) => {
+                return Err(dev_err(format!(
+                    "DFLASH_CUDA_NORM_TAIL={v:?}: expected 0 or 1"
+                )))
+            }
+        };
         let pdl = match std::env::var("DFLASH_CUDA_PDL").as_deref() {
             Err(_) | Ok("1") | Ok("") => arch >= 90 && cc.0 >= 9,
             Ok("0") => false,
@@ -433,6 +447,7 @@ impl Device {
             format_lock: Mutex::new(()),
             fixed_mt,
             pdl,
+            norm_tail,
             name,
             compute_capability: cc,
             target,
