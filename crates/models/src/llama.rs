@@ -393,9 +393,6 @@ impl<B: Backend> LlamaModel<B> {
         let cfg = &self.cfg;
         let ws = &mut self.ws;
         let spans = &self.spans;
-        // Prompt rows may take other products (`Backend::step_matmul_*`), so their steps keep
-        // the norms apart.
-        let fuse_norms = !spans.iter().any(|s| s.prompt);
         let meta = b.step_meta(&self.step);
         let shape = AttnShape {
             n_heads: cfg.heads,
@@ -405,17 +402,13 @@ impl<B: Backend> LlamaModel<B> {
         };
         let hidden = cfg.hidden;
         for (li, layer) in self.layers.iter().enumerate() {
-            // Without prompt rows, later layers' attention norms come fused into the previous
-            // down product (bit-identical to the separate norm).
-            if li == 0 || !fuse_norms {
-                b.rms_norm(
-                    &mut ws.x,
-                    &layer.attn_norm,
-                    cfg.rms_eps,
-                    false,
-                    Some(&mut ws.h),
-                );
-            }
+            b.rms_norm(
+                &mut ws.x,
+                &layer.attn_norm,
+                cfg.rms_eps,
+                false,
+                Some(&mut ws.h),
+            );
             b.step_matmul_many(
                 &ws.h,
                 &[&layer.wq, &layer.wk, &layer.wv],
@@ -443,27 +436,14 @@ impl<B: Backend> LlamaModel<B> {
                 cfg.rope_style,
             );
             b.attention(&ws.q, &self.kv, li, meta, shape, &mut ws.att);
-            if fuse_norms {
-                b.matmul_add_norm(
-                    &ws.att,
-                    &layer.wo,
-                    &mut ws.x,
-                    &mut ws.o,
-                    &layer.ffn_norm,
-                    cfg.rms_eps,
-                    false,
-                    &mut ws.h,
-                );
-            } else {
-                b.step_matmul_add(&ws.att, &layer.wo, &mut ws.x, &mut ws.o, spans);
-                b.rms_norm(
-                    &mut ws.x,
-                    &layer.ffn_norm,
-                    cfg.rms_eps,
-                    false,
-                    Some(&mut ws.h),
-                );
-            }
+            b.step_matmul_add(&ws.att, &layer.wo, &mut ws.x, &mut ws.o, spans);
+            b.rms_norm(
+                &mut ws.x,
+                &layer.ffn_norm,
+                cfg.rms_eps,
+                false,
+                Some(&mut ws.h),
+            );
             b.step_matmul_swiglu(
                 &ws.h,
                 &layer.w_gate,
@@ -472,19 +452,7 @@ impl<B: Backend> LlamaModel<B> {
                 &mut ws.up,
                 spans,
             );
-            match self.layers.get(li + 1).filter(|_| fuse_norms) {
-                Some(next) => b.matmul_add_norm(
-                    &ws.gate,
-                    &layer.w_down,
-                    &mut ws.x,
-                    &mut ws.o,
-                    &next.attn_norm,
-                    cfg.rms_eps,
-                    false,
-                    &mut ws.h,
-                ),
-                None => b.step_matmul_add(&ws.gate, &layer.w_down, &mut ws.x, &mut ws.o, spans),
-            }
+            b.step_matmul_add(&ws.gate, &layer.w_down, &mut ws.x, &mut ws.o, spans);
             for (slot, _) in self.tap_layers.iter().enumerate().filter(|(_, &l)| l == li) {
                 b.copy_columns(&ws.x, &mut ws.taps, slot * hidden);
             }

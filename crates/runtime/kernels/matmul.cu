@@ -28,9 +28,7 @@
 //
 // Epilogues: store; add into `out` (out = out + s: the residual add, bit-identical to a
 // separate `add`); SwiGLU (two weights per output: out = silu(x·gᵀ) * (x·uᵀ), bit-identical to
-// a separate `silu_mul`); add then RMS norm (the residual add, after which the last block to
-// finish normalises the updated rows for the next layer: bit-identical to `rms_norm`, and one
-// launch fewer; tiles of up to 8 rows, see mm_tail_norm).
+// a separate `silu_mul`).
 //
 // Segments. One launch can run up to MM_SEGS products of the same x and format with
 // different weights and outputs (q/k/v, gate/up): blocks are handed out segment after
@@ -42,9 +40,6 @@
 #define EPI_STORE 0
 #define EPI_ADD 1
 #define EPI_SWIGLU 2
-#define EPI_ADD_NORM 3
-// Values per lane of a row the add + norm tail holds (rows of up to 32 * MM_TAIL_PER).
-#define MM_TAIL_PER 32
 
 struct MmSeg {
     u64 w;         // weight rows (gate rows for SwiGLU)
@@ -62,12 +57,6 @@ struct MmParams {
     int k;
     int m;
     int pad;
-    // EPI_ADD_NORM only: the RMS norm of the updated rows (see mm_tail_norm).
-    u64 norm_w;     // [n] f32
-    u64 norm_out;   // [M, n] f32
-    u64 counter;    // u32, zero between launches
-    float eps;
-    int zero_centred;
 };
 
 // The 8 values of quarter s of group g: weights in w[0..8], matching x at offsets
@@ -409,64 +398,6 @@ __device__ __forceinline__ void mm_warp(const MmSeg& sg, int n0, const float* __
     }
 }
 
-// EPI_ADD_NORM: after every block has added its outputs into out = seg[0].out ([M, n]), the
-// last block to finish (counted on p.counter, which it resets) writes norm_out = the RMS norm
-// of each of the M rows of out with weight norm_w, with the arithmetic of rms_norm_f32
-// (ops.cu): lanes 0..15 sum x[i]^2 for i = lane, lane + 16, ... in order, the halving tree
-// combines them, inv = 1 / sqrt(ss / n + eps), out = w' * (x * inv). A warp per row, holding
-// the row in registers (one round trip). The rows are read from L2 (ld.global.cg): lines of
-// them this block cached before the other blocks wrote would be stale.
-__device__ __forceinline__ void mm_tail_norm(const MmParams& p) {
-    __shared__ int s_last;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        const u32 total = gridDim.x * gridDim.y;
-        s_last = atomicAdd((u32*)p.counter, 1u) == total - 1;
-    }
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
-    const int warp = threadIdx.x >> 5;
-    const int lane = threadIdx.x & 31;
-    const int dim = p.seg[0].n;  // <= 32 * MM_TAIL_PER (the host checks)
-    const float* w = (const float*)p.norm_w;
-    for (int m = warp; m < p.m; m += MM_WARPS) {
-        const float* xs = (const float*)p.seg[0].out + (size_t)m * dim;
-        float* os = (float*)p.norm_out + (size_t)m * dim;
-        // One round trip: element lane + 32j of the row and of the weight.
-        float xv[MM_TAIL_PER], wv[MM_TAIL_PER];
-#pragma unroll
-        for (int j = 0; j < MM_TAIL_PER; j++) {
-            const int i = lane + 32 * j;
-            xv[j] = i < dim ? __ldcg(xs + i) : 0.0f;
-            wv[j] = i < dim ? w[i] : 0.0f;
-        }
-        // Partial l (lanes 0..15) adds elements l, l + 16, l + 32, ... in order: element
-        // l + 32j is its own xv[j], element l + 16 + 32j lane l + 16's.
-        float acc = 0.0f;
-#pragma unroll
-        for (int j = 0; j < MM_TAIL_PER; j++) {
-            const float hi = __shfl_down_sync(DF_FULL_MASK, xv[j], 16);
-            if (lane < 16) {
-                if (lane + 32 * j < dim) acc = __fadd_rn(acc, __fmul_rn(xv[j], xv[j]));
-                if (lane + 16 + 32 * j < dim) acc = __fadd_rn(acc, __fmul_rn(hi, hi));
-            }
-        }
-#pragma unroll
-        for (int off = 8; off > 0; off >>= 1) acc = __fadd_rn(acc, __shfl_down_sync(DF_FULL_MASK, acc, off, 16));
-        acc = __shfl_sync(DF_FULL_MASK, acc, 0);
-        const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(acc, (float)dim), p.eps)));
-#pragma unroll
-        for (int j = 0; j < MM_TAIL_PER; j++) {
-            const int i = lane + 32 * j;
-            const float wu = p.zero_centred ? __fadd_rn(1.0f, wv[j]) : wv[j];
-            if (i < dim) os[i] = __fmul_rn(wu, __fmul_rn(xv[j], inv));
-        }
-    }
-    if (threadIdx.x == 0) *(volatile u32*)p.counter = 0u;
-}
-
 template <int DT, int MT, int R, int EPI>
 __device__ __forceinline__ void mm_body(const MmParams& p) {
     int si = 0;
@@ -477,12 +408,6 @@ __device__ __forceinline__ void mm_body(const MmParams& p) {
     const MmSeg& sg = p.seg[si];
     const int warp = threadIdx.x >> 5;
     const int n0 = (((int)blockIdx.x - sg.block0) * MM_WARPS + warp) * R;
-    if (EPI == EPI_ADD_NORM) {
-        // every warp reaches the block barrier of the tail
-        if (n0 < sg.n) mm_warp<DT, MT, R, EPI_ADD>(sg, n0, (const float*)p.x, p.k, p.m, (int)blockIdx.y * MT);
-        mm_tail_norm(p);
-        return;
-    }
     if (n0 >= sg.n) return;  // a whole warp leaves together (no shuffle is left waiting)
     mm_warp<DT, MT, R, EPI>(sg, n0, (const float*)p.x, p.k, p.m, (int)blockIdx.y * MT);
 }
@@ -501,18 +426,13 @@ __device__ __forceinline__ void mm_body(const MmParams& p) {
     MM_KERNEL(SUFFIX, DT, MT, R, EPI_ADD, add)           \
     MM_KERNEL(SUFFIX, DT, MT, RS, EPI_SWIGLU, swiglu)
 
-// (MT, R for store/add, R for SwiGLU): keep each warp at most 64 accumulators. Add + norm
-// for the tiles of up to 8 rows (products of at most 16 rows: decode and verify steps).
-#define MM_KERNELS(SUFFIX, DT)                             \
-    MM_EPIS(SUFFIX, DT, 1, 1, 1)                           \
-    MM_EPIS(SUFFIX, DT, 2, 1, 1)                           \
-    MM_EPIS(SUFFIX, DT, 4, 2, 1)                           \
-    MM_EPIS(SUFFIX, DT, 8, 4, 2)                           \
-    MM_EPIS(SUFFIX, DT, 16, 4, 2)                          \
-    MM_KERNEL(SUFFIX, DT, 1, 1, EPI_ADD_NORM, addnorm)     \
-    MM_KERNEL(SUFFIX, DT, 2, 1, EPI_ADD_NORM, addnorm)     \
-    MM_KERNEL(SUFFIX, DT, 4, 2, EPI_ADD_NORM, addnorm)     \
-    MM_KERNEL(SUFFIX, DT, 8, 4, EPI_ADD_NORM, addnorm)
+// (MT, R for store/add, R for SwiGLU): keep each warp at most 64 accumulators.
+#define MM_KERNELS(SUFFIX, DT)         \
+    MM_EPIS(SUFFIX, DT, 1, 1, 1)       \
+    MM_EPIS(SUFFIX, DT, 2, 1, 1)       \
+    MM_EPIS(SUFFIX, DT, 4, 2, 1)       \
+    MM_EPIS(SUFFIX, DT, 8, 4, 2)       \
+    MM_EPIS(SUFFIX, DT, 16, 4, 2)
 
 // Kernel names: mmtc_<format>_<epilogue> (prompt rows on tensor cores, matmul_tc.cu).
 #define MMTC_KERNEL(SUFFIX, DT, EPI, ENAME)                                            \

@@ -442,25 +442,6 @@ pub trait Backend: Send + Sync + 'static {
         self.add(out, scratch);
     }
 
-    /// `out += x · wᵀ`, then `normed` = the RMS norm of each row of `out` with `weight`
-    /// (`rms_norm` with one group per row): a layer's residual add and the next RMS norm,
-    /// in one launch where the backend can. Bit-identical to `matmul_add` then `rms_norm`.
-    #[allow(clippy::too_many_arguments)]
-    fn matmul_add_norm(
-        &self,
-        x: &Self::Tensor,
-        w: &Self::Weight,
-        out: &mut Self::Tensor,
-        scratch: &mut Self::Tensor,
-        weight: &Self::Tensor,
-        eps: f32,
-        zero_centred: bool,
-        normed: &mut Self::Tensor,
-    ) {
-        self.matmul_add(x, w, out, scratch);
-        self.rms_norm(out, weight, eps, zero_centred, Some(normed));
-    }
-
     /// `out = silu(x · gateᵀ) * (x · upᵀ)`; `scratch` may hold the up product.
     /// Bit-identical to `matmul_many` then `silu_mul`.
     fn matmul_swiglu(

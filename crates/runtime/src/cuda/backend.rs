@@ -6,8 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use super::device::{
     ck, ensure, int, long, Arg, CudaOptions, Device, Epilogue, PrefillGemm, ATT_GM, ATT_MAX_GHD,
-    ATT_MAX_SPLITS, ATT_PER, ATT_THREADS, MM_ADD_NORM_MAX_MT, MM_SEGS, MM_TAIL_MAX_DIM, MM_TILES,
-    MM_WARPS, TC_BM, TC_BN, TC_THREADS,
+    ATT_MAX_SPLITS, ATT_PER, ATT_THREADS, MM_SEGS, MM_TILES, MM_WARPS, TC_BM, TC_BN, TC_THREADS,
 };
 use super::gdn::CudaGdn;
 use super::graph::Graphs;
@@ -62,20 +61,6 @@ struct MmParams {
     k: i32,
     m: i32,
     pad: i32,
-    norm_w: u64,
-    norm_out: u64,
-    counter: u64,
-    eps: f32,
-    zero_centred: i32,
-}
-
-/// The RMS norm a residual-add product runs in its last block (`mm_tail_norm` in matmul.cu).
-#[derive(Clone, Copy)]
-struct NormTail {
-    w: u64,
-    out: u64,
-    eps: f32,
-    zero_centred: bool,
 }
 
 /// `AttParams` in attention.cu.
@@ -295,19 +280,7 @@ impl CudaBackend {
     /// The products `prods` of one x and format in one launch, each output already shaped
     /// `[M, N]` (`MM_SEGS` products at most; SwiGLU products carry their up weight).
     fn mm_launch(&self, x: &CudaTensor, prods: &[Product<'_>], epi: Epilogue) {
-        self.mm_rows(x, prods, epi, 0..x.rows, false, None);
-    }
-
-    /// As [`Self::mm_launch`]; with `tail` (an `Add` of one product of at most 16 rows), the
-    /// product's last block then writes the RMS norm of the updated rows.
-    fn mm_launch_tail(
-        &self,
-        x: &CudaTensor,
-        prods: &[Product<'_>],
-        epi: Epilogue,
-        tail: Option<NormTail>,
-    ) {
-        self.mm_rows(x, prods, epi, 0..x.rows, false, tail);
+        self.mm_rows(x, prods, epi, 0..x.rows, false);
     }
 
     /// [`Self::mm_launch`] over the runs of a step's rows, each on its path.
@@ -319,14 +292,13 @@ impl CudaBackend {
         runs: &[(Range<usize>, bool)],
     ) {
         for (rows, tensor) in runs {
-            self.mm_rows(x, prods, epi, rows.clone(), *tensor, None);
+            self.mm_rows(x, prods, epi, rows.clone(), *tensor);
         }
     }
 
     /// Rows `rows` of the products of [`Self::mm_launch`] (x and outputs addressed from the
     /// range's first row), on the tensor-core kernels when `tensor`, else on the CUDA-core
-    /// kernel (with the norm `tail` when given). Neither makes a row's result depend on the
-    /// range.
+    /// kernel. Neither makes a row's result depend on the range.
     fn mm_rows(
         &self,
         x: &CudaTensor,
@@ -334,7 +306,6 @@ impl CudaBackend {
         epi: Epilogue,
         rows: Range<usize>,
         tensor: bool,
-        tail: Option<NormTail>,
     ) {
         let m = rows.len();
         let Some(first) = prods.first() else { return };
@@ -346,7 +317,6 @@ impl CudaBackend {
         let k = first.w.cols;
         let x_ptr = self.tptr(x) + (4 * rows.start * k) as u64;
         if tensor {
-            assert!(tail.is_none(), "prompt rows take no norm tail");
             return self.mm_tensor(x_ptr, m, k, prods, epi, rows.start);
         }
         // The smallest tile holding all of x up to 8 rows; 9..=16 rows as two tiles of 8
@@ -368,29 +338,11 @@ impl CudaBackend {
         } else {
             tile.r
         };
-        let (mut p, blocks) = self.mm_params(x_ptr, m, k, prods, rows.start, MM_WARPS * r);
+        let (p, blocks) = self.mm_params(x_ptr, m, k, prods, rows.start, MM_WARPS * r);
         if blocks == 0 {
             return;
         }
-        let kernels = self.dev.loaded(first.w.dtype);
-        let f = match tail {
-            None => &kernels.mm[ti][epi as usize],
-            Some(t) => {
-                assert!(
-                    epi == Epilogue::Add && prods.len() == 1 && tile.mt <= MM_ADD_NORM_MAX_MT,
-                    "an add + norm tail needs one residual-add product of at most 16 rows"
-                );
-                p.norm_w = t.w;
-                p.norm_out = t.out;
-                p.eps = t.eps;
-                p.zero_centred = t.zero_centred as i32;
-                p.counter = {
-                    let mut s = self.dev.scratch.lock().expect("scratch lock");
-                    ensure(&self.dev.stream, &self.dev.epoch, &mut s.tail_counter, 1)
-                };
-                &kernels.mm_add_norm[ti]
-            }
-        };
+        let f = &self.dev.loaded(first.w.dtype).mm[ti][epi as usize];
         self.dev.launch_with(
             f,
             &format!("matmul[{}]", first.w.name),
@@ -1463,52 +1415,6 @@ impl Backend for CudaBackend {
             out: self.tptr(out),
         };
         self.mm_launch(x, &[prod], Epilogue::Add);
-    }
-
-    fn matmul_add_norm(
-        &self,
-        x: &CudaTensor,
-        w: &CudaWeight,
-        out: &mut CudaTensor,
-        scratch: &mut CudaTensor,
-        weight: &CudaTensor,
-        eps: f32,
-        zero_centred: bool,
-        normed: &mut CudaTensor,
-    ) {
-        // Products of up to 16 rows (decode, verify) with rows of up to MM_TAIL_MAX_DIM run
-        // tiles with a fused tail; larger ones, a forced tile of 16, norms of part of a row
-        // and DFLASH_CUDA_NORM_TAIL=0 take the two ops.
-        let fused = self.dev.norm_tail
-            && x.rows <= 2 * MM_ADD_NORM_MAX_MT
-            && self.dev.fixed_mt.is_none_or(|t| t <= MM_ADD_NORM_MAX_MT)
-            && weight.len() == w.rows
-            && w.rows <= MM_TAIL_MAX_DIM;
-        if !fused {
-            self.matmul_add(x, w, out, scratch);
-            return self.rms_norm(out, weight, eps, zero_centred, Some(normed));
-        }
-        Self::check_product(x, w);
-        assert_eq!(
-            (out.rows, out.cols),
-            (x.rows, w.rows),
-            "matmul_add_norm {}: the output has the wrong shape",
-            w.name
-        );
-        self.reshape(normed, out.rows, out.cols);
-        self.dev.bind();
-        let prod = Product {
-            w,
-            w2: None,
-            out: self.tptr(out),
-        };
-        let tail = NormTail {
-            w: self.tptr(weight),
-            out: self.tptr(normed),
-            eps,
-            zero_centred,
-        };
-        self.mm_launch_tail(x, &[prod], Epilogue::Add, Some(tail));
     }
 
     fn matmul_swiglu(

@@ -118,11 +118,6 @@ pub(crate) const MM_TILES: [MmTile; 5] = [
         r_swiglu: 2,
     },
 ];
-/// The largest tile with an add + norm kernel (MM_KERNELS in matmul.cu): products of up to
-/// 16 rows of x (two tiles of 8) can fuse the next RMS norm.
-pub(crate) const MM_ADD_NORM_MAX_MT: usize = 8;
-/// The longest row the add + norm tail normalises (32 lanes x MM_TAIL_PER in matmul.cu).
-pub(crate) const MM_TAIL_MAX_DIM: usize = 1024;
 /// Rows of x and weight rows per block of the tensor-core kernels (TC_BM, TC_BN in
 /// matmul_tc.cu), and threads per block (TC_THREADS).
 pub(crate) const TC_BM: usize = 64;
@@ -192,9 +187,6 @@ pub(crate) struct Kernels {
 pub(crate) struct FormatKernels {
     /// `mm[tile index][epilogue index]` for the tiles of `MM_TILES`.
     pub mm: Vec<Vec<CudaFunction>>,
-    /// `mm_add_norm[tile index]`: the residual add then RMS norm (`mm_<format>_<MT>_<R>_addnorm`)
-    /// for the tiles of up to [`MM_ADD_NORM_MAX_MT`] rows.
-    pub mm_add_norm: Vec<CudaFunction>,
     /// `mmtc[epilogue index]`: the tensor-core kernels of prompt rows (matmul_tc.cu).
     pub mmtc: Vec<CudaFunction>,
     pub dequant: CudaFunction,
@@ -240,9 +232,6 @@ pub(crate) struct Scratch {
     pub deq: Option<CudaSlice<f32>>,
     /// Partial softmax states of the split attention.
     pub att_part: Option<CudaSlice<f32>>,
-    /// The block counter of the add + norm products (zero between launches: the last block
-    /// resets it).
-    pub tail_counter: Option<CudaSlice<u32>>,
 }
 
 /// Returns `slot`'s buffer, reallocated when shorter than `n` (contents undefined). A
@@ -282,9 +271,6 @@ pub(crate) struct Device {
     /// launch: sm_90 and later, unless `DFLASH_CUDA_PDL=0`), so each kernel's blocks start
     /// while the one before finishes and wait for it in `df_kernel_begin` (common.cu).
     pub pdl: bool,
-    /// Residual-add products of up to 16 rows normalise the updated rows in their last block
-    /// (`matmul_add_norm`), unless `DFLASH_CUDA_NORM_TAIL=0`.
-    pub norm_tail: bool,
     pub name: String,
     pub compute_capability: (i32, i32),
     pub target: Target,
@@ -405,15 +391,6 @@ impl Device {
             Err(_) => None,
         };
 
-        let norm_tail = match std::env::var("DFLASH_CUDA_NORM_TAIL").as_deref() {
-            Err(_) | Ok("1") | Ok("") => true,
-            Ok("0") => false,
-            Ok(v) => {
-                return Err(dev_err(format!(
-                    "DFLASH_CUDA_NORM_TAIL={v:?}: expected 0 or 1"
-                )))
-            }
-        };
         let pdl = match std::env::var("DFLASH_CUDA_PDL").as_deref() {
             Err(_) | Ok("1") | Ok("") => arch >= 90 && cc.0 >= 9,
             Ok("0") => false,
@@ -447,7 +424,6 @@ impl Device {
             format_lock: Mutex::new(()),
             fixed_mt,
             pdl,
-            norm_tail,
             name,
             compute_capability: cc,
             target,
@@ -526,18 +502,12 @@ impl Device {
             }
             mm.push(by_epi);
         }
-        let mm_add_norm = MM_TILES
-            .iter()
-            .filter(|t| t.mt <= MM_ADD_NORM_MAX_MT)
-            .map(|t| get(&format!("mm_{sfx}_{}_{}_addnorm", t.mt, t.r)))
-            .collect::<Result<Vec<_>, _>>()?;
         let mmtc = Epilogue::ALL
             .iter()
             .map(|e| get(&format!("mmtc_{sfx}_{}", e.name())))
             .collect::<Result<_, _>>()?;
         Ok(FormatKernels {
             mm,
-            mm_add_norm,
             mmtc,
             dequant: get(&format!("dequant_{sfx}"))?,
         })
