@@ -447,6 +447,29 @@ impl CudaBackend {
         );
     }
 
+    /// The products `x · wᵀ` into `outs` (checked, each output shaped `[M, N]`), bound to the
+    /// device, for one launch.
+    fn store_products<'a>(
+        &self,
+        x: &CudaTensor,
+        ws: &[&'a CudaWeight],
+        outs: &mut [&mut CudaTensor],
+    ) -> Vec<Product<'a>> {
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            Self::check_product(x, w);
+            self.reshape(out, x.rows, w.rows);
+        }
+        self.dev.bind();
+        ws.iter()
+            .zip(outs.iter())
+            .map(|(w, out)| Product {
+                w,
+                w2: None,
+                out: self.tptr(out),
+            })
+            .collect()
+    }
+
     fn check_product(x: &CudaTensor, w: &CudaWeight) {
         assert_eq!(x.cols, w.cols, "matmul {}: inner dimensions differ", w.name);
         assert!(
@@ -926,20 +949,7 @@ impl Backend for CudaBackend {
             }
             return;
         }
-        for (w, out) in ws.iter().zip(outs.iter_mut()) {
-            Self::check_product(x, w);
-            self.reshape(out, x.rows, w.rows);
-        }
-        self.dev.bind();
-        let prods: Vec<Product<'_>> = ws
-            .iter()
-            .zip(outs.iter())
-            .map(|(w, out)| Product {
-                w,
-                w2: None,
-                out: self.tptr(out),
-            })
-            .collect();
+        let prods = self.store_products(x, ws, outs);
         self.mm_launch(x, &prods, Epilogue::Store);
     }
 
@@ -1457,20 +1467,7 @@ impl Backend for CudaBackend {
             return self.matmul_many(x, ws, outs);
         }
         assert_eq!(ws.len(), outs.len());
-        for (w, out) in ws.iter().zip(outs.iter_mut()) {
-            Self::check_product(x, w);
-            self.reshape(out, x.rows, w.rows);
-        }
-        self.dev.bind();
-        let prods: Vec<Product<'_>> = ws
-            .iter()
-            .zip(outs.iter())
-            .map(|(w, out)| Product {
-                w,
-                w2: None,
-                out: self.tptr(out),
-            })
-            .collect();
+        let prods = self.store_products(x, ws, outs);
         if ws.len() <= MM_SEGS && ws.iter().all(|w| w.dtype == ws[0].dtype) {
             self.mm_runs(x, &prods, Epilogue::Store, &runs);
         } else {
