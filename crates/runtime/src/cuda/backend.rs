@@ -470,6 +470,43 @@ impl CudaBackend {
             .collect()
     }
 
+    /// The residual-add product `out += x · wᵀ` (checked: out is `[M, N]`), bound to the device.
+    fn add_product<'a>(&self, x: &CudaTensor, w: &'a CudaWeight, out: &CudaTensor) -> Product<'a> {
+        Self::check_product(x, w);
+        assert_eq!(
+            (out.rows, out.cols),
+            (x.rows, w.rows),
+            "matmul_add {}: the output has the wrong shape",
+            w.name
+        );
+        self.dev.bind();
+        Product {
+            w,
+            w2: None,
+            out: self.tptr(out),
+        }
+    }
+
+    /// The SwiGLU product `out = silu(x · gateᵀ) * (x · upᵀ)` (checked, out shaped `[M, N]`),
+    /// bound to the device.
+    fn swiglu_product<'a>(
+        &self,
+        x: &CudaTensor,
+        gate: &'a CudaWeight,
+        up: &'a CudaWeight,
+        out: &mut CudaTensor,
+    ) -> Product<'a> {
+        Self::check_product(x, gate);
+        Self::check_product(x, up);
+        self.reshape(out, x.rows, gate.rows);
+        self.dev.bind();
+        Product {
+            w: gate,
+            w2: Some(up),
+            out: self.tptr(out),
+        }
+    }
+
     fn check_product(x: &CudaTensor, w: &CudaWeight) {
         assert_eq!(x.cols, w.cols, "matmul {}: inner dimensions differ", w.name);
         assert!(
@@ -1407,23 +1444,11 @@ impl Backend for CudaBackend {
         out: &mut CudaTensor,
         scratch: &mut CudaTensor,
     ) {
-        Self::check_product(x, w);
-        assert_eq!(
-            (out.rows, out.cols),
-            (x.rows, w.rows),
-            "matmul_add {}: the output has the wrong shape",
-            w.name
-        );
+        let prod = self.add_product(x, w, out);
         if x.rows > 16 && matches!(self.dev.prefill_gemm, PrefillGemm::Cublas { .. }) {
             self.matmul(x, w, scratch);
             return self.add(out, scratch);
         }
-        self.dev.bind();
-        let prod = Product {
-            w,
-            w2: None,
-            out: self.tptr(out),
-        };
         self.mm_launch(x, &[prod], Epilogue::Add);
     }
 
@@ -1441,15 +1466,7 @@ impl Backend for CudaBackend {
             self.matmul_many(x, &[gate, up], &mut [&mut *out, &mut *scratch]);
             return self.silu_mul(out, scratch);
         }
-        Self::check_product(x, gate);
-        Self::check_product(x, up);
-        self.reshape(out, x.rows, gate.rows);
-        self.dev.bind();
-        let prod = Product {
-            w: gate,
-            w2: Some(up),
-            out: self.tptr(out),
-        };
+        let prod = self.swiglu_product(x, gate, up, out);
         self.mm_launch(x, &[prod], Epilogue::Swiglu);
     }
 
@@ -1489,19 +1506,7 @@ impl Backend for CudaBackend {
         if !runs.iter().any(|(_, tensor)| *tensor) {
             return self.matmul_add(x, w, out, scratch);
         }
-        Self::check_product(x, w);
-        assert_eq!(
-            (out.rows, out.cols),
-            (x.rows, w.rows),
-            "matmul_add {}: the output has the wrong shape",
-            w.name
-        );
-        self.dev.bind();
-        let prod = Product {
-            w,
-            w2: None,
-            out: self.tptr(out),
-        };
+        let prod = self.add_product(x, w, out);
         self.mm_runs(x, &[prod], Epilogue::Add, &runs);
     }
 
@@ -1522,15 +1527,7 @@ impl Backend for CudaBackend {
             self.step_matmul_many(x, &[gate, up], &mut [&mut *out, &mut *scratch], spans);
             return self.silu_mul(out, scratch);
         }
-        Self::check_product(x, gate);
-        Self::check_product(x, up);
-        self.reshape(out, x.rows, gate.rows);
-        self.dev.bind();
-        let prod = Product {
-            w: gate,
-            w2: Some(up),
-            out: self.tptr(out),
-        };
+        let prod = self.swiglu_product(x, gate, up, out);
         self.mm_runs(x, &[prod], Epilogue::Swiglu, &runs);
     }
 

@@ -124,6 +124,13 @@ fn kernel_file(file: &str, embedded: &'static str) -> Cow<'static, str> {
     let Some(dir) = std::env::var_os("DFLASH_CUDA_KERNEL_DIR").filter(|d| !d.is_empty()) else {
         return Cow::Borrowed(embedded);
     };
+    if !Path::new(&dir).is_dir() {
+        tracing::warn!(
+            "DFLASH_CUDA_KERNEL_DIR={} is not a directory: the embedded {file} is used",
+            Path::new(&dir).display()
+        );
+        return Cow::Borrowed(embedded);
+    }
     let path = Path::new(&dir).join(file);
     match std::fs::read_to_string(&path) {
         Ok(text) => {
