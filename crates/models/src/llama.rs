@@ -1,7 +1,7 @@
 //! Llama-family decoder (Llama, SmolLM2, Qwen2 with qkv bias, Qwen3 with q/k norm) on any
 //! backend, batched over rows with their own positions and KV lengths.
 
-use dflash_runtime::backend::{AttnShape, GraphKey, RowSpan, TokenMeta, WeightRole};
+use dflash_runtime::backend::{AttnShape, GraphKey, Rope, RowSpan, TokenMeta, WeightRole};
 use dflash_runtime::{Backend, HostWeight};
 
 use crate::config::LlamaConfig;
@@ -409,32 +409,46 @@ impl<B: Backend> LlamaModel<B> {
                 false,
                 Some(&mut ws.h),
             );
-            b.step_matmul_many(
-                &ws.h,
-                &[&layer.wq, &layer.wk, &layer.wv],
-                &mut [&mut ws.q, &mut ws.k, &mut ws.v],
-                spans,
-            );
-            if let Some([bq, bk, bv]) = &layer.bias {
-                b.add_bias(&mut ws.q, bq);
-                b.add_bias(&mut ws.k, bk);
-                b.add_bias(&mut ws.v, bv);
+            let qkv = [&layer.wq, &layer.wk, &layer.wv];
+            let rope = Rope {
+                inv_freq: &self.inv_freq,
+                head_dim: cfg.head_dim,
+                style: cfg.rope_style,
+            };
+            if layer.bias.is_none() && layer.qk_norm.is_none() {
+                b.step_qkv_rope_kv(
+                    &ws.h,
+                    qkv,
+                    [&mut ws.q, &mut ws.k, &mut ws.v],
+                    &mut self.kv,
+                    li,
+                    meta,
+                    rope,
+                    spans,
+                );
+            } else {
+                b.step_matmul_many(&ws.h, &qkv, &mut [&mut ws.q, &mut ws.k, &mut ws.v], spans);
+                if let Some([bq, bk, bv]) = &layer.bias {
+                    b.add_bias(&mut ws.q, bq);
+                    b.add_bias(&mut ws.k, bk);
+                    b.add_bias(&mut ws.v, bv);
+                }
+                if let Some([qn, kn]) = &layer.qk_norm {
+                    b.rms_norm(&mut ws.q, qn, cfg.rms_eps, false, None);
+                    b.rms_norm(&mut ws.k, kn, cfg.rms_eps, false, None);
+                }
+                b.rope_kv_write(
+                    &mut ws.q,
+                    &mut ws.k,
+                    &ws.v,
+                    &mut self.kv,
+                    li,
+                    meta,
+                    rope.inv_freq,
+                    rope.head_dim,
+                    rope.style,
+                );
             }
-            if let Some([qn, kn]) = &layer.qk_norm {
-                b.rms_norm(&mut ws.q, qn, cfg.rms_eps, false, None);
-                b.rms_norm(&mut ws.k, kn, cfg.rms_eps, false, None);
-            }
-            b.rope_kv_write(
-                &mut ws.q,
-                &mut ws.k,
-                &ws.v,
-                &mut self.kv,
-                li,
-                meta,
-                &self.inv_freq,
-                cfg.head_dim,
-                cfg.rope_style,
-            );
             b.attention(&ws.q, &self.kv, li, meta, shape, &mut ws.att);
             b.step_matmul_add(&ws.att, &layer.wo, &mut ws.x, &mut ws.o, spans);
             b.rms_norm(

@@ -45,6 +45,53 @@ __device__ __forceinline__ void df_kernel_begin() {
 #endif
 }
 
+// Token metadata, 4 u32 per token: row, pos, kv_start, kv_end (backend::TokenMeta).
+#define META_ROW 0
+#define META_POS 1
+#define META_START 2
+#define META_END 3
+
+// ---- RoPE arithmetic (ops.cu's rope kernels and matmul.cu's rope epilogue) -----------------
+//
+// Rotates the first 2*half dimensions of every head_dim head of token t at its position.
+// angle = pos * inv_freq[i] in f32 (as the CPU and HF compute it); cos and sin are evaluated
+// in double and rounded to f32 (closer to the CPU's libm cosf/sinf than the f32 intrinsics).
+// style 0: neox (i pairs with i + half); style 1: interleaved (2i pairs with 2i + 1).
+
+// Pair i of a head: the offsets of its two values.
+__device__ __forceinline__ void rope_offsets(int i, int half, int style, int* ia, int* ib) {
+    *ia = style == 0 ? i : 2 * i;
+    *ib = style == 0 ? i + half : 2 * i + 1;
+}
+
+// cos and sin of pair i's angle at position pos.
+__device__ __forceinline__ void rope_cs(int i, float pos, const float* inv_freq, float* c, float* s) {
+    const float angle = __fmul_rn(pos, inv_freq[i]);
+    double sd, cd;
+    sincos((double)angle, &sd, &cd);
+    *c = (float)cd;
+    *s = (float)sd;
+}
+
+// The pair (a, b) rotated by the angle of (c, s).
+__device__ __forceinline__ void rope_apply(float a, float b, float c, float s, int style, float* ra, float* rb) {
+    if (style == 0) {
+        *ra = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+        *rb = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+    } else {
+        *ra = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+        *rb = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
+    }
+}
+
+// The pair (a, b) at pair index i rotated to angle pos * inv_freq[i].
+__device__ __forceinline__ void rope_rotate(float a, float b, int i, int style, float pos, const float* inv_freq,
+                                            float* ra, float* rb) {
+    float c, s;
+    rope_cs(i, pos, inv_freq, &c, &s);
+    rope_apply(a, b, c, s, style, ra, rb);
+}
+
 // Values per decode group: every format is read 32 values at a time (quant::GROUP).
 #define GROUP 32
 

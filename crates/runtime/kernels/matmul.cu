@@ -24,11 +24,20 @@
 // are loaded before their products, with the widest load the format's alignment allows (16
 // bytes for f16/bf16 and f32, 8 for the Q4_K nibbles, 4 for Q4_1); with two or more rows of
 // x, the x values of those steps are requested with them, so a warp waits on memory once per
-// P steps. x is read through the read-only path (it is small and shared by every warp).
+// P steps. With one or two rows of x the next P steps' weight bytes are requested before the
+// current ones are used (two batches in flight). A warp requests its first P steps' weights
+// before it waits for the previous kernel (programmatic dependent launch, common.cu): the
+// weights are never written by a kernel, so those loads overlap the kernel before. x is read
+// through the read-only path (it is small and shared by every warp).
 //
 // Epilogues: store; add into `out` (out = out + s: the residual add, bit-identical to a
 // separate `add`); SwiGLU (two weights per output: out = silu(x·gᵀ) * (x·uᵀ), bit-identical to
-// a separate `silu_mul`).
+// a separate `silu_mul`); RoPE + KV write (the q, k and v products of an attention layer as
+// segments 0, 1, 2: q and k rotated at each token's position and stored, k and v also written
+// to the token's KV slot; bit-identical to storing them and running `rope_kv_f32`, ops.cu).
+// The rope epilogue gives each warp the two rows of one rotary pair (R = 2: rows ia, ib of
+// `rope_offsets` in head h), so the pair is rotated where its sums are; it needs the rotary
+// dimensions to cover the head (2 * half == head_dim).
 //
 // Segments. One launch can run up to MM_SEGS products of the same x and format with
 // different weights and outputs (q/k/v, gate/up): blocks are handed out segment after
@@ -40,6 +49,7 @@
 #define EPI_STORE 0
 #define EPI_ADD 1
 #define EPI_SWIGLU 2
+#define EPI_ROPE 3
 
 struct MmSeg {
     u64 w;         // weight rows (gate rows for SwiGLU)
@@ -57,6 +67,16 @@ struct MmParams {
     int k;
     int m;
     int pad;
+    // EPI_ROPE only (segments q, k, v):
+    u64 meta;      // [M][4] u32 token metadata of the rows of x
+    u64 inv_freq;  // [half]
+    u64 kv_rows;   // RowDesc per KV row
+    int layer;
+    int head_dim;
+    int half;
+    int style;
+    int kv_dim;
+    int pad2;
 };
 
 // The 8 values of quarter s of group g: weights in w[0..8], matching x at offsets
@@ -300,24 +320,81 @@ __device__ __forceinline__ float swiglu(float g, float u) {
 // Prompt (prefill) rows on tensor cores: mmtc_body, reusing MmPart and swiglu above.
 #include "matmul_tc.cu"
 
-// One warp: R output rows (each from W rows, W = 2 for SwiGLU) for MT rows of x.
+// The weight bytes of the P steps from group g0 (groups g0, g0 + 8, ...) of every row.
+template <int DT, int P, int R, int W>
+__device__ __forceinline__ void mm_load_parts(MmPart<DT> (&part)[P][R][W], const u8* const (&rows)[R][W], int g0,
+                                              int groups, int s) {
+#pragma unroll
+    for (int q = 0; q < P; q++) {
+        const int g = g0 + 8 * q;
+        if (g < groups) {
+#pragma unroll
+            for (int r = 0; r < R; r++)
+#pragma unroll
+                for (int v = 0; v < W; v++) part[q][r][v].load(rows[r][v], g, s);
+        }
+    }
+}
+
+// Every warp calls df_kernel_begin (the wait for the previous kernel) itself, after
+// requesting its first weight bytes: weights are never written by a kernel, so their loads may
+// overlap the kernel before.
+// What lane m of a rope-epilogue warp needs for token m0 + m, found before the wait (the
+// metadata, the KV row table and the frequencies are written by the host before the step):
+// the pair's cos and sin at the token's position, and the token's KV slot for the segment
+// (keys for k, values for v, none for q).
+struct RopeLane {
+    float c, s;
+    float* slot;
+};
+
+__device__ __forceinline__ RopeLane rope_lane(const MmParams& p, int seg, int pair, int token) {
+    RopeLane rl = {1.0f, 0.0f, nullptr};
+    const u32* meta = (const u32*)p.meta + 4 * token;
+    const u32 at = meta[META_POS];
+    if (seg < 2) rope_cs(pair, (float)at, (const float*)p.inv_freq, &rl.c, &rl.s);
+    if (seg > 0) {
+        const RowDesc rd = ((const RowDesc*)p.kv_rows)[meta[META_ROW]];
+        rl.slot = (float*)rd.base + ((size_t)(2 * p.layer + (seg - 1)) * rd.cap + at) * p.kv_dim;
+    }
+    return rl;
+}
+
+// One warp: output rows nr[0..R] of segment `seg` (each from W weight rows, W = 2 for
+// SwiGLU) for MT rows of x from m0; `pair` is the rotary pair of the rope epilogue.
 template <int DT, int MT, int R, int EPI>
-__device__ __forceinline__ void mm_warp(const MmSeg& sg, int n0, const float* __restrict__ x, int K, int M,
-                                        int m0) {
+__device__ __forceinline__ void mm_warp(const MmSeg& sg, const int (&nr)[R], const MmParams& p, int m0, int seg,
+                                        int pair) {
     constexpr int W = EPI == EPI_SWIGLU ? 2 : 1;
+    const float* __restrict__ x = (const float*)p.x;
+    const int K = p.k;
     const int lane = threadIdx.x & 31;
     const int j = lane >> 2;
     const int s = lane & 3;
     const int groups = K / GROUP;
-    const int ml = min(MT, M - m0);
+    const int ml = min(MT, p.m - m0);
 
     const u8* rows[R][W];
 #pragma unroll
     for (int r = 0; r < R; r++) {
-        const int n = min(n0 + r, sg.n - 1);  // rows past the end repeat the last (not stored)
+        const int n = min(nr[r], sg.n - 1);  // rows past the end repeat the last (not stored)
         rows[r][0] = (const u8*)sg.w + (size_t)n * sg.row_bytes;
         if (W == 2) rows[r][W - 1] = (const u8*)sg.w2 + (size_t)n * sg.row_bytes;
     }
+
+    // P steps' weight bytes are loaded before any of their products (P more loads in flight
+    // per lane); the products then run in step order, so the sum is the same for every P.
+    // With one or two rows of x (decode and short verify blocks, where a warp has few steps
+    // and its loads decide the time) the next P steps' bytes are requested before the current
+    // ones are used (DB: two batches in flight).
+    constexpr int P = MT <= 2 ? 4 : (MT <= 4 ? 2 : 1);
+    constexpr bool XH = MT >= 2;
+    constexpr bool DB = MT <= 2;
+    MmPart<DT> part[P][R][W];
+    mm_load_parts<DT, P, R, W>(part, rows, j, groups, s);
+    RopeLane rl = {1.0f, 0.0f, nullptr};
+    if (EPI == EPI_ROPE && lane < ml) rl = rope_lane(p, seg, pair, m0 + lane);
+    df_kernel_begin();
 
     float acc[R][W][MT];
 #pragma unroll
@@ -327,28 +404,21 @@ __device__ __forceinline__ void mm_warp(const MmSeg& sg, int n0, const float* __
 #pragma unroll
             for (int m = 0; m < MT; m++) acc[r][v][m] = 0.0f;
 
-    // P steps' weight bytes are loaded before any of their products (P more loads in flight
-    // per lane); the products then run in step order, so the sum is the same for every P.
-    constexpr int P = MT <= 2 ? 4 : (MT <= 4 ? 2 : 1);
-    constexpr bool XH = MT >= 2;
     const int xa = MmPart<DT>::xa(s);
     const int xb = MmPart<DT>::xb(s);
     for (int g0 = j; g0 < groups; g0 += 8 * P) {
-        MmPart<DT> part[P][R][W];
-        // With several rows of x, every row's x values for the P steps are requested with the
-        // weights (one round trip per P steps); a single row loads its x values step by step
+        MmPart<DT> next[DB ? P : 1][R][W];
+        if (DB) mm_load_parts<DT, DB ? P : 1, R, W>(next, rows, g0 + 8 * P, groups, s);
+        // With several rows of x, every row's x values for the P steps are requested
+        // together (one round trip per P steps); a single row loads its x values step by step
         // (fewer registers, which the many-block products at M = 1 need for occupancy).
         constexpr int XP = XH ? P : 1;
         float4 xa4[XP][MT], xb4[XP][MT];
+        if (XH) {
 #pragma unroll
-        for (int q = 0; q < P; q++) {
-            const int g = g0 + 8 * q;
-            if (g < groups) {
-#pragma unroll
-                for (int r = 0; r < R; r++)
-#pragma unroll
-                    for (int v = 0; v < W; v++) part[q][r][v].load(rows[r][v], g, s);
-                if (XH) mm_load_x<MT>(x, K, m0, ml, g, xa, xb, xa4[q % XP], xb4[q % XP]);
+            for (int q = 0; q < P; q++) {
+                const int g = g0 + 8 * q;
+                if (g < groups) mm_load_x<MT>(x, K, m0, ml, g, xa, xb, xa4[q % XP], xb4[q % XP]);
             }
         }
 #pragma unroll
@@ -373,12 +443,48 @@ __device__ __forceinline__ void mm_warp(const MmSeg& sg, int n0, const float* __
                 }
             }
         }
+        if (DB) {
+#pragma unroll
+            for (int q = 0; q < P; q++)
+#pragma unroll
+                for (int r = 0; r < R; r++)
+#pragma unroll
+                    for (int v = 0; v < W; v++) part[q][r][v] = next[DB ? q : 0][r][v];
+        } else {
+            mm_load_parts<DT, P, R, W>(part, rows, g0 + 8 * P, groups, s);
+        }
     }
 
     float* out = (float*)sg.out;
+    if (EPI == EPI_ROPE) {
+        // Lane m takes token m's pair: the sums of every token are in every lane after the
+        // butterflies; lane m keeps its own.
+        float a = 0.0f, b = 0.0f;
+#pragma unroll
+        for (int m = 0; m < MT; m++) {
+            const float sa = warp_sum(acc[0][0][m]);
+            const float sb = warp_sum(acc[R - 1][0][m]);
+            if (lane == m) {
+                a = sa;
+                b = sb;
+            }
+        }
+        if (lane < ml) {
+            float ra = a, rb = b;
+            if (seg < 2) rope_apply(a, b, rl.c, rl.s, p.style, &ra, &rb);
+            float* o = out + (size_t)(m0 + lane) * sg.n;
+            o[nr[0]] = ra;
+            o[nr[R - 1]] = rb;
+            if (rl.slot) {
+                rl.slot[nr[0]] = ra;
+                rl.slot[nr[R - 1]] = rb;
+            }
+        }
+        return;
+    }
 #pragma unroll
     for (int r = 0; r < R; r++) {
-        const int n = n0 + r;
+        const int n = nr[r];
 #pragma unroll
         for (int m = 0; m < MT; m++) {
             float sum[W];
@@ -407,9 +513,26 @@ __device__ __forceinline__ void mm_body(const MmParams& p) {
     }
     const MmSeg& sg = p.seg[si];
     const int warp = threadIdx.x >> 5;
-    const int n0 = (((int)blockIdx.x - sg.block0) * MM_WARPS + warp) * R;
-    if (n0 >= sg.n) return;  // a whole warp leaves together (no shuffle is left waiting)
-    mm_warp<DT, MT, R, EPI>(sg, n0, (const float*)p.x, p.k, p.m, (int)blockIdx.y * MT);
+    const int unit = ((int)blockIdx.x - sg.block0) * MM_WARPS + warp;  // R rows, or a pair
+    int nr[R];
+    int pair = 0;
+    if (EPI == EPI_ROPE) {
+        // Pair `pair` of head h: rows h * head_dim + ia and + ib.
+        const int h = unit / p.half;
+        pair = unit - h * p.half;
+        int ia, ib;
+        rope_offsets(pair, p.half, p.style, &ia, &ib);
+        nr[0] = h * p.head_dim + ia;
+        nr[R - 1] = h * p.head_dim + ib;
+    } else {
+#pragma unroll
+        for (int r = 0; r < R; r++) nr[r] = unit * R + r;
+    }
+    if (unit * R >= sg.n) {  // a whole warp leaves together (no shuffle is left waiting)
+        df_kernel_begin();
+        return;
+    }
+    mm_warp<DT, MT, R, EPI>(sg, nr, p, (int)blockIdx.y * MT, si, pair);
 }
 
 // Kernel names: mm_<format>_<MT>_<R>_<epilogue>. R for a tile is chosen by the host
@@ -417,16 +540,17 @@ __device__ __forceinline__ void mm_body(const MmParams& p) {
 #define MM_KERNEL(SUFFIX, DT, MT, R, EPI, ENAME)                                               \
     extern "C" __global__ void __launch_bounds__(MM_WARPS * 32)                                \
         mm_##SUFFIX##_##MT##_##R##_##ENAME(const MmParams p) {                                 \
-        df_kernel_begin();                                                                     \
-        mm_body<DT, MT, R, EPI>(p);                                                            \
+        mm_body<DT, MT, R, EPI>(p); /* waits for the previous kernel itself (mm_warp) */       \
     }
 
 #define MM_EPIS(SUFFIX, DT, MT, R, RS)                   \
     MM_KERNEL(SUFFIX, DT, MT, R, EPI_STORE, store)       \
     MM_KERNEL(SUFFIX, DT, MT, R, EPI_ADD, add)           \
-    MM_KERNEL(SUFFIX, DT, MT, RS, EPI_SWIGLU, swiglu)
+    MM_KERNEL(SUFFIX, DT, MT, RS, EPI_SWIGLU, swiglu)    \
+    MM_KERNEL(SUFFIX, DT, MT, 2, EPI_ROPE, rope)
 
-// (MT, R for store/add, R for SwiGLU): keep each warp at most 64 accumulators.
+// (MT, R for store/add, R for SwiGLU; the rope epilogue always has R = 2, one rotary pair):
+// keep each warp at most 64 accumulators.
 #define MM_KERNELS(SUFFIX, DT)         \
     MM_EPIS(SUFFIX, DT, 1, 1, 1)       \
     MM_EPIS(SUFFIX, DT, 2, 1, 1)       \

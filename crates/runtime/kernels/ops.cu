@@ -6,12 +6,6 @@
 // summation order, it is reproduced exactly (RMS norm: bit-identical to the CPU backend).
 #include "common.cu"
 
-// Token metadata, 4 u32 per token: row, pos, kv_start, kv_end (backend::TokenMeta).
-#define META_ROW 0
-#define META_POS 1
-#define META_START 2
-#define META_END 3
-
 // ---- element-wise ------------------------------------------------------------------------
 
 // x[i] += y[i]
@@ -228,35 +222,7 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     }
 }
 
-// ---- RoPE --------------------------------------------------------------------------------
-//
-// Rotates the first 2*half dimensions of every head_dim head of token t at its position.
-// angle = pos * inv_freq[i] in f32 (as the CPU and HF compute it); cos and sin are evaluated
-// in double and rounded to f32 (closer to the CPU's libm cosf/sinf than the f32 intrinsics).
-// style 0: neox (i pairs with i + half); style 1: interleaved (2i pairs with 2i + 1).
-
-// Pair i of a head: the offsets of its two values, and the pair rotated to angle pos *
-// inv_freq[i].
-__device__ __forceinline__ void rope_offsets(int i, int half, int style, int* ia, int* ib) {
-    *ia = style == 0 ? i : 2 * i;
-    *ib = style == 0 ? i + half : 2 * i + 1;
-}
-
-__device__ __forceinline__ void rope_rotate(float a, float b, int i, int style, float pos, const float* inv_freq,
-                                            float* ra, float* rb) {
-    const float angle = __fmul_rn(pos, inv_freq[i]);
-    double sd, cd;
-    sincos((double)angle, &sd, &cd);
-    const float c = (float)cd;
-    const float s = (float)sd;
-    if (style == 0) {
-        *ra = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-        *rb = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
-    } else {
-        *ra = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-        *rb = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
-    }
-}
+// ---- RoPE (the arithmetic is in common.cu) ----------------------------------------------
 
 // Rotates pair i of the head at `head`, writing the results to `dst` (may equal head).
 __device__ __forceinline__ void rope_pair(const float* head, float* dst, int i, int half, int style, float pos,
@@ -285,7 +251,8 @@ extern "C" __global__ void rope_f32(float* x, const u32* meta, const float* inv_
 }
 
 // RoPE of q and k, and the KV write of k and v, for token blockIdx.x: the fusion of two
-// `rope_f32` and one `kv_write_f32` launches, with the same arithmetic. k is rotated in place
+// `rope_f32` and one `kv_write_f32` launches, with the same arithmetic (the matmul's rope
+// epilogue, matmul.cu, computes the same values inside the q/k/v products). k is rotated in place
 // (as the separate ops leave it), then k and v are copied into the cache.
 struct RopeKvParams {
     u64 q;         // [T, q_cols]

@@ -98,6 +98,23 @@ pub enum RopeStyle {
     Interleaved,
 }
 
+/// The rotary embedding of an attention layer: its frequencies (`[half]`, `inv_freq[i]` for
+/// pair i), the head size and how dimensions pair.
+#[derive(Debug)]
+pub struct Rope<'a, T> {
+    pub inv_freq: &'a T,
+    pub head_dim: usize,
+    pub style: RopeStyle,
+}
+
+impl<T> Clone for Rope<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for Rope<'_, T> {}
+
 /// Attention head layout.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AttnShape {
@@ -502,6 +519,38 @@ pub trait Backend: Send + Sync + 'static {
     ) {
         let _ = spans;
         self.matmul_swiglu(x, gate, up, out, scratch)
+    }
+
+    /// The q/k/v products of an attention layer over a step (`ws` into `outs`, as
+    /// [`Backend::step_matmul_many`]), then RoPE of q and k and the KV write of k and v (as
+    /// [`Backend::rope_kv_write`]): bit-identical to those two calls, which is the default.
+    /// A backend may do both in one pass (the CUDA backend rotates and writes the cache in
+    /// the products' epilogue).
+    #[allow(clippy::too_many_arguments)]
+    fn step_qkv_rope_kv(
+        &self,
+        x: &Self::Tensor,
+        ws: [&Self::Weight; 3],
+        outs: [&mut Self::Tensor; 3],
+        kv: &mut Self::Kv,
+        layer: usize,
+        meta: &Self::Meta,
+        rope: Rope<'_, Self::Tensor>,
+        spans: &[RowSpan],
+    ) {
+        let [q, k, v] = outs;
+        self.step_matmul_many(x, &ws, &mut [&mut *q, &mut *k, &mut *v], spans);
+        self.rope_kv_write(
+            q,
+            k,
+            v,
+            kv,
+            layer,
+            meta,
+            rope.inv_freq,
+            rope.head_dim,
+            rope.style,
+        );
     }
 
     /// RoPE of `q` and `k` at each token's position, then the KV write of `k` and `v`.

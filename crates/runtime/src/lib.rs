@@ -14,7 +14,9 @@ pub mod error;
 pub mod quant;
 pub mod weight;
 
-pub use backend::{Activations, Backend, GdnShape, RowSpan, TokenMeta, WeightPath, WeightRole};
+pub use backend::{
+    Activations, Backend, GdnShape, Rope, RowSpan, TokenMeta, WeightPath, WeightRole,
+};
 pub use dtype::DType;
 pub use error::RuntimeError;
 pub use weight::{HostWeight, WeightBytes};

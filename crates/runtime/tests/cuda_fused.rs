@@ -1,5 +1,6 @@
 //! The CUDA backend's fused ops, step inputs and graphs: each fusion against the ops it
-//! replaces (bit for bit on the GPU), the small-M matmul tiles against each other for every
+//! replaces (bit for bit on the GPU; the q/k/v products with RoPE and the KV write in their
+//! epilogue included), the small-M matmul tiles against each other for every
 //! M = 1..20 (one reduction order: bit for bit), split attention across split boundaries, and
 //! a step replayed from a CUDA graph against the same step run eagerly.
 //!
@@ -10,7 +11,7 @@ mod common;
 
 use common::{bits, gpu, random_vec, random_weight};
 
-use dflash_runtime::backend::{AttnShape, GraphKey, RopeStyle};
+use dflash_runtime::backend::{AttnShape, GraphKey, Rope, RopeStyle, RowSpan};
 use dflash_runtime::cuda::CudaBackend;
 use dflash_runtime::{Backend, DType, TokenMeta, WeightRole};
 use rand::{Rng, SeedableRng};
@@ -218,6 +219,112 @@ fn rope_kv_write_equals_rope_rope_kv_write_and_verify_equals_decode() {
                     "heads {n_heads}/{n_kv_heads} dim {head_dim}: token {i} of the block at \
                      context {len} alone differs"
                 );
+            }
+        }
+    }
+}
+
+#[test]
+fn qkv_rope_epilogue_equals_products_then_rope_kv_write() {
+    let Some(g) = gpu() else { return };
+    // (heads, KV heads, head_dim, K): the default model's attention and a Qwen3-4B-like one.
+    for (n_heads, n_kv_heads, head_dim, k) in
+        [(9usize, 3usize, 64usize, 576usize), (8, 2, 128, 512)]
+    {
+        let (q_cols, kv_dim) = (n_heads * head_dim, n_kv_heads * head_dim);
+        let shape = AttnShape {
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            scale: 1.0 / (head_dim as f32).sqrt(),
+        };
+        let inv: Vec<f32> = (0..head_dim / 2)
+            .map(|i| 10000f32.powf(-((2 * i) as f32) / head_dim as f32))
+            .collect();
+        let inv = g.upload(&inv, 1, head_dim / 2);
+        for dtype in [
+            DType::Q4_1,
+            DType::Q8_0,
+            DType::Q4_0,
+            DType::BF16,
+            DType::Q4K,
+        ] {
+            let w = |n: usize, seed: u64| {
+                g.upload_weight(&random_weight(dtype, n, k, seed), WeightRole::Projection)
+                    .unwrap()
+            };
+            let (wq, wk, wv) = (w(q_cols, 21), w(kv_dim, 22), w(kv_dim, 23));
+            for style in [RopeStyle::Neox, RopeStyle::Interleaved] {
+                let rope = Rope {
+                    inv_freq: &inv,
+                    head_dim,
+                    style,
+                };
+                // Tokens of two rows (a decode row and a verify block), up to a prompt-sized
+                // step on the CUDA-core path (no span is a prompt piece).
+                for m in [1usize, 2, 5, 16, 17, 40] {
+                    let lens = [200usize, 37];
+                    let meta: Vec<TokenMeta> = (0..m)
+                        .map(|i| {
+                            let row = usize::from(i % 3 == 0);
+                            TokenMeta::causal(row as u32, (lens[row] + i) as u32)
+                        })
+                        .collect();
+                    let spans: Vec<RowSpan> = (0..m)
+                        .map(|i| RowSpan {
+                            row: meta[i].row,
+                            first: i as u32,
+                            count: 1,
+                            chunked: false,
+                            prompt: false,
+                        })
+                        .collect();
+                    let mg = g.upload_meta(&meta);
+                    let x = g.upload(&random_vec(m * k, -1.0, 1.0, 30 + m as u64), m, k);
+                    let mut kv_f = kv_setup(g, kv_dim, &lens);
+                    let mut kv_s = kv_setup(g, kv_dim, &lens);
+                    let (mut qf, mut kf, mut vf) = (g.tensor(0, 0), g.tensor(0, 0), g.tensor(0, 0));
+                    g.step_qkv_rope_kv(
+                        &x,
+                        [&wq, &wk, &wv],
+                        [&mut qf, &mut kf, &mut vf],
+                        &mut kv_f,
+                        0,
+                        &mg,
+                        rope,
+                        &spans,
+                    );
+                    let (mut qs, mut ks, mut vs) = (g.tensor(0, 0), g.tensor(0, 0), g.tensor(0, 0));
+                    g.matmul_many(&x, &[&wq, &wk, &wv], &mut [&mut qs, &mut ks, &mut vs]);
+                    g.rope_kv_write(
+                        &mut qs, &mut ks, &vs, &mut kv_s, 0, &mg, &inv, head_dim, style,
+                    );
+                    let what = format!("{dtype} {style:?} heads {n_heads}/{n_kv_heads} M={m}");
+                    for (a, b, name) in [(&qf, &qs, "q"), (&kf, &ks, "k"), (&vf, &vs, "v")] {
+                        assert_eq!(bits(&g.to_host(a)), bits(&g.to_host(b)), "{what}: {name}");
+                    }
+                    // The caches: attention over every key of both rows, with random queries.
+                    let probe: Vec<TokenMeta> = (0..2)
+                        .map(|row| {
+                            let end = meta
+                                .iter()
+                                .filter(|t| t.row == row)
+                                .map(|t| t.pos + 1)
+                                .max();
+                            TokenMeta::causal(row, end.unwrap_or(lens[row as usize] as u32) - 1)
+                        })
+                        .collect();
+                    let pm = g.upload_meta(&probe);
+                    let pq = g.upload(&random_vec(2 * q_cols, -2.0, 2.0, 40), 2, q_cols);
+                    let (mut af, mut asep) = (g.tensor(0, 0), g.tensor(0, 0));
+                    g.attention(&pq, &kv_f, 0, &pm, shape, &mut af);
+                    g.attention(&pq, &kv_s, 0, &pm, shape, &mut asep);
+                    assert_eq!(
+                        bits(&g.to_host(&af)),
+                        bits(&g.to_host(&asep)),
+                        "{what}: the KV caches differ"
+                    );
+                }
             }
         }
     }

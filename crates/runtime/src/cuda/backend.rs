@@ -14,7 +14,7 @@ use super::kv::CudaKv;
 use super::profile::{KernelClassTime, Profiler};
 use super::tensor::{CudaMeta, CudaStep, CudaTensor, CudaWeight};
 use crate::backend::{
-    prompt_runs, Activations, AttnShape, Backend, GdnShape, GraphKey, RopeStyle, RowSpan,
+    prompt_runs, Activations, AttnShape, Backend, GdnShape, GraphKey, Rope, RopeStyle, RowSpan,
     TokenMeta, WeightPath, WeightRole,
 };
 use crate::choice::{DraftRow, SampleRow, Verdict, VerifyRow};
@@ -42,7 +42,7 @@ fn int_of(v: usize) -> i32 {
 /// One product of a fused matmul launch (`MmSeg` in matmul.cu).
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
-struct MmSeg {
+pub(super) struct MmSeg {
     w: u64,
     w2: u64,
     out: u64,
@@ -54,13 +54,30 @@ struct MmSeg {
 /// `MmParams` in matmul.cu.
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
-struct MmParams {
+pub(super) struct MmParams {
     seg: [MmSeg; MM_SEGS],
     x: u64,
     nseg: i32,
     k: i32,
-    m: i32,
+    pub(super) m: i32,
     pad: i32,
+    /// The rope epilogue's fields (zero for the others): see [`RopeEpi`].
+    pub(super) rope: RopeEpi,
+}
+
+/// The fields of `MmParams` (matmul.cu) that only the rope epilogue reads.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub(super) struct RopeEpi {
+    pub meta: u64,
+    pub inv_freq: u64,
+    pub kv_rows: u64,
+    pub layer: i32,
+    pub head_dim: i32,
+    pub half: i32,
+    pub style: i32,
+    pub kv_dim: i32,
+    pub pad: i32,
 }
 
 /// `AttParams` in attention.cu.
@@ -103,7 +120,7 @@ struct RopeKvParams {
 }
 
 /// A weight (and, for SwiGLU, its partner) and the output of one fused product.
-struct Product<'a> {
+pub(super) struct Product<'a> {
     w: &'a CudaWeight,
     w2: Option<&'a CudaWeight>,
     out: u64,
@@ -238,15 +255,46 @@ impl CudaBackend {
         super::device::ck(self.dev.stream.synchronize(), "stream synchronisation");
     }
 
-    fn ptr<T>(&self, s: &cudarc::driver::CudaSlice<T>) -> u64 {
+    pub(super) fn ptr<T>(&self, s: &cudarc::driver::CudaSlice<T>) -> u64 {
         self.dev.ptr(s)
     }
 
-    fn tptr(&self, t: &CudaTensor) -> u64 {
+    pub(super) fn tptr(&self, t: &CudaTensor) -> u64 {
         self.dev.ptr(&t.buf)
     }
 
-    fn meta_ptr(&self, m: &CudaMeta) -> u64 {
+    /// The checks of a RoPE + KV write over q with `q_cols` columns: the layer, the rotary
+    /// and head dimensions, and every token's KV slot reserved.
+    pub(super) fn check_rope_kv(
+        q_cols: usize,
+        kv: &CudaKv,
+        layer: usize,
+        meta: &CudaMeta,
+        half: usize,
+        head_dim: usize,
+    ) {
+        let dim = kv.kv_dim;
+        assert!(layer < kv.layers, "KV layer {layer} out of range");
+        assert!(
+            half <= ROPE_MAX_HALF,
+            "rotary dimension above 512 is not supported"
+        );
+        assert!(head_dim > 0 && q_cols.is_multiple_of(head_dim) && dim.is_multiple_of(head_dim));
+        assert!(2 * half <= head_dim);
+        for m in &meta.host {
+            assert!(
+                (m.row as usize) < kv.rows.len(),
+                "KV row {} was never reserved",
+                m.row
+            );
+            assert!(
+                (m.pos as usize) < kv.capacity(m.row as usize),
+                "KV write past the row's reserved capacity"
+            );
+        }
+    }
+
+    pub(super) fn meta_ptr(&self, m: &CudaMeta) -> u64 {
         self.ptr(
             m.buf
                 .as_ref()
@@ -319,42 +367,65 @@ impl CudaBackend {
         if tensor {
             return self.mm_tensor(x_ptr, m, k, prods, epi, rows.start);
         }
-        // The smallest tile holding all of x up to 8 rows; 9..=16 rows as two tiles of 8
-        // (twice the blocks: a 576-row product at M = 16 takes 3.7 us this way against 12.0
-        // with one tile of 16 on the H200); prefill (M > 16) as tiles of 16.
-        // DFLASH_CUDA_MM_TILE fixes one. The tile never changes a row's result.
+        let ti = self.mm_tile(m);
+        let (p, blocks) = self.mm_params(
+            x_ptr,
+            m,
+            k,
+            prods,
+            rows.start,
+            MM_WARPS * MM_TILES[ti].r_of(epi),
+        );
+        self.mm_core_launch(prods, epi, ti, &p, blocks);
+    }
+
+    /// The CUDA-core tile (index into `MM_TILES`) for `m` rows of x: the smallest tile
+    /// holding all of x up to 8 rows; 9..=16 rows as two tiles of 8 (twice the blocks: a
+    /// 576-row product at M = 16 takes 3.7 us this way against 12.0 with one tile of 16 on
+    /// the H200); prefill (M > 16) as tiles of 16. DFLASH_CUDA_MM_TILE fixes one. The tile
+    /// never changes a row's result.
+    pub(super) fn mm_tile(&self, m: usize) -> usize {
         let want = self.dev.fixed_mt.unwrap_or(match m {
             0..=8 => m,
             9..=16 => 8,
             _ => 16,
         });
-        let ti = MM_TILES
+        MM_TILES
             .iter()
             .position(|t| t.mt >= want)
-            .expect("tiles cover 1..=16");
-        let tile = MM_TILES[ti];
-        let r = if epi == Epilogue::Swiglu {
-            tile.r_swiglu
-        } else {
-            tile.r
-        };
-        let (p, blocks) = self.mm_params(x_ptr, m, k, prods, rows.start, MM_WARPS * r);
+            .expect("tiles cover 1..=16")
+    }
+
+    /// Launches the CUDA-core kernel of tile `ti` and `epi` over `blocks` blocks with `p`.
+    pub(super) fn mm_core_launch(
+        &self,
+        prods: &[Product<'_>],
+        epi: Epilogue,
+        ti: usize,
+        p: &MmParams,
+        blocks: usize,
+    ) {
         if blocks == 0 {
             return;
         }
+        let first = &prods[0];
         let f = &self.dev.loaded(first.w.dtype).mm[ti][epi as usize];
         self.dev.launch_with(
             f,
             &format!("matmul[{}]", first.w.name),
-            (blocks as u32, m.div_ceil(tile.mt) as u32, 1),
+            (
+                blocks as u32,
+                (p.m as usize).div_ceil(MM_TILES[ti].mt) as u32,
+                1,
+            ),
             ((MM_WARPS * 32) as u32, 1, 1),
-            &p,
+            p,
         );
     }
 
     /// The launch parameters of products over `m` rows of x at `x_ptr` (row `row0` of the
     /// outputs), `per_block` weight rows a block; and the blocks.
-    fn mm_params(
+    pub(super) fn mm_params(
         &self,
         x_ptr: u64,
         m: usize,
@@ -415,7 +486,7 @@ impl CudaBackend {
 
     /// The runs of rows `0..rows` of a step laid out by `spans` that take one product path,
     /// in order: `true` for prompt rows when the tensor-core path is on.
-    fn row_runs(&self, rows: usize, spans: &[RowSpan]) -> Vec<(Range<usize>, bool)> {
+    pub(super) fn row_runs(&self, rows: usize, spans: &[RowSpan]) -> Vec<(Range<usize>, bool)> {
         if self.dev.prefill_gemm == PrefillGemm::Tensor {
             prompt_runs(rows, spans)
         } else if rows > 0 {
@@ -449,7 +520,7 @@ impl CudaBackend {
 
     /// The products `x · wᵀ` into `outs` (checked, each output shaped `[M, N]`), bound to the
     /// device, for one launch.
-    fn store_products<'a>(
+    pub(super) fn store_products<'a>(
         &self,
         x: &CudaTensor,
         ws: &[&'a CudaWeight],
@@ -1550,24 +1621,7 @@ impl Backend for CudaBackend {
         assert!(k.rows >= t && v.rows >= t);
         assert_eq!(k.cols, dim);
         assert_eq!(v.cols, dim);
-        assert!(layer < kv.layers, "KV layer {layer} out of range");
-        assert!(
-            half <= ROPE_MAX_HALF,
-            "rotary dimension above 512 is not supported"
-        );
-        assert!(head_dim > 0 && q.cols.is_multiple_of(head_dim) && dim.is_multiple_of(head_dim));
-        assert!(2 * half <= head_dim);
-        for m in &meta.host {
-            assert!(
-                (m.row as usize) < kv.rows.len(),
-                "KV row {} was never reserved",
-                m.row
-            );
-            assert!(
-                (m.pos as usize) < kv.capacity(m.row as usize),
-                "KV write past the row's reserved capacity"
-            );
-        }
+        Self::check_rope_kv(q.cols, kv, layer, meta, half, head_dim);
         if t == 0 {
             return;
         }
@@ -1584,10 +1638,7 @@ impl Backend for CudaBackend {
             kv_dim: dim as i32,
             head_dim: head_dim as i32,
             half: half as i32,
-            style: match style {
-                RopeStyle::Neox => 0,
-                RopeStyle::Interleaved => 1,
-            },
+            style: rope_style_code(style),
             layer: layer as i32,
             pad: 0,
         };
@@ -1597,6 +1648,36 @@ impl Backend for CudaBackend {
             (t as u32, 1, 1),
             (128, 1, 1),
             &p,
+        );
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn step_qkv_rope_kv(
+        &self,
+        x: &CudaTensor,
+        ws: [&CudaWeight; 3],
+        outs: [&mut CudaTensor; 3],
+        kv: &mut CudaKv,
+        layer: usize,
+        meta: &CudaMeta,
+        rope: Rope<'_, CudaTensor>,
+        spans: &[RowSpan],
+    ) {
+        if self.qkv_rope_fusable(x, ws, kv, meta, &rope, spans) {
+            return self.qkv_rope_fused(x, ws, outs, kv, layer, meta, rope);
+        }
+        let [q, k, v] = outs;
+        self.step_matmul_many(x, &ws, &mut [&mut *q, &mut *k, &mut *v], spans);
+        self.rope_kv_write(
+            q,
+            k,
+            v,
+            kv,
+            layer,
+            meta,
+            rope.inv_freq,
+            rope.head_dim,
+            rope.style,
         );
     }
 
@@ -1640,5 +1721,13 @@ impl Backend for CudaBackend {
         Some(super::sample::verify_rows(
             &self.dev, target, draft, block, rows,
         ))
+    }
+}
+
+/// The kernels' code for a rotary style (`style` in ops.cu and matmul.cu).
+pub(super) fn rope_style_code(style: RopeStyle) -> i32 {
+    match style {
+        RopeStyle::Neox => 0,
+        RopeStyle::Interleaved => 1,
     }
 }

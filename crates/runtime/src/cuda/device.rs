@@ -137,16 +137,39 @@ pub(crate) enum Epilogue {
     Add,
     /// `out = silu(s_gate) * s_up` (two weights per output)
     Swiglu,
+    /// The q, k, v products of an attention layer with RoPE and the KV write (one rotary
+    /// pair of rows per warp; CUDA-core kernels only).
+    Rope,
 }
 
 impl Epilogue {
-    pub const ALL: [Epilogue; 3] = [Epilogue::Store, Epilogue::Add, Epilogue::Swiglu];
+    pub const ALL: [Epilogue; 4] = [
+        Epilogue::Store,
+        Epilogue::Add,
+        Epilogue::Swiglu,
+        Epilogue::Rope,
+    ];
+    /// The epilogues of the tensor-core kernels (`mmtc[epilogue index]`).
+    pub const TENSOR: [Epilogue; 3] = [Epilogue::Store, Epilogue::Add, Epilogue::Swiglu];
 
     pub fn name(self) -> &'static str {
         match self {
             Epilogue::Store => "store",
             Epilogue::Add => "add",
             Epilogue::Swiglu => "swiglu",
+            Epilogue::Rope => "rope",
+        }
+    }
+}
+
+impl MmTile {
+    /// Weight rows per warp of this tile's kernel for `epi` (a rotary pair for the rope
+    /// epilogue).
+    pub fn r_of(self, epi: Epilogue) -> usize {
+        match epi {
+            Epilogue::Store | Epilogue::Add => self.r,
+            Epilogue::Swiglu => self.r_swiglu,
+            Epilogue::Rope => 2,
         }
     }
 }
@@ -271,6 +294,10 @@ pub(crate) struct Device {
     /// launch: sm_90 and later, unless `DFLASH_CUDA_PDL=0`), so each kernel's blocks start
     /// while the one before finishes and wait for it in `df_kernel_begin` (common.cu).
     pub pdl: bool,
+    /// The q/k/v products of attention layers rotate and write the KV cache in their
+    /// epilogue (`EPI_ROPE`, matmul.cu) instead of a separate `rope_kv` launch, unless
+    /// `DFLASH_CUDA_FUSE_ROPE=0`; the bits are the same either way.
+    pub fuse_rope: bool,
     pub name: String,
     pub compute_capability: (i32, i32),
     pub target: Target,
@@ -397,6 +424,16 @@ impl Device {
             Ok(v) => return Err(dev_err(format!("DFLASH_CUDA_PDL={v:?}: expected 0 or 1"))),
         };
 
+        let fuse_rope = match std::env::var("DFLASH_CUDA_FUSE_ROPE").as_deref() {
+            Err(_) | Ok("1") | Ok("") => true,
+            Ok("0") => false,
+            Ok(v) => {
+                return Err(dev_err(format!(
+                    "DFLASH_CUDA_FUSE_ROPE={v:?}: expected 0 or 1"
+                )))
+            }
+        };
+
         let blas = match opts.prefill_gemm {
             PrefillGemm::Kernel | PrefillGemm::Tensor => None,
             PrefillGemm::Cublas { .. } => {
@@ -424,6 +461,7 @@ impl Device {
             format_lock: Mutex::new(()),
             fixed_mt,
             pdl,
+            fuse_rope,
             name,
             compute_capability: cc,
             target,
@@ -493,16 +531,12 @@ impl Device {
         for t in MM_TILES {
             let mut by_epi = Vec::new();
             for e in Epilogue::ALL {
-                let r = if e == Epilogue::Swiglu {
-                    t.r_swiglu
-                } else {
-                    t.r
-                };
+                let r = t.r_of(e);
                 by_epi.push(get(&format!("mm_{sfx}_{}_{r}_{}", t.mt, e.name()))?);
             }
             mm.push(by_epi);
         }
-        let mmtc = Epilogue::ALL
+        let mmtc = Epilogue::TENSOR
             .iter()
             .map(|e| get(&format!("mmtc_{sfx}_{}", e.name())))
             .collect::<Result<_, _>>()?;

@@ -70,6 +70,7 @@ mod gdn;
 mod graph;
 pub mod kv;
 mod profile;
+mod qkv_rope;
 mod sample;
 mod tensor;
 
