@@ -24,11 +24,10 @@
 // are loaded before their products, with the widest load the format's alignment allows (16
 // bytes for f16/bf16 and f32, 8 for the Q4_K nibbles, 4 for Q4_1); with two or more rows of
 // x, the x values of those steps are requested with them, so a warp waits on memory once per
-// P steps. With one or two rows of x the next P steps' weight bytes are requested before the
-// current ones are used (two batches in flight). A warp requests its first P steps' weights
-// before it waits for the previous kernel (programmatic dependent launch, common.cu): the
-// weights are never written by a kernel, so those loads overlap the kernel before. x is read
-// through the read-only path (it is small and shared by every warp).
+// P steps. x is read through the read-only path (it is small and shared by every warp).
+// (Requesting the first weights before the wait for the previous kernel, into registers or as
+// L2 prefetches, and keeping two batches in flight were measured on the H200 and dropped: no
+// gain for the default model's shapes, 2-10% slower for the Qwen3-4B shape.)
 //
 // Epilogues: store; add into `out` (out = out + s: the residual add, bit-identical to a
 // separate `add`); SwiGLU (two weights per output: out = silu(x·gᵀ) * (x·uᵀ), bit-identical to
@@ -320,25 +319,6 @@ __device__ __forceinline__ float swiglu(float g, float u) {
 // Prompt (prefill) rows on tensor cores: mmtc_body, reusing MmPart and swiglu above.
 #include "matmul_tc.cu"
 
-// The weight bytes of the P steps from group g0 (groups g0, g0 + 8, ...) of every row.
-template <int DT, int P, int R, int W>
-__device__ __forceinline__ void mm_load_parts(MmPart<DT> (&part)[P][R][W], const u8* const (&rows)[R][W], int g0,
-                                              int groups, int s) {
-#pragma unroll
-    for (int q = 0; q < P; q++) {
-        const int g = g0 + 8 * q;
-        if (g < groups) {
-#pragma unroll
-            for (int r = 0; r < R; r++)
-#pragma unroll
-                for (int v = 0; v < W; v++) part[q][r][v].load(rows[r][v], g, s);
-        }
-    }
-}
-
-// Every warp calls df_kernel_begin (the wait for the previous kernel) itself, after
-// requesting its first weight bytes: weights are never written by a kernel, so their loads may
-// overlap the kernel before.
 // What lane m of a rope-epilogue warp needs for token m0 + m, found before the wait (the
 // metadata, the KV row table and the frequencies are written by the host before the step):
 // the pair's cos and sin at the token's position, and the token's KV slot for the segment
@@ -384,18 +364,12 @@ __device__ __forceinline__ void mm_warp(const MmSeg& sg, const int (&nr)[R], con
 
     // P steps' weight bytes are loaded before any of their products (P more loads in flight
     // per lane); the products then run in step order, so the sum is the same for every P.
-    // With one or two rows of x (decode and short verify blocks, where a warp has few steps
-    // and its loads decide the time) the next P steps' bytes are requested before the current
-    // ones are used (DB: two batches in flight).
+    // The rope epilogue's per-token lookups run before the wait for the previous kernel.
     constexpr int P = MT <= 2 ? 4 : (MT <= 4 ? 2 : 1);
     constexpr bool XH = MT >= 2;
-    constexpr bool DB = MT <= 2;
-    MmPart<DT> part[P][R][W];
-    mm_load_parts<DT, P, R, W>(part, rows, j, groups, s);
     RopeLane rl = {1.0f, 0.0f, nullptr};
     if (EPI == EPI_ROPE && lane < ml) rl = rope_lane(p, seg, pair, m0 + lane);
     df_kernel_begin();
-
     float acc[R][W][MT];
 #pragma unroll
     for (int r = 0; r < R; r++)
@@ -403,22 +377,21 @@ __device__ __forceinline__ void mm_warp(const MmSeg& sg, const int (&nr)[R], con
         for (int v = 0; v < W; v++)
 #pragma unroll
             for (int m = 0; m < MT; m++) acc[r][v][m] = 0.0f;
-
     const int xa = MmPart<DT>::xa(s);
     const int xb = MmPart<DT>::xb(s);
     for (int g0 = j; g0 < groups; g0 += 8 * P) {
-        MmPart<DT> next[DB ? P : 1][R][W];
-        if (DB) mm_load_parts<DT, DB ? P : 1, R, W>(next, rows, g0 + 8 * P, groups, s);
-        // With several rows of x, every row's x values for the P steps are requested
-        // together (one round trip per P steps); a single row loads its x values step by step
-        // (fewer registers, which the many-block products at M = 1 need for occupancy).
+        MmPart<DT> part[P][R][W];
         constexpr int XP = XH ? P : 1;
         float4 xa4[XP][MT], xb4[XP][MT];
-        if (XH) {
 #pragma unroll
-            for (int q = 0; q < P; q++) {
-                const int g = g0 + 8 * q;
-                if (g < groups) mm_load_x<MT>(x, K, m0, ml, g, xa, xb, xa4[q % XP], xb4[q % XP]);
+        for (int q = 0; q < P; q++) {
+            const int g = g0 + 8 * q;
+            if (g < groups) {
+#pragma unroll
+                for (int r = 0; r < R; r++)
+#pragma unroll
+                    for (int v = 0; v < W; v++) part[q][r][v].load(rows[r][v], g, s);
+                if (XH) mm_load_x<MT>(x, K, m0, ml, g, xa, xb, xa4[q % XP], xb4[q % XP]);
             }
         }
 #pragma unroll
@@ -442,16 +415,6 @@ __device__ __forceinline__ void mm_warp(const MmSeg& sg, const int (&nr)[R], con
                     }
                 }
             }
-        }
-        if (DB) {
-#pragma unroll
-            for (int q = 0; q < P; q++)
-#pragma unroll
-                for (int r = 0; r < R; r++)
-#pragma unroll
-                    for (int v = 0; v < W; v++) part[q][r][v] = next[DB ? q : 0][r][v];
-        } else {
-            mm_load_parts<DT, P, R, W>(part, rows, g0 + 8 * P, groups, s);
         }
     }
 

@@ -249,6 +249,8 @@ fn qkv_rope_epilogue_equals_products_then_rope_kv_write() {
             DType::BF16,
             DType::Q4K,
         ] {
+            // K-quant super-blocks hold 256 values.
+            let k = if dtype.block_len() == 256 { 512 } else { k };
             let w = |n: usize, seed: u64| {
                 g.upload_weight(&random_weight(dtype, n, k, seed), WeightRole::Projection)
                     .unwrap()
