@@ -76,7 +76,7 @@ pub struct Round {
 /// `2^(k - 1/2) <= rows < 2^(k + 1/2)`).
 fn bucket(rows: usize) -> usize {
     let sq = (rows.max(1) as u128).pow(2);
-    (sq.ilog2() as usize + 1) / 2
+    (sq.ilog2() as usize).div_ceil(2)
 }
 
 /// One bucket's measurements and probe schedule.

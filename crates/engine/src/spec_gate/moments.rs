@@ -68,7 +68,7 @@ impl Moments {
     /// round's seconds, or `None` while the prompt work did not vary.
     fn spread(&self) -> Option<(f64, f64)> {
         let var = self.prompt_sq - self.prompt * self.prompt;
-        (var >= MIN_VARIANCE).then(|| (var, self.prompt_seconds - self.prompt * self.seconds))
+        (var >= MIN_VARIANCE).then_some((var, self.prompt_seconds - self.prompt * self.seconds))
     }
 
     /// Committed tokens per second of decoding, prompt tokens charged at `cost` seconds each
