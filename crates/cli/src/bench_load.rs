@@ -149,6 +149,7 @@ pub fn arm_report(name: &str, runs: &[LoadRun]) -> Value {
         "itl_ms": percentiles_ms(&itl),
         "tau": stats.tau(),
         "rounds": stats.rounds,
+        "plain_steps": stats.plain_steps,
         "kv_peak": runs.iter().map(|r| r.kv_peak).max_by_key(|k| k.bytes).unwrap_or_default(),
     })
 }
@@ -157,7 +158,7 @@ pub fn arm_report(name: &str, runs: &[LoadRun]) -> Value {
 pub fn arm_line(r: &Value) -> String {
     let f = |v: &Value| v.as_f64().unwrap_or(0.0);
     format!(
-        "| {} | {:.1} tok/s | {:.2} req/s | TTFT p50/p90/p99 {:.0}/{:.0}/{:.0} ms | ITL p50/p90/p99 {:.1}/{:.1}/{:.1} ms | tau {:.2} | KV peak {:.1} MiB, {} rows, {} positions |",
+        "| {} | {:.1} tok/s | {:.2} req/s | TTFT p50/p90/p99 {:.0}/{:.0}/{:.0} ms | ITL p50/p90/p99 {:.1}/{:.1}/{:.1} ms | tau {:.2}, {} rounds, {} plain steps | KV peak {:.1} MiB, {} rows, {} positions |",
         r["arm"].as_str().unwrap_or("?"),
         f(&r["tok_per_s"]),
         f(&r["requests_per_s"]),
@@ -168,6 +169,8 @@ pub fn arm_line(r: &Value) -> String {
         f(&r["itl_ms"]["p90"]),
         f(&r["itl_ms"]["p99"]),
         f(&r["tau"]),
+        r["rounds"],
+        r["plain_steps"],
         f(&r["kv_peak"]["bytes"]) / (1 << 20) as f64,
         r["kv_peak"]["rows"],
         r["kv_peak"]["positions"],

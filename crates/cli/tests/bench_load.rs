@@ -78,40 +78,53 @@ fn dflash_load_with_prompts_longer_than_the_step_budget() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny(dir.path());
     let drafter = random_drafter_dir(dir.path());
-    let out = dflash(&[
-        "bench",
-        "--model",
-        model.to_str().unwrap(),
-        "--draft",
-        drafter.to_str().unwrap(),
-        "--device",
-        "cpu",
-        "--requests",
-        "4",
-        "--max-live",
-        "3",
-        "--max-batch-tokens",
-        "24",
-        "-n",
-        "8",
-        "-r",
-        "1",
-    ]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "bench failed: {err}");
-    let report: Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
-    assert_eq!(report["max_batch_tokens"], 24);
-    let arms = report["arms"].as_array().expect("arms");
-    assert_eq!(arms.len(), 2, "plain and DFlash arms");
-    // Greedy DFlash is lossless: both arms generate the same number of tokens.
-    assert_eq!(arms[0]["generated_tokens"], arms[1]["generated_tokens"]);
-    for arm in arms {
-        let kv = &arm["kv_peak"];
-        assert!(kv["rows"].as_u64().unwrap() >= 1, "{arm}");
-        assert!(kv["bytes"].as_u64().unwrap() > 0, "{arm}");
+    for speculation in ["always", "auto"] {
+        let out = dflash(&[
+            "bench",
+            "--model",
+            model.to_str().unwrap(),
+            "--draft",
+            drafter.to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--requests",
+            "4",
+            "--max-live",
+            "3",
+            "--max-batch-tokens",
+            "24",
+            "-n",
+            "8",
+            "-r",
+            "1",
+            "--speculation",
+            speculation,
+        ]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "bench failed: {err}");
+        let report: Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+        assert_eq!(report["max_batch_tokens"], 24);
+        let arms = report["arms"].as_array().expect("arms");
+        assert_eq!(arms.len(), 2, "plain and DFlash arms");
+        // Greedy DFlash is lossless: both arms generate the same number of tokens.
+        assert_eq!(arms[0]["generated_tokens"], arms[1]["generated_tokens"]);
+        for arm in arms {
+            let kv = &arm["kv_peak"];
+            assert!(kv["rows"].as_u64().unwrap() >= 1, "{arm}");
+            assert!(kv["bytes"].as_u64().unwrap() > 0, "{arm}");
+        }
+        // The DFlash arm counts target and drafter rows.
+        assert!(arms[1]["kv_peak"]["rows"].as_u64().unwrap() >= 2);
+        // Speculative rounds and plain steps: `always` never skips the draft; `auto` tries
+        // both kinds at each batch size it meets.
+        let (rounds, plain) = (
+            arms[1]["rounds"].as_u64().unwrap(),
+            arms[1]["plain_steps"].as_u64().unwrap(),
+        );
+        assert!(rounds > 0, "{speculation}: {err}");
+        assert_eq!(plain == 0, speculation == "always", "{speculation}: {err}");
+        assert!(err.contains("plain steps"), "table: {err}");
     }
-    // The DFlash arm counts target and drafter rows.
-    assert!(arms[1]["kv_peak"]["rows"].as_u64().unwrap() >= 2);
 }
 
 #[test]

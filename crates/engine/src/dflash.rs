@@ -33,7 +33,7 @@ use crate::prefill::{Piece, PrefillQueue, DEFAULT_BATCH_TOKENS};
 use crate::sampling::{Dist, SamplingParams};
 use crate::selector_walk::walk;
 use crate::shortlist::{propose_listed, VocabMap};
-use crate::spec_gate::{SpecGate, SpecMode};
+use crate::spec_gate::{Round, SpecGate, SpecMode};
 use crate::stats::RowStats;
 
 /// How a batch commits accepted tokens.
@@ -432,8 +432,10 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
             let row = self.rows[r].as_ref().expect("live");
             row.sampling.params.is_greedy()
         });
+        // The gate keys its measurements by the rows the batch holds, prefilling ones included.
+        let held = live.len() + self.queue.len();
         let t_round = Instant::now();
-        let block = if self.gate.speculate(all_greedy) {
+        let block = if self.gate.speculate(held, all_greedy) {
             self.block.min(room)
         } else {
             room.min(1)
@@ -716,11 +718,15 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
             .extend(&extend_rows, self.target.taps(), &tap_rows)?;
         let commit_s = t_commit.elapsed().as_secs_f64();
         let committed: usize = verdicts.iter().map(|v| v.accepted + 1).sum();
-        // A round that also fed prompts does not measure what drafting pays.
-        if pieces.is_empty() {
-            self.gate
-                .record(block >= 2, committed, t_round.elapsed().as_secs_f64());
-        }
+        let prompt_tokens: usize = pieces.iter().map(|p| p.range.len()).sum();
+        self.gate.record(Round {
+            rows: held,
+            speculated: block >= 2,
+            committed,
+            tokens: batch * block + prompt_tokens,
+            prompt_tokens,
+            seconds: t_round.elapsed().as_secs_f64(),
+        });
         for &r in &live {
             let st = &mut self.rows[r].as_mut().expect("live").stats;
             st.draft_s += draft_s;

@@ -3,18 +3,42 @@
 //! A speculative round costs more than a plain decoding step (a draft forward, and a verify
 //! forward over the whole block); it pays only when enough drafts are accepted. Where that
 //! break-even lies depends on the hardware (on a few CPU cores a 4-token verify costs ~1.8
-//! plain steps, on a GPU about one) and on the text (code and repetitive answers are drafted
-//! far better than open prose). In `Auto` mode the gate measures committed tokens per second
-//! of both kinds of round as decoding goes, runs the faster kind, and keeps probing the other
-//! so it notices when the balance turns. A probe that confirms the leader doubles the
-//! interval to the next one (up to [`MAX_PROBE_EVERY`] rounds), so a kind that keeps losing
-//! (drafting on a 2-core CPU, where a round costs about two plain steps) costs ~2% instead of
-//! ~7%; a probe that changes the leader resets it.
+//! plain steps, on a GPU about one), on the text (code and repetitive answers are drafted far
+//! better than open prose) and on the batch size: a GPU verifying a few rows' blocks is
+//! memory-bound and the extra tokens ride almost free, while at a few hundred rows the block
+//! multiplies compute-bound work (and the logits to choose from) and drafting can halve
+//! throughput. In `Auto` mode the gate therefore keeps its measurements per batch size: the
+//! rows the batch holds (live and still prefilling; what `--max-live` caps), in buckets of the
+//! nearest power of two (12–22 rows count as 16, 182–362 as 256). Counting the prefilling rows
+//! makes both kinds of round compare at the same load: a speculative round leaves less of the
+//! step's token budget to joining rows, so at a large batch fewer rows may be live, and that is
+//! part of what drafting costs there.
+//!
+//! Per bucket the gate keeps moving measurements of committed tokens per second of both kinds
+//! of round, runs the faster kind, and keeps probing the other so it notices when the balance
+//! turns. A probe that confirms the leader doubles the interval to the next one (up to
+//! [`MAX_PROBE_EVERY`] rounds), so a kind that keeps losing costs ~2% instead of ~7%; a probe
+//! that changes the leader resets it. A bucket seen for the first time runs one round of each
+//! kind before it chooses.
+//!
+//! Every round is measured, also those whose forward carried prompt pieces of joining rows
+//! (chunked prefill): under constant joining nearly every round does. Those pieces are not
+//! decoding work, and the two kinds carry different amounts of them (the verify blocks take
+//! more of the token budget), so a round is charged its time less what its prompt tokens cost:
+//! [`moments`] fits that per-token cost from the rounds themselves (how round time grows with
+//! the prompt tokens they carried) and bounds it between free and the forward's mean time per
+//! token.
 //!
 //! Skipping the draft never changes greedy output (a plain round is the target's own greedy
 //! step), so `Auto` acts only while every row decodes greedily. Rows that sample keep drafting
 //! every round: their random stream then stays the same from run to run, and so does their
 //! output for a given seed.
+
+mod moments;
+#[cfg(test)]
+mod tests;
+
+use moments::{prompt_cost, Moments};
 
 /// How rounds choose between drafting and a plain step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -25,20 +49,41 @@ pub enum SpecMode {
     Auto,
 }
 
-/// Weight of the newest round in a moving average of throughput.
-const SMOOTHING: f64 = 0.3;
 /// While one kind of round is ahead, every this many rounds the other kind runs once.
 const PROBE_EVERY: usize = 12;
 /// The longest probe interval after repeated probes found the same leader.
 const MAX_PROBE_EVERY: usize = 48;
 
-/// Throughput bookkeeping for [`SpecMode::Auto`].
+/// One finished round, as [`SpecGate::record`] sees it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Round {
+    /// Rows the batch held (live and prefilling): the same number the round's
+    /// [`SpecGate::speculate`] was asked with.
+    pub rows: usize,
+    /// Whether it drafted.
+    pub speculated: bool,
+    /// Tokens it committed over all live rows.
+    pub committed: usize,
+    /// Tokens its target forward ran: the live rows' own plus the prompt pieces.
+    pub tokens: usize,
+    /// Of `tokens`, the prompt pieces of joining rows.
+    pub prompt_tokens: usize,
+    /// Its wall time.
+    pub seconds: f64,
+}
+
+/// The bucket of a batch of `rows` rows: the nearest power of two's exponent (in log scale:
+/// `2^(k - 1/2) <= rows < 2^(k + 1/2)`).
+fn bucket(rows: usize) -> usize {
+    let sq = (rows.max(1) as u128).pow(2);
+    (sq.ilog2() as usize).div_ceil(2)
+}
+
+/// One bucket's measurements and probe schedule.
 #[derive(Clone, Debug)]
-pub struct SpecGate {
-    mode: SpecMode,
-    /// Moving averages of committed tokens per second: speculative and plain rounds.
-    spec_rate: Option<f64>,
-    plain_rate: Option<f64>,
+struct Bucket {
+    spec: Moments,
+    plain: Moments,
     /// Rounds since the kind that is behind last ran.
     since_probe: usize,
     /// The current probe interval (backs off while probes confirm the leader).
@@ -47,15 +92,59 @@ pub struct SpecGate {
     probed: Option<bool>,
 }
 
+impl Default for Bucket {
+    fn default() -> Self {
+        Self {
+            spec: Moments::default(),
+            plain: Moments::default(),
+            since_probe: 0,
+            probe_every: PROBE_EVERY,
+            probed: None,
+        }
+    }
+}
+
+impl Bucket {
+    /// Whether the next round drafts, prompt tokens charged at `cost` seconds each.
+    fn speculate(&mut self, cost: f64) -> bool {
+        if self.spec.rounds() == 0 {
+            return true;
+        }
+        if self.plain.rounds() == 0 {
+            return false;
+        }
+        let ahead = self.spec.rate(cost) >= self.plain.rate(cost);
+        if let Some(before) = self.probed.take() {
+            self.probe_every = if before == ahead {
+                (2 * self.probe_every).min(MAX_PROBE_EVERY)
+            } else {
+                PROBE_EVERY
+            };
+        }
+        self.since_probe += 1;
+        if self.since_probe >= self.probe_every {
+            self.since_probe = 0;
+            self.probed = Some(ahead);
+            !ahead
+        } else {
+            ahead
+        }
+    }
+}
+
+/// Throughput bookkeeping for [`SpecMode::Auto`].
+#[derive(Clone, Debug)]
+pub struct SpecGate {
+    mode: SpecMode,
+    /// Indexed by [`bucket`]; grown on demand.
+    buckets: Vec<Bucket>,
+}
+
 impl SpecGate {
     pub fn new(mode: SpecMode) -> Self {
         Self {
             mode,
-            spec_rate: None,
-            plain_rate: None,
-            since_probe: 0,
-            probe_every: PROBE_EVERY,
-            probed: None,
+            buckets: Vec::new(),
         }
     }
 
@@ -63,132 +152,39 @@ impl SpecGate {
         self.mode
     }
 
-    /// Whether the next round drafts; `all_greedy` says whether every live row is greedy.
-    pub fn speculate(&mut self, all_greedy: bool) -> bool {
+    fn bucket_mut(&mut self, rows: usize) -> &mut Bucket {
+        let b = bucket(rows);
+        if self.buckets.len() <= b {
+            self.buckets.resize_with(b + 1, Bucket::default);
+        }
+        &mut self.buckets[b]
+    }
+
+    /// Seconds one prompt token adds to a round, fitted over every bucket and kind.
+    fn prompt_cost(&self) -> f64 {
+        prompt_cost(self.buckets.iter().flat_map(|b| [&b.spec, &b.plain]))
+    }
+
+    /// Whether the next round of a batch holding `rows` rows drafts; `all_greedy` says
+    /// whether every live row is greedy.
+    pub fn speculate(&mut self, rows: usize, all_greedy: bool) -> bool {
         if self.mode == SpecMode::Always || !all_greedy {
             return true;
         }
-        match (self.spec_rate, self.plain_rate) {
-            (None, _) => true,
-            (Some(_), None) => false,
-            (Some(spec), Some(plain)) => {
-                let ahead = spec >= plain;
-                if let Some(before) = self.probed.take() {
-                    self.probe_every = if before == ahead {
-                        (2 * self.probe_every).min(MAX_PROBE_EVERY)
-                    } else {
-                        PROBE_EVERY
-                    };
-                }
-                self.since_probe += 1;
-                if self.since_probe >= self.probe_every {
-                    self.since_probe = 0;
-                    self.probed = Some(ahead);
-                    !ahead
-                } else {
-                    ahead
-                }
-            }
-        }
+        let cost = self.prompt_cost();
+        self.bucket_mut(rows).speculate(cost)
     }
 
-    /// Records a finished round: whether it drafted, the tokens it committed over all rows
-    /// and its wall time.
-    pub fn record(&mut self, speculated: bool, committed: usize, seconds: f64) {
-        if self.mode == SpecMode::Always || seconds <= 0.0 {
+    /// Records a finished round.
+    pub fn record(&mut self, round: Round) {
+        if self.mode == SpecMode::Always || round.seconds <= 0.0 {
             return;
         }
-        let rate = committed as f64 / seconds;
-        let slot = if speculated {
-            &mut self.spec_rate
+        let b = self.bucket_mut(round.rows);
+        if round.speculated {
+            b.spec.add(&round);
         } else {
-            &mut self.plain_rate
-        };
-        *slot = Some(match *slot {
-            None => rate,
-            Some(avg) => avg + SMOOTHING * (rate - avg),
-        });
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Drives a gate where a speculative round commits `tau` tokens in `spec_s` seconds and a
-    /// plain round one token in `plain_s`; returns the fraction of rounds that drafted.
-    fn share_speculative(tau: usize, spec_s: f64, plain_s: f64, rounds: usize) -> f64 {
-        let mut gate = SpecGate::new(SpecMode::Auto);
-        let mut spec = 0;
-        for _ in 0..rounds {
-            let s = gate.speculate(true);
-            if s {
-                spec += 1;
-                gate.record(true, tau, spec_s);
-            } else {
-                gate.record(false, 1, plain_s);
-            }
-        }
-        spec as f64 / rounds as f64
-    }
-
-    #[test]
-    fn runs_the_faster_kind_and_keeps_probing_the_other() {
-        // Drafting pays: 3 tokens in 1.5 steps' time.
-        let s = share_speculative(3, 1.5, 1.0, 240);
-        assert!(s > 0.85 && s < 1.0, "mostly speculative, some probes: {s}");
-        // Drafting does not pay: 1 token in 2.2 steps' time.
-        let s = share_speculative(1, 2.2, 1.0, 240);
-        assert!(s > 0.0 && s < 0.15, "mostly plain, some probes: {s}");
-    }
-
-    #[test]
-    fn probes_back_off_while_they_confirm_the_leader() {
-        // Drafting loses clearly: 1.6 tokens in 2.4 steps' time.
-        let mut gate = SpecGate::new(SpecMode::Auto);
-        let mut probes = 0;
-        for _ in 0..480 {
-            let s = gate.speculate(true);
-            if s {
-                probes += 1;
-                gate.record(true, 2, 2.4 * 2.0 / 1.6);
-            } else {
-                gate.record(false, 1, 1.0);
-            }
-        }
-        // At a fixed interval of 12 that would be 40 probes; backed off to 48, about 12.
-        assert!((8..=14).contains(&probes), "probes: {probes}");
-    }
-
-    #[test]
-    fn follows_a_change_in_the_balance() {
-        let mut gate = SpecGate::new(SpecMode::Auto);
-        // First the drafter is useless...
-        for _ in 0..100 {
-            let s = gate.speculate(true);
-            gate.record(s, 1, if s { 2.0 } else { 1.0 });
-        }
-        // ...then it starts drafting whole blocks (8 tokens per round).
-        let mut late = 0;
-        for i in 0..100 {
-            let s = gate.speculate(true);
-            gate.record(s, if s { 8 } else { 1 }, if s { 2.0 } else { 1.0 });
-            if i >= 50 && s {
-                late += 1;
-            }
-        }
-        assert!(late >= 45, "speculating again once it pays: {late}/50");
-    }
-
-    #[test]
-    fn sampling_rows_and_always_mode_always_draft() {
-        let mut auto = SpecGate::new(SpecMode::Auto);
-        let mut always = SpecGate::new(SpecMode::Always);
-        for _ in 0..50 {
-            assert!(auto.speculate(false));
-            auto.record(true, 1, 10.0);
-            assert!(always.speculate(true));
-            always.record(true, 1, 10.0);
+            b.plain.add(&round);
         }
     }
 }

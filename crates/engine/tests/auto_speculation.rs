@@ -1,7 +1,8 @@
 //! `SpecMode::Auto` (drafting only while it pays) never changes greedy output: whatever mix of
 //! speculative rounds and plain steps the timing leads to, every row of a batch writes exactly
 //! its B=1 greedy output. With a drafter that proposes the right tokens and one that proposes
-//! random ones; both kinds of round run (the gate tries each and keeps probing).
+//! random ones; both kinds of round run (the gate tries each and keeps probing), also while
+//! joining rows' prompt pieces ride in the rounds.
 
 mod common;
 
@@ -28,12 +29,33 @@ fn prompts() -> Vec<Vec<u32>> {
     ]
 }
 
-fn check(dec: &mut dyn Decoder, tok: &TextTokenizer, refs: &[Completion]) {
+/// The two runs of a check: all rows at once, then two at a time with a step budget that cuts
+/// the prompts into pieces, so joining rows' prompt pieces ride in the live rows' rounds (which
+/// the gate measures too): `(max_live, batch_tokens)`.
+const RUNS: [(usize, usize); 2] = [(4, 512), (2, 10)];
+
+fn both_kinds_ran((rounds, plain): (usize, usize)) {
+    assert!(
+        rounds > 0 && plain > 0,
+        "both kinds ran: {rounds} speculative, {plain} plain"
+    );
+}
+
+/// One run of the prompts, at most `max_live` at a time with a step budget of
+/// `batch_tokens`; returns the speculative rounds and plain steps of all rows.
+fn check_run(
+    dec: &mut dyn Decoder,
+    tok: &TextTokenizer,
+    refs: &[Completion],
+    max_live: usize,
+    batch_tokens: usize,
+) -> (usize, usize) {
+    dec.set_batch_tokens(batch_tokens);
     let requests: Vec<_> = prompts()
         .into_iter()
         .map(|p| request(p, TOKENS, SamplingParams::greedy()))
         .collect();
-    let got = run_scheduled(dec, tok, &requests, 4, &mut |_, _| {}).unwrap();
+    let got = run_scheduled(dec, tok, &requests, max_live, &mut |_, _| {}).unwrap();
     let (mut rounds, mut plain) = (0, 0);
     for (i, (c, r)) in got.iter().zip(refs).enumerate() {
         let want: Vec<u32> = r.tokens.iter().take(TOKENS).copied().collect();
@@ -41,10 +63,7 @@ fn check(dec: &mut dyn Decoder, tok: &TextTokenizer, refs: &[Completion]) {
         rounds += c.stats.rounds;
         plain += c.stats.plain_steps;
     }
-    assert!(
-        rounds > 0 && plain > 0,
-        "both kinds ran: {rounds} speculative, {plain} plain"
-    );
+    (rounds, plain)
 }
 
 #[test]
@@ -57,12 +76,18 @@ fn auto_speculation_keeps_greedy_output() {
     // A drafter that knows the continuation (errors at rotating slots).
     let mut oracle = Oracle::new(BLOCK, target.vocab(), vec![1, 2]);
     oracle.stop_ids = tok.stop_ids.clone();
-    for (p, r) in prompts().iter().zip(&refs) {
-        oracle.expect(p, r);
-    }
     let mut dec = DflashDecoder::new(target, oracle, BLOCK, AcceptPolicy::PerRow).unwrap();
     dec.set_spec_mode(SpecMode::Auto);
-    check(&mut dec, &tok, &refs);
+    let mut kinds = (0, 0);
+    for (max_live, batch_tokens) in RUNS {
+        // The oracle's rows, in the order the run opens them.
+        for (p, r) in prompts().iter().zip(&refs) {
+            dec.drafter.expect(p, r);
+        }
+        let k = check_run(&mut dec, &tok, &refs, max_live, batch_tokens);
+        kinds = (kinds.0 + k.0, kinds.1 + k.1);
+    }
+    both_kinds_ran(kinds);
 
     // A randomly initialised drafter.
     let cfg = drafter_config_for(64, 4, 2, 128, 4, 1, BLOCK, special_id("<|mask|>"));
@@ -70,5 +95,10 @@ fn auto_speculation_keeps_greedy_output() {
     let DflashDecoder { target, .. } = dec;
     let mut dec = DflashDecoder::new(target, drafter, BLOCK, AcceptPolicy::PerRow).unwrap();
     dec.set_spec_mode(SpecMode::Auto);
-    check(&mut dec, &tok, &refs);
+    let mut kinds = (0, 0);
+    for (max_live, batch_tokens) in RUNS {
+        let k = check_run(&mut dec, &tok, &refs, max_live, batch_tokens);
+        kinds = (kinds.0 + k.0, kinds.1 + k.1);
+    }
+    both_kinds_ran(kinds);
 }
