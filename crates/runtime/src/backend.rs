@@ -115,6 +115,35 @@ impl<T> Clone for Rope<'_, T> {
 
 impl<T> Copy for Rope<'_, T> {}
 
+/// [`Backend::step_qkv_rope_kv`] as its two ops: `step_matmul_many`, then `rope_kv_write`
+/// (the trait's default, and a backend's fallback where it cannot fuse them).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn qkv_then_rope_kv<B: Backend + ?Sized>(
+    b: &B,
+    x: &B::Tensor,
+    ws: [&B::Weight; 3],
+    outs: [&mut B::Tensor; 3],
+    kv: &mut B::Kv,
+    layer: usize,
+    meta: &B::Meta,
+    rope: Rope<'_, B::Tensor>,
+    spans: &[RowSpan],
+) {
+    let [q, k, v] = outs;
+    b.step_matmul_many(x, &ws, &mut [&mut *q, &mut *k, &mut *v], spans);
+    b.rope_kv_write(
+        q,
+        k,
+        v,
+        kv,
+        layer,
+        meta,
+        rope.inv_freq,
+        rope.head_dim,
+        rope.style,
+    );
+}
+
 /// Attention head layout.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AttnShape {
@@ -538,19 +567,7 @@ pub trait Backend: Send + Sync + 'static {
         rope: Rope<'_, Self::Tensor>,
         spans: &[RowSpan],
     ) {
-        let [q, k, v] = outs;
-        self.step_matmul_many(x, &ws, &mut [&mut *q, &mut *k, &mut *v], spans);
-        self.rope_kv_write(
-            q,
-            k,
-            v,
-            kv,
-            layer,
-            meta,
-            rope.inv_freq,
-            rope.head_dim,
-            rope.style,
-        );
+        qkv_then_rope_kv(self, x, ws, outs, kv, layer, meta, rope, spans)
     }
 
     /// RoPE of `q` and `k` at each token's position, then the KV write of `k` and `v`.

@@ -139,6 +139,14 @@ fn kv_setup(g: &CudaBackend, kv_dim: usize, lens: &[usize]) -> <CudaBackend as B
     kv
 }
 
+/// The rotary frequencies of base 10000 for `head_dim`, on the GPU (`[1, head_dim / 2]`).
+fn rope_freqs(g: &CudaBackend, head_dim: usize) -> <CudaBackend as Backend>::Tensor {
+    let inv: Vec<f32> = (0..head_dim / 2)
+        .map(|i| 10000f32.powf(-((2 * i) as f32) / head_dim as f32))
+        .collect();
+    g.upload(&inv, 1, head_dim / 2)
+}
+
 #[test]
 fn rope_kv_write_equals_rope_rope_kv_write_and_verify_equals_decode() {
     let Some(g) = gpu() else { return };
@@ -150,10 +158,7 @@ fn rope_kv_write_equals_rope_rope_kv_write_and_verify_equals_decode() {
             head_dim,
             scale: 1.0 / (head_dim as f32).sqrt(),
         };
-        let inv: Vec<f32> = (0..head_dim / 2)
-            .map(|i| 10000f32.powf(-((2 * i) as f32) / head_dim as f32))
-            .collect();
-        let inv = g.upload(&inv, 1, head_dim / 2);
+        let inv = rope_freqs(g, head_dim);
         // Row contexts just below, at and above tile and split boundaries (512 = 16 tiles:
         // beyond it a split holds several tiles).
         let lens = [31usize, 495, 512, 1000, 4100];
@@ -238,10 +243,7 @@ fn qkv_rope_epilogue_equals_products_then_rope_kv_write() {
             head_dim,
             scale: 1.0 / (head_dim as f32).sqrt(),
         };
-        let inv: Vec<f32> = (0..head_dim / 2)
-            .map(|i| 10000f32.powf(-((2 * i) as f32) / head_dim as f32))
-            .collect();
-        let inv = g.upload(&inv, 1, head_dim / 2);
+        let inv = rope_freqs(g, head_dim);
         for dtype in [
             DType::Q4_1,
             DType::Q8_0,

@@ -14,8 +14,8 @@ use super::kv::CudaKv;
 use super::profile::{KernelClassTime, Profiler};
 use super::tensor::{CudaMeta, CudaStep, CudaTensor, CudaWeight};
 use crate::backend::{
-    prompt_runs, Activations, AttnShape, Backend, GdnShape, GraphKey, Rope, RopeStyle, RowSpan,
-    TokenMeta, WeightPath, WeightRole,
+    prompt_runs, qkv_then_rope_kv, Activations, AttnShape, Backend, GdnShape, GraphKey, Rope,
+    RopeStyle, RowSpan, TokenMeta, WeightPath, WeightRole,
 };
 use crate::choice::{DraftRow, SampleRow, Verdict, VerifyRow};
 use crate::dtype::DType;
@@ -281,6 +281,11 @@ impl CudaBackend {
         );
         assert!(head_dim > 0 && q_cols.is_multiple_of(head_dim) && dim.is_multiple_of(head_dim));
         assert!(2 * half <= head_dim);
+        Self::check_kv_slots(kv, meta);
+    }
+
+    /// Every token's KV slot (its row's position `pos`) is reserved.
+    fn check_kv_slots(kv: &CudaKv, meta: &CudaMeta) {
         for m in &meta.host {
             assert!(
                 (m.row as usize) < kv.rows.len(),
@@ -987,17 +992,7 @@ impl Backend for CudaBackend {
         assert!(layer < kv.layers, "KV layer {layer} out of range");
         let t = meta.host.len();
         assert!(k.rows >= t && v.rows >= t);
-        for m in &meta.host {
-            assert!(
-                (m.row as usize) < kv.rows.len(),
-                "KV row {} was never reserved",
-                m.row
-            );
-            assert!(
-                (m.pos as usize) < kv.capacity(m.row as usize),
-                "KV write past the row's reserved capacity"
-            );
-        }
+        Self::check_kv_slots(kv, meta);
         if t == 0 || dim == 0 {
             return;
         }
@@ -1666,19 +1661,7 @@ impl Backend for CudaBackend {
         if self.qkv_rope_fusable(x, ws, kv, meta, &rope, spans) {
             return self.qkv_rope_fused(x, ws, outs, kv, layer, meta, rope);
         }
-        let [q, k, v] = outs;
-        self.step_matmul_many(x, &ws, &mut [&mut *q, &mut *k, &mut *v], spans);
-        self.rope_kv_write(
-            q,
-            k,
-            v,
-            kv,
-            layer,
-            meta,
-            rope.inv_freq,
-            rope.head_dim,
-            rope.style,
-        );
+        qkv_then_rope_kv(self, x, ws, outs, kv, layer, meta, rope, spans)
     }
 
     fn graph_owner(&self) -> u64 {
