@@ -107,6 +107,21 @@ __device__ __forceinline__ float bf16_to_f32(u16 h) {
     return __int_as_float(((u32)h) << 16);
 }
 
+// Byte k (0..3) of `w`, minus OFF, as an exact float. The byte becomes the low mantissa bits
+// of 2^23 (one byte permute: 0x4B0000bb is the float 2^23 + b), and one exact subtraction
+// takes 2^23 + OFF away. Bit-identical to (float)((int)b - OFF), but integer-to-float
+// conversions issue at a quarter of the FP32 rate (16 per SM per clock on sm_80/sm_90), which
+// capped the M = 1 products at about one weight per conversion: far below memory speed.
+template <int OFF>
+__device__ __forceinline__ float byte_to_f32(u32 w, int k) {
+    const u32 bits = __byte_perm(w, 0x4B000000u, 0x7540u | (u32)k);
+    return __fsub_rn(__int_as_float(bits), 8388608.0f + (float)OFF);
+}
+
+// The four low nibbles and the four high nibbles of `w`, one per byte.
+#define DF_LO_NIBBLES(w) ((w) & 0x0F0F0F0Fu)
+#define DF_HI_NIBBLES(w) (((w) >> 4) & 0x0F0F0F0Fu)
+
 // Little-endian u16 at a 2-byte aligned address.
 __device__ __forceinline__ u16 ld_u16(const u8* p) {
     return *(const u16*)p;

@@ -140,11 +140,11 @@ struct MmPart<DT_Q4_0> {
     }
     __device__ __forceinline__ void decode(float* w) const {
         const float df = f16_to_f32(d);
+        const u32 lo = DF_LO_NIBBLES(q), hi = DF_HI_NIBBLES(q);
 #pragma unroll
         for (int k = 0; k < 4; k++) {
-            const u32 byte = (q >> (8 * k)) & 0xffu;
-            w[k] = __fmul_rn((float)((int)(byte & 0x0fu) - 8), df);
-            w[4 + k] = __fmul_rn((float)((int)(byte >> 4) - 8), df);
+            w[k] = __fmul_rn(byte_to_f32<8>(lo, k), df);
+            w[4 + k] = __fmul_rn(byte_to_f32<8>(hi, k), df);
         }
     }
 };
@@ -164,11 +164,11 @@ struct MmPart<DT_Q4_1> {
     __device__ __forceinline__ void decode(float* w) const {
         const float d = f16_to_f32((u16)(dm & 0xffffu));
         const float m = f16_to_f32((u16)(dm >> 16));
+        const u32 lo = DF_LO_NIBBLES(q), hi = DF_HI_NIBBLES(q);
 #pragma unroll
         for (int k = 0; k < 4; k++) {
-            const u32 byte = (q >> (8 * k)) & 0xffu;
-            w[k] = __fmaf_rn((float)(byte & 0x0fu), d, m);
-            w[4 + k] = __fmaf_rn((float)(byte >> 4), d, m);
+            w[k] = __fmaf_rn(byte_to_f32<0>(lo, k), d, m);
+            w[4 + k] = __fmaf_rn(byte_to_f32<0>(hi, k), d, m);
         }
     }
 };
@@ -189,10 +189,12 @@ struct MmPart<DT_Q8_0> {
     }
     __device__ __forceinline__ void decode(float* w) const {
         const float df = f16_to_f32(d);
+        // A signed byte b xor 0x80 is the unsigned byte b + 128.
+        const u32 ulo = lo ^ 0x80808080u, uhi = hi ^ 0x80808080u;
 #pragma unroll
         for (int k = 0; k < 4; k++) {
-            w[k] = __fmul_rn((float)(signed char)((lo >> (8 * k)) & 0xffu), df);
-            w[4 + k] = __fmul_rn((float)(signed char)((hi >> (8 * k)) & 0xffu), df);
+            w[k] = __fmul_rn(byte_to_f32<128>(ulo, k), df);
+            w[4 + k] = __fmul_rn(byte_to_f32<128>(uhi, k), df);
         }
     }
 };
@@ -235,10 +237,11 @@ struct MmPart<DT_Q4K> {
         const float dmin = f16_to_f32((u16)(dd >> 16));
         const float scale = __fmul_rn(d, (float)sc);
         const float neg_min = -__fmul_rn(dmin, (float)mn);
+        const u32 nx = DF_LO_NIBBLES(q.x >> shift), ny = DF_LO_NIBBLES(q.y >> shift);
 #pragma unroll
         for (int k = 0; k < 4; k++) {
-            w[k] = __fmaf_rn((float)((q.x >> (8 * k + shift)) & 0x0fu), scale, neg_min);
-            w[4 + k] = __fmaf_rn((float)((q.y >> (8 * k + shift)) & 0x0fu), scale, neg_min);
+            w[k] = __fmaf_rn(byte_to_f32<0>(nx, k), scale, neg_min);
+            w[4 + k] = __fmaf_rn(byte_to_f32<0>(ny, k), scale, neg_min);
         }
     }
 };
@@ -274,13 +277,13 @@ struct MmPart<DT_Q6K> {
     }
     __device__ __forceinline__ void decode(float* w) const {
         const float scale = __fmul_rn(f16_to_f32(d), (float)sc);
+        // Codes (low | high << 4) of values 0..4 and 4..8, one per byte.
+        const u32 c0 = DF_LO_NIBBLES(ql0 >> lshift) | (((qh0 >> hshift) & 0x03030303u) << 4);
+        const u32 c1 = DF_LO_NIBBLES(ql1 >> lshift) | (((qh1 >> hshift) & 0x03030303u) << 4);
 #pragma unroll
-        for (int k = 0; k < 8; k++) {
-            const u32 lw = k < 4 ? ql0 : ql1;
-            const u32 hw = k < 4 ? qh0 : qh1;
-            const u32 low = ((lw >> (8 * (k & 3))) >> lshift) & 0x0fu;
-            const u32 high = ((hw >> (8 * (k & 3))) >> hshift) & 3u;
-            w[k] = __fmul_rn((float)((int)(low | (high << 4)) - 32), scale);
+        for (int k = 0; k < 4; k++) {
+            w[k] = __fmul_rn(byte_to_f32<32>(c0, k), scale);
+            w[4 + k] = __fmul_rn(byte_to_f32<32>(c1, k), scale);
         }
     }
 };
