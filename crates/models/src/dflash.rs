@@ -8,7 +8,9 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use dflash_runtime::backend::{AttnShape, GraphKey, RopeStyle, TokenMeta, WeightRole};
+use dflash_runtime::backend::{
+    AttnShape, GraphKey, QkNorm, Rope, RopeStyle, TokenMeta, WeightRole,
+};
 use dflash_runtime::Backend;
 
 use crate::config::rope_inv_freq;
@@ -537,20 +539,25 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
                         &[&layer.wq, &layer.wk, &layer.wv],
                         &mut [&mut ws.q, &mut ws.k, &mut ws.v],
                     );
-                    b.rms_norm(&mut ws.q, &layer.q_norm, eps, false, None);
-                    b.rms_norm(&mut ws.k, &layer.k_norm, eps, false, None);
                     // Block K/V go just past the committed context; the context length is
                     // not advanced, so the next call overwrites them.
-                    b.rope_kv_write(
+                    b.qk_norm_rope_kv_write(
                         &mut ws.q,
                         &mut ws.k,
                         &ws.v,
                         &mut self.kv,
                         li,
                         meta,
-                        &self.inv_freq,
-                        hd,
-                        RopeStyle::Neox,
+                        QkNorm {
+                            q: &layer.q_norm,
+                            k: &layer.k_norm,
+                            eps,
+                        },
+                        Rope {
+                            inv_freq: &self.inv_freq,
+                            head_dim: hd,
+                            style: RopeStyle::Neox,
+                        },
                     );
                     b.attention(&ws.q, &self.kv, li, attn_meta, shape, &mut ws.att);
                     // A convolution sits between the output projection and the residual add,

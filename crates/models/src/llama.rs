@@ -1,7 +1,7 @@
 //! Llama-family decoder (Llama, SmolLM2, Qwen2 with qkv bias, Qwen3 with q/k norm) on any
 //! backend, batched over rows with their own positions and KV lengths.
 
-use dflash_runtime::backend::{AttnShape, GraphKey, Rope, RowSpan, TokenMeta, WeightRole};
+use dflash_runtime::backend::{AttnShape, GraphKey, QkNorm, Rope, RowSpan, TokenMeta, WeightRole};
 use dflash_runtime::{Backend, HostWeight};
 
 use crate::config::LlamaConfig;
@@ -433,21 +433,33 @@ impl<B: Backend> LlamaModel<B> {
                     b.add_bias(&mut ws.k, bk);
                     b.add_bias(&mut ws.v, bv);
                 }
-                if let Some([qn, kn]) = &layer.qk_norm {
-                    b.rms_norm(&mut ws.q, qn, cfg.rms_eps, false, None);
-                    b.rms_norm(&mut ws.k, kn, cfg.rms_eps, false, None);
+                match &layer.qk_norm {
+                    Some([qn, kn]) => b.qk_norm_rope_kv_write(
+                        &mut ws.q,
+                        &mut ws.k,
+                        &ws.v,
+                        &mut self.kv,
+                        li,
+                        meta,
+                        QkNorm {
+                            q: qn,
+                            k: kn,
+                            eps: cfg.rms_eps,
+                        },
+                        rope,
+                    ),
+                    None => b.rope_kv_write(
+                        &mut ws.q,
+                        &mut ws.k,
+                        &ws.v,
+                        &mut self.kv,
+                        li,
+                        meta,
+                        rope.inv_freq,
+                        rope.head_dim,
+                        rope.style,
+                    ),
                 }
-                b.rope_kv_write(
-                    &mut ws.q,
-                    &mut ws.k,
-                    &ws.v,
-                    &mut self.kv,
-                    li,
-                    meta,
-                    rope.inv_freq,
-                    rope.head_dim,
-                    rope.style,
-                );
             }
             b.attention(&ws.q, &self.kv, li, meta, shape, &mut ws.att);
             b.step_matmul_add(&ws.att, &layer.wo, &mut ws.x, &mut ws.o, spans);

@@ -261,6 +261,8 @@ struct RopeKvParams {
     u64 meta;      // [T][4] u32
     u64 inv_freq;  // [half]
     u64 rows;      // RowDesc per KV row
+    u64 q_norm;    // [head_dim] (qk_norm_rope_kv_f32 only)
+    u64 k_norm;    // [head_dim] (qk_norm_rope_kv_f32 only)
     int t;
     int q_cols;
     int kv_dim;
@@ -268,7 +270,7 @@ struct RopeKvParams {
     int half;
     int style;
     int layer;
-    int pad;
+    float eps;     // of the q/k norms
 };
 
 extern "C" __global__ void rope_kv_f32(const RopeKvParams p) {
@@ -312,6 +314,88 @@ extern "C" __global__ void rope_kv_f32(const RopeKvParams p) {
     for (int c = threadIdx.x; c < p.kv_dim; c += blockDim.x) {
         if (c % p.head_dim >= 2 * p.half) kd[c] = kt[c];
         vd[c] = vt[c];
+    }
+}
+
+// The per-head RMS norms of q and k (Qwen3 style), then RoPE and the KV write as rope_kv_f32:
+// the fusion of two rms_norm_f32 launches (groups of head_dim values) and one rope_kv_f32,
+// bit for bit. A warp per head (blockIdx.y * QKN_WARPS + warp: the q heads, then the k heads;
+// a k head's warp also copies the v head of the same index). The sum of squares follows
+// rms_norm_f32: partial l (lane l < 16) adds the squares of values l, l + 16, l + 32, ... in
+// order (lane l holds l + 32u, lane l + 16 holds l + 16 + 32u), then norm_inv's halving tree;
+// each value is scaled as w * (x * inv). The normalised head is staged in shared memory, where
+// the pairs are rotated with rope_kv_f32's arithmetic.
+#define QKN_WARPS 4
+#define QKN_MAX_DIM 256
+#define QKN_PER (QKN_MAX_DIM / 32)
+
+extern "C" __global__ void __launch_bounds__(QKN_WARPS * 32) qk_norm_rope_kv_f32(const RopeKvParams p) {
+    df_kernel_begin();
+    __shared__ float sh[QKN_WARPS][QKN_MAX_DIM];
+    const int t = blockIdx.x;
+    const int warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
+    const int hd = p.head_dim;
+    const int qh = p.q_cols / hd;
+    const int task = blockIdx.y * QKN_WARPS + warp;
+    if (t >= p.t || task >= qh + p.kv_dim / hd) return;  // a whole warp leaves together
+    const bool isq = task < qh;
+    const int h = isq ? task : task - qh;
+
+    const u32* meta = (const u32*)p.meta + 4 * t;
+    const u32 at = meta[META_POS];
+    const RowDesc rd = ((const RowDesc*)p.rows)[meta[META_ROW]];
+    float* head = (isq ? (float*)p.q + (size_t)t * p.q_cols : (float*)p.k + (size_t)t * p.kv_dim) + (size_t)h * hd;
+    const float* w = (const float*)(isq ? p.q_norm : p.k_norm);
+    float* kd = isq ? nullptr
+                    : (float*)rd.base + ((size_t)(2 * p.layer) * rd.cap + at) * p.kv_dim + (size_t)h * hd;
+
+    float xv[QKN_PER], wv[QKN_PER];
+#pragma unroll
+    for (int u = 0; u < QKN_PER; u++) {
+        const int i = lane + 32 * u;
+        xv[u] = i < hd ? head[i] : 0.0f;
+        wv[u] = i < hd ? w[i] : 0.0f;
+    }
+    float acc = 0.0f;
+#pragma unroll
+    for (int u = 0; u < QKN_PER; u++) {
+        const float hi = __shfl_down_sync(DF_FULL_MASK, xv[u], 16);
+        if (lane < 16 && 32 * u < hd) {
+            acc = __fadd_rn(acc, __fmul_rn(xv[u], xv[u]));
+            acc = __fadd_rn(acc, __fmul_rn(hi, hi));
+        }
+    }
+    const float inv = __shfl_sync(DF_FULL_MASK, norm_inv(acc, hd, p.eps), 0);
+#pragma unroll
+    for (int u = 0; u < QKN_PER; u++) {
+        const int i = lane + 32 * u;
+        if (i < hd) sh[warp][i] = __fmul_rn(wv[u], __fmul_rn(xv[u], inv));
+    }
+    __syncwarp();
+
+    const float pos = (float)at;
+    const float* inv_freq = (const float*)p.inv_freq;
+    for (int i = lane; i < p.half; i += 32) {
+        int ia, ib;
+        rope_offsets(i, p.half, p.style, &ia, &ib);
+        float ra, rb;
+        rope_rotate(sh[warp][ia], sh[warp][ib], i, p.style, pos, inv_freq, &ra, &rb);
+        head[ia] = ra;
+        head[ib] = rb;
+        if (kd) {
+            kd[ia] = ra;
+            kd[ib] = rb;
+        }
+    }
+    for (int i = 2 * p.half + lane; i < hd; i += 32) {  // past the rotary dimensions
+        head[i] = sh[warp][i];
+        if (kd) kd[i] = sh[warp][i];
+    }
+    if (!isq) {
+        const float* vt = (const float*)p.v + (size_t)t * p.kv_dim + (size_t)h * hd;
+        float* vd = (float*)rd.base + ((size_t)(2 * p.layer + 1) * rd.cap + at) * p.kv_dim + (size_t)h * hd;
+        for (int i = lane; i < hd; i += 32) vd[i] = vt[i];
     }
 }
 

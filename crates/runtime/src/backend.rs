@@ -115,6 +115,52 @@ impl<T> Clone for Rope<'_, T> {
 
 impl<T> Copy for Rope<'_, T> {}
 
+/// The per-head RMS norms of an attention layer's q and k (Qwen3 style): `[1, head_dim]`
+/// weights applied to every head of q and of k, plain (not zero-centred), with `eps`.
+#[derive(Debug)]
+pub struct QkNorm<'a, T> {
+    pub q: &'a T,
+    pub k: &'a T,
+    pub eps: f32,
+}
+
+impl<T> Clone for QkNorm<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for QkNorm<'_, T> {}
+
+/// [`Backend::qk_norm_rope_kv_write`] as its ops: `rms_norm` of q and of k (in place), then
+/// `rope_kv_write` (the trait's default, and a backend's fallback where it cannot fuse them).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn qk_norm_then_rope_kv<B: Backend + ?Sized>(
+    b: &B,
+    q: &mut B::Tensor,
+    k: &mut B::Tensor,
+    v: &B::Tensor,
+    kv: &mut B::Kv,
+    layer: usize,
+    meta: &B::Meta,
+    norm: QkNorm<'_, B::Tensor>,
+    rope: Rope<'_, B::Tensor>,
+) {
+    b.rms_norm(q, norm.q, norm.eps, false, None);
+    b.rms_norm(k, norm.k, norm.eps, false, None);
+    b.rope_kv_write(
+        q,
+        k,
+        v,
+        kv,
+        layer,
+        meta,
+        rope.inv_freq,
+        rope.head_dim,
+        rope.style,
+    );
+}
+
 /// [`Backend::step_qkv_rope_kv`] as its two ops: `step_matmul_many`, then `rope_kv_write`
 /// (the trait's default, and a backend's fallback where it cannot fuse them).
 #[allow(clippy::too_many_arguments)]
@@ -568,6 +614,24 @@ pub trait Backend: Send + Sync + 'static {
         spans: &[RowSpan],
     ) {
         qkv_then_rope_kv(self, x, ws, outs, kv, layer, meta, rope, spans)
+    }
+
+    /// The per-head norms of q and k (in place), then RoPE and the KV write as
+    /// [`Backend::rope_kv_write`]: bit-identical to `rms_norm(q)`, `rms_norm(k)`,
+    /// `rope_kv_write`, which is the default. A backend may do it in one pass.
+    #[allow(clippy::too_many_arguments)]
+    fn qk_norm_rope_kv_write(
+        &self,
+        q: &mut Self::Tensor,
+        k: &mut Self::Tensor,
+        v: &Self::Tensor,
+        kv: &mut Self::Kv,
+        layer: usize,
+        meta: &Self::Meta,
+        norm: QkNorm<'_, Self::Tensor>,
+        rope: Rope<'_, Self::Tensor>,
+    ) {
+        qk_norm_then_rope_kv(self, q, k, v, kv, layer, meta, norm, rope)
     }
 
     /// RoPE of `q` and `k` at each token's position, then the KV write of `k` and `v`.

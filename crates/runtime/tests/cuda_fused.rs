@@ -11,7 +11,7 @@ mod common;
 
 use common::{bits, gpu, random_vec, random_weight};
 
-use dflash_runtime::backend::{AttnShape, GraphKey, Rope, RopeStyle, RowSpan};
+use dflash_runtime::backend::{AttnShape, GraphKey, QkNorm, Rope, RopeStyle, RowSpan};
 use dflash_runtime::cuda::CudaBackend;
 use dflash_runtime::{Backend, DType, TokenMeta, WeightRole};
 use rand::{Rng, SeedableRng};
@@ -224,6 +224,86 @@ fn rope_kv_write_equals_rope_rope_kv_write_and_verify_equals_decode() {
                     "heads {n_heads}/{n_kv_heads} dim {head_dim}: token {i} of the block at \
                      context {len} alone differs"
                 );
+            }
+        }
+    }
+}
+
+#[test]
+fn qk_norm_rope_kv_write_equals_norms_then_rope_kv_write() {
+    let Some(g) = gpu() else { return };
+    // (heads, KV heads, head_dim, rotary pairs): Qwen3-4B's attention, the default model's
+    // drafter-like one, a partial rotary embedding and the largest head size of the kernel.
+    for (n_heads, n_kv_heads, head_dim, half) in [
+        (32usize, 8usize, 128usize, 64usize),
+        (9, 3, 64, 32),
+        (4, 2, 128, 16),
+        (4, 4, 256, 128),
+    ] {
+        let kv_dim = n_kv_heads * head_dim;
+        let shape = AttnShape {
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            scale: 1.0 / (head_dim as f32).sqrt(),
+        };
+        let inv: Vec<f32> = (0..half)
+            .map(|i| 10000f32.powf(-((2 * i) as f32) / (2 * half) as f32))
+            .collect();
+        let inv = g.upload(&inv, 1, half);
+        let qn = g.upload(&random_vec(head_dim, 0.5, 1.5, 400), 1, head_dim);
+        let kn = g.upload(&random_vec(head_dim, 0.5, 1.5, 401), 1, head_dim);
+        let eps = 1e-6;
+        let lens = [31usize, 512, 1000];
+        for style in [RopeStyle::Neox, RopeStyle::Interleaved] {
+            for block in [1usize, 17] {
+                let q = random_vec(block * n_heads * head_dim, -2.0, 2.0, 300 + block as u64);
+                let k = random_vec(block * kv_dim, -1.0, 1.0, 301);
+                let v = random_vec(block * kv_dim, -1.0, 1.0, 302);
+                for (row, &len) in lens.iter().enumerate() {
+                    let meta: Vec<TokenMeta> = (0..block)
+                        .map(|i| TokenMeta::causal(row as u32, (len + i) as u32))
+                        .collect();
+                    let mg = g.upload_meta(&meta);
+                    let rope = Rope {
+                        inv_freq: &inv,
+                        head_dim,
+                        style,
+                    };
+                    let mut kv_f = kv_setup(g, kv_dim, &lens);
+                    let mut qf = g.upload(&q, block, n_heads * head_dim);
+                    let mut kf = g.upload(&k, block, kv_dim);
+                    let vf = g.upload(&v, block, kv_dim);
+                    let norm = QkNorm {
+                        q: &qn,
+                        k: &kn,
+                        eps,
+                    };
+                    g.qk_norm_rope_kv_write(&mut qf, &mut kf, &vf, &mut kv_f, 0, &mg, norm, rope);
+                    let mut kv_s = kv_setup(g, kv_dim, &lens);
+                    let mut qs = g.upload(&q, block, n_heads * head_dim);
+                    let mut ks = g.upload(&k, block, kv_dim);
+                    g.rms_norm(&mut qs, &qn, eps, false, None);
+                    g.rms_norm(&mut ks, &kn, eps, false, None);
+                    g.rope_kv_write(
+                        &mut qs, &mut ks, &vf, &mut kv_s, 0, &mg, &inv, head_dim, style,
+                    );
+                    let what = format!(
+                        "heads {n_heads}/{n_kv_heads} dim {head_dim} pairs {half} {style:?} \
+                         block {block} context {len}"
+                    );
+                    assert_eq!(bits(&g.to_host(&qf)), bits(&g.to_host(&qs)), "q: {what}");
+                    assert_eq!(bits(&g.to_host(&kf)), bits(&g.to_host(&ks)), "k: {what}");
+                    // The caches: attention over them, every head and position read.
+                    let (mut af, mut asep) = (g.tensor(0, 0), g.tensor(0, 0));
+                    g.attention(&qf, &kv_f, 0, &mg, shape, &mut af);
+                    g.attention(&qs, &kv_s, 0, &mg, shape, &mut asep);
+                    assert_eq!(
+                        bits(&g.to_host(&af)),
+                        bits(&g.to_host(&asep)),
+                        "attention: {what}"
+                    );
+                }
             }
         }
     }

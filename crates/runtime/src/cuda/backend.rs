@@ -14,8 +14,8 @@ use super::kv::CudaKv;
 use super::profile::{KernelClassTime, Profiler};
 use super::tensor::{CudaMeta, CudaStep, CudaTensor, CudaWeight};
 use crate::backend::{
-    prompt_runs, qkv_then_rope_kv, Activations, AttnShape, Backend, GdnShape, GraphKey, Rope,
-    RopeStyle, RowSpan, TokenMeta, WeightPath, WeightRole,
+    prompt_runs, qk_norm_then_rope_kv, qkv_then_rope_kv, Activations, AttnShape, Backend, GdnShape,
+    GraphKey, QkNorm, Rope, RopeStyle, RowSpan, TokenMeta, WeightPath, WeightRole,
 };
 use crate::choice::{DraftRow, SampleRow, Verdict, VerifyRow};
 use crate::dtype::DType;
@@ -96,26 +96,6 @@ struct AttParams {
     head_dim: i32,
     kv_dim: i32,
     scale: f32,
-    pad: i32,
-}
-
-/// `RopeKvParams` in ops.cu.
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct RopeKvParams {
-    q: u64,
-    k: u64,
-    v: u64,
-    meta: u64,
-    inv_freq: u64,
-    rows: u64,
-    t: i32,
-    q_cols: i32,
-    kv_dim: i32,
-    head_dim: i32,
-    half: i32,
-    style: i32,
-    layer: i32,
     pad: i32,
 }
 
@@ -1609,41 +1589,31 @@ impl Backend for CudaBackend {
         head_dim: usize,
         style: RopeStyle,
     ) {
-        let t = meta.host.len();
-        let half = inv_freq.len();
-        let dim = kv.kv_dim;
-        assert_eq!(q.rows, t);
-        assert!(k.rows >= t && v.rows >= t);
-        assert_eq!(k.cols, dim);
-        assert_eq!(v.cols, dim);
-        Self::check_rope_kv(q.cols, kv, layer, meta, half, head_dim);
-        if t == 0 {
-            return;
-        }
-        self.dev.bind();
-        let p = RopeKvParams {
-            q: self.tptr(q),
-            k: self.tptr(k),
-            v: self.tptr(v),
-            meta: self.meta_ptr(meta),
-            inv_freq: self.tptr(inv_freq),
-            rows: self.ptr(kv.table.as_ref().expect("rows reserved")),
-            t: t as i32,
-            q_cols: q.cols as i32,
-            kv_dim: dim as i32,
-            head_dim: head_dim as i32,
-            half: half as i32,
-            style: rope_style_code(style),
-            layer: layer as i32,
-            pad: 0,
+        let rope = Rope {
+            inv_freq,
+            head_dim,
+            style,
         };
-        self.dev.launch_with(
-            &self.dev.k.rope_kv,
-            "rope_kv",
-            (t as u32, 1, 1),
-            (128, 1, 1),
-            &p,
-        );
+        self.rope_kv_launch(q, k, v, kv, layer, meta, None, rope);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn qk_norm_rope_kv_write(
+        &self,
+        q: &mut CudaTensor,
+        k: &mut CudaTensor,
+        v: &CudaTensor,
+        kv: &mut CudaKv,
+        layer: usize,
+        meta: &CudaMeta,
+        norm: QkNorm<'_, CudaTensor>,
+        rope: Rope<'_, CudaTensor>,
+    ) {
+        if Self::qk_norm_fusable(&norm, &rope) {
+            self.rope_kv_launch(q, k, v, kv, layer, meta, Some(norm), rope);
+        } else {
+            qk_norm_then_rope_kv(self, q, k, v, kv, layer, meta, norm, rope);
+        }
     }
 
     #[allow(clippy::too_many_arguments)]

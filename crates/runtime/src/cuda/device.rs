@@ -198,6 +198,7 @@ pub(crate) struct Kernels {
     pub rms_norm: CudaFunction,
     pub rope: CudaFunction,
     pub rope_kv: CudaFunction,
+    pub qk_norm_rope_kv: CudaFunction,
     pub kv_write: CudaFunction,
     pub kv_copy: CudaFunction,
     /// `attention_split[per index][gm index]` (None where GM * 32 * PER > ATT_MAX_GHD).
@@ -837,6 +838,7 @@ fn load_kernels_for(ctx: &Arc<CudaContext>, target: Target) -> Result<Kernels, S
         rms_norm: get(Module::Ops, "rms_norm_f32")?,
         rope: get(Module::Ops, "rope_f32")?,
         rope_kv: get(Module::Ops, "rope_kv_f32")?,
+        qk_norm_rope_kv: get(Module::Ops, "qk_norm_rope_kv_f32")?,
         kv_write: get(Module::Ops, "kv_write_f32")?,
         kv_copy: get(Module::Ops, "kv_copy_f32")?,
         attention_split,

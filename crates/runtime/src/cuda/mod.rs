@@ -73,6 +73,7 @@ mod graph;
 pub mod kv;
 mod profile;
 mod qkv_rope;
+mod rope_kv;
 mod sample;
 mod tensor;
 

@@ -1,0 +1,113 @@
+//! RoPE of q and k with the KV write of k and v in one launch (`rope_kv_f32`, ops.cu), and the
+//! same with the per-head q/k norms of Qwen3-style layers in front (`qk_norm_rope_kv_f32`):
+//! one launch where the separate ops take three (two `rms_norm`, then `rope_kv`), with the
+//! same bits. A Qwen3-4B-shaped decode step has 36 attention layers, so this takes 72 short
+//! dependent launches away (and as many from every draft step of a DFlash drafter).
+
+use super::backend::{rope_style_code, CudaBackend};
+use super::kv::CudaKv;
+use super::tensor::{CudaMeta, CudaTensor};
+use crate::backend::{QkNorm, Rope};
+
+/// Warps per block of `qk_norm_rope_kv_f32` (QKN_WARPS in ops.cu): a warp per head.
+const QKN_WARPS: usize = 4;
+/// Largest head size of `qk_norm_rope_kv_f32` (QKN_MAX_DIM in ops.cu: 8 values per lane).
+const QKN_MAX_DIM: usize = 256;
+
+/// `RopeKvParams` in ops.cu.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct RopeKvParams {
+    q: u64,
+    k: u64,
+    v: u64,
+    meta: u64,
+    inv_freq: u64,
+    rows: u64,
+    q_norm: u64,
+    k_norm: u64,
+    t: i32,
+    q_cols: i32,
+    kv_dim: i32,
+    head_dim: i32,
+    half: i32,
+    style: i32,
+    layer: i32,
+    eps: f32,
+}
+
+impl CudaBackend {
+    /// Whether `qk_norm_rope_kv_f32` takes these norms: one weight of `head_dim` values each,
+    /// and a head size the kernel holds (a multiple of 32 up to 256).
+    pub(super) fn qk_norm_fusable(
+        norm: &QkNorm<'_, CudaTensor>,
+        rope: &Rope<'_, CudaTensor>,
+    ) -> bool {
+        let hd = rope.head_dim;
+        hd.is_multiple_of(32) && hd <= QKN_MAX_DIM && norm.q.len() == hd && norm.k.len() == hd
+    }
+
+    /// Launches `rope_kv_f32`, or `qk_norm_rope_kv_f32` when `norm` is given (the caller
+    /// checked [`Self::qk_norm_fusable`]).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn rope_kv_launch(
+        &self,
+        q: &mut CudaTensor,
+        k: &mut CudaTensor,
+        v: &CudaTensor,
+        kv: &mut CudaKv,
+        layer: usize,
+        meta: &CudaMeta,
+        norm: Option<QkNorm<'_, CudaTensor>>,
+        rope: Rope<'_, CudaTensor>,
+    ) {
+        let t = meta.host.len();
+        let half = rope.inv_freq.len();
+        let dim = kv.kv_dim;
+        let head_dim = rope.head_dim;
+        assert_eq!(q.rows, t);
+        assert!(k.rows >= t && v.rows >= t);
+        assert_eq!(k.cols, dim);
+        assert_eq!(v.cols, dim);
+        Self::check_rope_kv(q.cols, kv, layer, meta, half, head_dim);
+        if t == 0 {
+            return;
+        }
+        self.device().bind();
+        let p = RopeKvParams {
+            q: self.tptr(q),
+            k: self.tptr(k),
+            v: self.tptr(v),
+            meta: self.meta_ptr(meta),
+            inv_freq: self.tptr(rope.inv_freq),
+            rows: self.ptr(kv.table.as_ref().expect("rows reserved")),
+            q_norm: norm.map_or(0, |n| self.tptr(n.q)),
+            k_norm: norm.map_or(0, |n| self.tptr(n.k)),
+            t: t as i32,
+            q_cols: q.cols as i32,
+            kv_dim: dim as i32,
+            head_dim: head_dim as i32,
+            half: half as i32,
+            style: rope_style_code(rope.style),
+            layer: layer as i32,
+            eps: norm.map_or(0.0, |n| n.eps),
+        };
+        let k = &self.device().k;
+        match norm {
+            None => {
+                self.device()
+                    .launch_with(&k.rope_kv, "rope_kv", (t as u32, 1, 1), (128, 1, 1), &p)
+            }
+            Some(_) => {
+                let heads = (q.cols + dim) / head_dim;
+                self.device().launch_with(
+                    &k.qk_norm_rope_kv,
+                    "qk_norm_rope_kv",
+                    (t as u32, heads.div_ceil(QKN_WARPS) as u32, 1),
+                    ((QKN_WARPS * 32) as u32, 1, 1),
+                    &p,
+                );
+            }
+        }
+    }
+}
