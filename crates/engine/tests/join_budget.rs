@@ -234,8 +234,11 @@ fn joiners_get_their_first_token_within_the_reserve_while_many_rows_draft() {
     for (i, (g, a)) in j.done.iter().zip(&alone).enumerate() {
         assert_eq!(g.tokens, a.tokens, "row {i} writes what it writes alone");
         if all[i].params.is_greedy() {
-            let want: Vec<u32> = refs[i].tokens.iter().take(all[i].max_tokens).copied();
-            let want: Vec<u32> = want.collect();
+            let want: Vec<u32> = refs[i].tokens[..]
+                .iter()
+                .take(all[i].max_tokens)
+                .copied()
+                .collect();
             assert_eq!(
                 g.tokens, want,
                 "greedy row {i} equals its B=1 greedy output"
