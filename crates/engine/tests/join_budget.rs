@@ -167,7 +167,7 @@ fn sampled(seed: u64) -> SamplingParams {
     }
 }
 
-/// `got` is each greedy reference cut to its request's token limit.
+/// Checks that each of `got` is its greedy reference cut to its request's token limit.
 fn check_greedy(got: &[Completion], refs: &[Completion], requests: &[Request], label: &str) {
     for (i, ((g, r), q)) in got.iter().zip(refs).zip(requests).enumerate() {
         let want: Vec<u32> = r.tokens.iter().take(q.max_tokens).copied().collect();
@@ -234,7 +234,8 @@ fn joiners_get_their_first_token_within_the_reserve_while_many_rows_draft() {
     for (i, (g, a)) in j.done.iter().zip(&alone).enumerate() {
         assert_eq!(g.tokens, a.tokens, "row {i} writes what it writes alone");
         if all[i].params.is_greedy() {
-            let want: Vec<u32> = refs[i].tokens[..]
+            let want: Vec<u32> = refs[i]
+                .tokens
                 .iter()
                 .take(all[i].max_tokens)
                 .copied()
