@@ -51,8 +51,10 @@ pub struct BenchArgs {
     /// Rows decoding at once under --requests (waiting requests join as rows finish).
     #[arg(long, default_value_t = 16, requires = "requests")]
     pub max_live: usize,
-    /// Most tokens one decoding step runs in the batched and --requests runs: the live rows'
-    /// own tokens, then pieces of joining rows' prompts (chunked prefill) in the rest.
+    /// Token budget of one decoding step in the batched and --requests runs: the live rows'
+    /// own tokens, then pieces of joining rows' prompts (chunked prefill) in the rest, but
+    /// always at least a quarter of it for those pieces, so rows join even while the live
+    /// rows' verify blocks fill it (a step then runs up to their tokens plus that quarter).
     #[arg(long, default_value_t = DEFAULT_BATCH_TOKENS)]
     pub max_batch_tokens: usize,
     /// Chat prompts for the decode comparisons (JSONL lines: a string or {"prompt": ...});

@@ -34,8 +34,10 @@ pub struct GenerateArgs {
     /// Most rows decoding at once with --batch (others join as rows finish).
     #[arg(long, default_value_t = 16)]
     pub max_batch: usize,
-    /// Most tokens one decoding step runs with --batch: the live rows' own tokens, then
-    /// pieces of joining rows' prompts (chunked prefill) in the rest.
+    /// Token budget of one decoding step with --batch: the live rows' own tokens, then
+    /// pieces of joining rows' prompts (chunked prefill) in the rest, but always at least a
+    /// quarter of it for those pieces, so rows join even while the live rows' verify blocks
+    /// fill it (a step then runs up to their tokens plus that quarter).
     #[arg(long, default_value_t = DEFAULT_BATCH_TOKENS)]
     pub max_batch_tokens: usize,
     /// Most tokens to generate.

@@ -30,8 +30,10 @@ pub struct ServeArgs {
     /// Most requests decoding together (others wait in the queue and join between rounds).
     #[arg(long, default_value_t = 16)]
     pub max_batch: usize,
-    /// Most tokens one decoding step runs: the live rows' own tokens, then pieces of new
-    /// requests' prompts in the rest (chunked prefill: rows join while others decode).
+    /// Token budget of one decoding step: the live rows' own tokens, then pieces of new
+    /// requests' prompts in the rest (chunked prefill: rows join while others decode), but
+    /// always at least a quarter of it for those pieces, so requests join even while the live
+    /// rows' verify blocks fill it (a step then runs up to their tokens plus that quarter).
     #[arg(long, default_value_t = DEFAULT_BATCH_TOKENS)]
     pub max_batch_tokens: usize,
     /// Most requests waiting for a row; more are answered 429 with Retry-After.

@@ -8,7 +8,7 @@ use dflash_runtime::Backend;
 
 use crate::choose::{copy_rows, split, with_rows, Layout, RowSampling};
 use crate::decoder::{Decoder, EngineError, Result, RowId};
-use crate::prefill::{whole_pieces, Piece, PrefillQueue, DEFAULT_BATCH_TOKENS};
+use crate::prefill::{prompt_budget, whole_pieces, Piece, PrefillQueue, DEFAULT_BATCH_TOKENS};
 use crate::sampling::SamplingParams;
 use crate::stats::RowStats;
 
@@ -230,12 +230,8 @@ impl<T: Target> Decoder for ArDecoder<T> {
             .filter_map(|(i, r)| r.as_ref().map(|r| (i, r.pending)))
             .collect();
         let granule = self.target.prefill_granule();
-        // With no live row the step feeds at least one granule, so the queue always moves.
-        let budget = if live.is_empty() {
-            self.batch_tokens.max(granule)
-        } else {
-            self.batch_tokens.saturating_sub(live.len())
-        };
+        // Queued prompts always get their reserve of the budget, so the queue always moves.
+        let budget = prompt_budget(self.batch_tokens, live.len(), granule);
         let pieces = self.queue.plan(budget, granule);
         if live.is_empty() && pieces.is_empty() {
             return Ok(());

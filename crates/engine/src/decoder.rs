@@ -49,9 +49,12 @@ pub trait Decoder {
         params: &SamplingParams,
     ) -> Result<RowId>;
 
-    /// Tokens one step may run (at least 1): the live rows' own tokens (one per AR row, a
+    /// The token budget of a step (at least 1): the live rows' own tokens (one per AR row, a
     /// verify block per DFlash row) always run; queued rows' prompt pieces fill what is left,
-    /// in the order the rows were queued.
+    /// in the order the rows were queued, but never less than a reserve of a quarter of the
+    /// budget (at least one prefill granule), so queued rows join within a bounded number of
+    /// steps however many tokens the live rows run. A step thus runs at most the larger of the
+    /// budget and the live rows' tokens plus the reserve.
     fn set_batch_tokens(&mut self, tokens: usize);
 
     /// Advances every live row and feeds queued rows' prompts; appends `(row, new tokens)` to

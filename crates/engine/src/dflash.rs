@@ -29,7 +29,7 @@ use dflash_runtime::Backend;
 use crate::ar::{check_row, choose_next, first_stats, prefill, prefill_steps, HostChoice};
 use crate::choose::{copy_rows, split, with_rows, Layout, RowSampling};
 use crate::decoder::{Decoder, EngineError, Result, RowId};
-use crate::prefill::{Piece, PrefillQueue, DEFAULT_BATCH_TOKENS};
+use crate::prefill::{prompt_budget, Piece, PrefillQueue, DEFAULT_BATCH_TOKENS};
 use crate::sampling::{Dist, SamplingParams};
 use crate::selector_walk::walk;
 use crate::shortlist::{propose_listed, VocabMap};
@@ -249,8 +249,9 @@ impl<T: Target, D: Drafter<B = T::B>> DflashDecoder<T, D> {
     fn prefill_step(&mut self, out: &mut Vec<(RowId, Vec<u32>)>) -> Result<()> {
         let t0 = Instant::now();
         let granule = self.target.prefill_granule();
-        // With no live row the step feeds at least one granule, so the queue always moves.
-        let pieces = self.queue.plan(self.batch_tokens.max(granule), granule);
+        let pieces = self
+            .queue
+            .plan(prompt_budget(self.batch_tokens, 0, granule), granule);
         self.target.forward(&prefill_steps(&self.queue, &pieces))?;
         let (mut rows, mut tap_rows) = (Vec::new(), Vec::new());
         self.piece_context(&pieces, 0, &mut rows, &mut tap_rows);
@@ -577,10 +578,11 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
             })
             .collect();
         // Queued prompts' pieces ride in the same forward, in what the blocks leave of the
-        // step's budget.
+        // step's budget but never less than its reserve: rows join while many rows draft.
+        let granule = self.target.prefill_granule();
         let pieces = self.queue.plan(
-            self.batch_tokens.saturating_sub(batch * block),
-            self.target.prefill_granule(),
+            prompt_budget(self.batch_tokens, batch * block, granule),
+            granule,
         );
         steps.extend(prefill_steps(&self.queue, &pieces));
         let starts: Vec<usize> = live.iter().map(|&r| self.target.row_len(r)).collect();

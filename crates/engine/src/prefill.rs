@@ -4,6 +4,10 @@
 //! the live rows' own tokens (one per AR row, a verify block per DFlash row), the rest of
 //! the step's token budget goes to the queued rows in arrival order: each takes the next
 //! piece of its prompt, as long as the budget lasts, so several new rows can share one step.
+//! The queued rows always get at least a quarter of the budget (and at least one granule,
+//! see below), however many tokens the live rows run ([`prompt_budget`]): many live rows
+//! verifying DFlash blocks can run more tokens than the whole budget, and joining rows must
+//! still move: such a step runs the live rows' tokens plus the reserve, over the budget.
 //! The step whose piece ends a prompt asks for that position's logits; the row's first token
 //! comes from them, and the row joins the live rows from the next step on.
 //!
@@ -22,6 +26,22 @@ use crate::sampling::SamplingParams;
 
 /// Tokens a step may run by default: live rows' tokens plus prefill pieces.
 pub const DEFAULT_BATCH_TOKENS: usize = 512;
+
+/// Queued prompts get at least one part in this many of the step's token budget.
+const PROMPT_RESERVE_PARTS: usize = 4;
+
+/// Prompt tokens a step may feed when its live rows run `live_tokens` tokens: what they
+/// leave of `batch_tokens`, but never less than a reserve of a quarter of `batch_tokens`,
+/// and never less than one `granule` (a prompt's body is cut only at its multiples). So
+/// queued rows join within a bounded number of steps whatever the live rows run, and a step
+/// runs at most `max(batch_tokens, live_tokens + reserve)` tokens.
+pub(crate) fn prompt_budget(batch_tokens: usize, live_tokens: usize, granule: usize) -> usize {
+    let reserve = batch_tokens
+        .div_ceil(PROMPT_RESERVE_PARTS)
+        .max(granule)
+        .max(1);
+    batch_tokens.saturating_sub(live_tokens).max(reserve)
+}
 
 /// Longest prompt piece of a whole prefill (bounds activation memory; a multiple of every
 /// target's granule).
@@ -201,6 +221,27 @@ mod tests {
         assert_eq!(p[0].range, 3..7);
         assert_eq!(q.advance(&p, Instant::now()).len(), 1);
         assert!(q.is_empty());
+    }
+
+    #[test]
+    fn prompts_keep_a_reserve_of_the_budget_whatever_the_live_rows_run() {
+        // The live rows leave more than the reserve: prompts get what they leave.
+        assert_eq!(prompt_budget(512, 64, 1), 448);
+        assert_eq!(prompt_budget(512, 0, 1), 512);
+        // 128 rows verifying blocks of 4 fill the budget, 256 overrun it: a quarter is kept.
+        assert_eq!(prompt_budget(512, 512, 1), 128);
+        assert_eq!(prompt_budget(512, 1024, 1), 128);
+        assert_eq!(prompt_budget(512, 400, 1), 128);
+        assert_eq!(prompt_budget(64, 64, 1), 16);
+        // Rounded up; never below one token, nor below one granule.
+        assert_eq!(prompt_budget(10, 40, 1), 3);
+        assert_eq!(prompt_budget(1, 40, 1), 1);
+        assert_eq!(prompt_budget(40, 2, 64), 64);
+        assert_eq!(prompt_budget(512, 600, 64), 128);
+        assert_eq!(prompt_budget(100, 0, 64), 100);
+        // A reserve of one granule lets a body piece through.
+        let q = queue(&[150]);
+        assert_eq!(q.plan(prompt_budget(40, 2, 64), 64)[0].range, 0..64);
     }
 
     #[test]

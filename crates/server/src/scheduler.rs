@@ -62,8 +62,9 @@ pub struct SchedulerLimits {
     pub max_batch: usize,
     /// Most requests waiting for a row; more get 429.
     pub max_queue: usize,
-    /// Most tokens one decoding step runs: the live rows' tokens, then pieces of new rows'
-    /// prompts (chunked prefill) in the rest.
+    /// Token budget of one decoding step: the live rows' tokens, then pieces of new rows'
+    /// prompts (chunked prefill) in the rest, at least a quarter of it (the decoder's
+    /// reserve for joining rows, `Decoder::set_batch_tokens`).
     pub max_batch_tokens: usize,
 }
 
