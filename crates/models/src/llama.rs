@@ -448,17 +448,9 @@ impl<B: Backend> LlamaModel<B> {
                         },
                         rope,
                     ),
-                    None => b.rope_kv_write(
-                        &mut ws.q,
-                        &mut ws.k,
-                        &ws.v,
-                        &mut self.kv,
-                        li,
-                        meta,
-                        rope.inv_freq,
-                        rope.head_dim,
-                        rope.style,
-                    ),
+                    None => {
+                        b.rope_kv_write(&mut ws.q, &mut ws.k, &ws.v, &mut self.kv, li, meta, rope)
+                    }
                 }
             }
             b.attention(&ws.q, &self.kv, li, meta, shape, &mut ws.att);

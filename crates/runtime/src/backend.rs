@@ -148,17 +148,7 @@ pub(crate) fn qk_norm_then_rope_kv<B: Backend + ?Sized>(
 ) {
     b.rms_norm(q, norm.q, norm.eps, false, None);
     b.rms_norm(k, norm.k, norm.eps, false, None);
-    b.rope_kv_write(
-        q,
-        k,
-        v,
-        kv,
-        layer,
-        meta,
-        rope.inv_freq,
-        rope.head_dim,
-        rope.style,
-    );
+    b.rope_kv_write(q, k, v, kv, layer, meta, rope);
 }
 
 /// [`Backend::step_qkv_rope_kv`] as its two ops: `step_matmul_many`, then `rope_kv_write`
@@ -177,17 +167,7 @@ pub(crate) fn qkv_then_rope_kv<B: Backend + ?Sized>(
 ) {
     let [q, k, v] = outs;
     b.step_matmul_many(x, &ws, &mut [&mut *q, &mut *k, &mut *v], spans);
-    b.rope_kv_write(
-        q,
-        k,
-        v,
-        kv,
-        layer,
-        meta,
-        rope.inv_freq,
-        rope.head_dim,
-        rope.style,
-    );
+    b.rope_kv_write(q, k, v, kv, layer, meta, rope);
 }
 
 /// Attention head layout.
@@ -645,12 +625,10 @@ pub trait Backend: Send + Sync + 'static {
         kv: &mut Self::Kv,
         layer: usize,
         meta: &Self::Meta,
-        inv_freq: &Self::Tensor,
-        head_dim: usize,
-        style: RopeStyle,
+        rope: Rope<'_, Self::Tensor>,
     ) {
-        self.rope(q, meta, inv_freq, head_dim, style);
-        self.rope(k, meta, inv_freq, head_dim, style);
+        self.rope(q, meta, rope.inv_freq, rope.head_dim, rope.style);
+        self.rope(k, meta, rope.inv_freq, rope.head_dim, rope.style);
         self.kv_write(kv, layer, k, v, meta);
     }
 

@@ -177,17 +177,12 @@ fn rope_kv_write_equals_rope_rope_kv_write_and_verify_equals_decode() {
             let mut qf = g.upload(&q, block, n_heads * head_dim);
             let mut kf = g.upload(&k, block, kv_dim);
             let vf = g.upload(&v, block, kv_dim);
-            g.rope_kv_write(
-                &mut qf,
-                &mut kf,
-                &vf,
-                &mut kv_f,
-                0,
-                &mg,
-                &inv,
+            let rope = Rope {
+                inv_freq: &inv,
                 head_dim,
-                RopeStyle::Neox,
-            );
+                style: RopeStyle::Neox,
+            };
+            g.rope_kv_write(&mut qf, &mut kf, &vf, &mut kv_f, 0, &mg, rope);
             let mut qs = g.upload(&q, block, n_heads * head_dim);
             let mut ks = g.upload(&k, block, kv_dim);
             g.rope(&mut qs, &mg, &inv, head_dim, RopeStyle::Neox);
@@ -285,9 +280,7 @@ fn qk_norm_rope_kv_write_equals_norms_then_rope_kv_write() {
                     let mut ks = g.upload(&k, block, kv_dim);
                     g.rms_norm(&mut qs, &qn, eps, false, None);
                     g.rms_norm(&mut ks, &kn, eps, false, None);
-                    g.rope_kv_write(
-                        &mut qs, &mut ks, &vf, &mut kv_s, 0, &mg, &inv, head_dim, style,
-                    );
+                    g.rope_kv_write(&mut qs, &mut ks, &vf, &mut kv_s, 0, &mg, rope);
                     let what = format!(
                         "heads {n_heads}/{n_kv_heads} dim {head_dim} pairs {half} {style:?} \
                          block {block} context {len}"
@@ -380,9 +373,7 @@ fn qkv_rope_epilogue_equals_products_then_rope_kv_write() {
                     );
                     let (mut qs, mut ks, mut vs) = (g.tensor(0, 0), g.tensor(0, 0), g.tensor(0, 0));
                     g.matmul_many(&x, &[&wq, &wk, &wv], &mut [&mut qs, &mut ks, &mut vs]);
-                    g.rope_kv_write(
-                        &mut qs, &mut ks, &vs, &mut kv_s, 0, &mg, &inv, head_dim, style,
-                    );
+                    g.rope_kv_write(&mut qs, &mut ks, &vs, &mut kv_s, 0, &mg, rope);
                     let what = format!("{dtype} {style:?} heads {n_heads}/{n_kv_heads} M={m}");
                     for (a, b, name) in [(&qf, &qs, "q"), (&kf, &ks, "k"), (&vf, &vs, "v")] {
                         assert_eq!(bits(&g.to_host(a)), bits(&g.to_host(b)), "{what}: {name}");

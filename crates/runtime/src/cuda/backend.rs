@@ -1585,15 +1585,8 @@ impl Backend for CudaBackend {
         kv: &mut CudaKv,
         layer: usize,
         meta: &CudaMeta,
-        inv_freq: &CudaTensor,
-        head_dim: usize,
-        style: RopeStyle,
+        rope: Rope<'_, CudaTensor>,
     ) {
-        let rope = Rope {
-            inv_freq,
-            head_dim,
-            style,
-        };
         self.rope_kv_launch(q, k, v, kv, layer, meta, None, rope);
     }
 
