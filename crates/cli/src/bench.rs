@@ -20,6 +20,7 @@ use serde_json::{json, Value};
 
 use crate::args::{BatchAccept, DraftArgs, ModelArgs};
 use crate::bench_load::{arm_line, arm_report, load_run, LoadRun};
+use crate::bench_probe::{probe_line, probe_report, probe_request, probe_run};
 #[cfg(feature = "cuda")]
 use crate::load::DeviceTarget;
 use crate::load::{decoder, drafter_dir, load_target, Loaded};
@@ -57,6 +58,11 @@ pub struct BenchArgs {
     /// rows' verify blocks fill it (a step then runs up to their tokens plus that quarter).
     #[arg(long, default_value_t = DEFAULT_BATCH_TOKENS)]
     pub max_batch_tokens: usize,
+    /// With --requests: also the time to first token of a prompt of this many tokens that
+    /// joins a batch of --max-live busy rows (5 prompts per run, after a warm-up run; plain
+    /// decoding and, with a drafter, DFlash).
+    #[arg(long, requires = "requests")]
+    pub join_probe: Option<usize>,
     /// Chat prompts for the decode comparisons (JSONL lines: a string or {"prompt": ...});
     /// default: a built-in set of eight.
     #[arg(long)]
@@ -291,8 +297,13 @@ fn run_load(args: &BenchArgs, plain: Loaded, drafter: Option<PathBuf>, n: usize)
         let tps = |r: &Value| r["tok_per_s"].as_f64().unwrap_or(0.0);
         report["dflash_vs_ar"] = json!(tps(&reports[1]) / tps(&reports[0]).max(1e-9));
     }
-    let lines: Vec<String> = reports.iter().map(arm_line).collect();
+    let mut lines: Vec<String> = reports.iter().map(arm_line).collect();
     report["arms"] = json!(reports);
+    if let Some(len) = args.join_probe {
+        let probes = join_probes(args, &mut arms, &requests, len)?;
+        lines.extend(probes.iter().map(probe_line));
+        report["join_probe"] = json!(probes);
+    }
     crate::output::line(&report.to_string())?;
     eprintln!(
         "| {} | {} | {n} requests, {} live, {} tokens each |",
@@ -305,6 +316,44 @@ fn run_load(args: &BenchArgs, plain: Loaded, drafter: Option<PathBuf>, n: usize)
         eprintln!("{l}");
     }
     Ok(())
+}
+
+/// `--join-probe`: per arm, a warm-up run then `--repetitions` timed runs of
+/// [`probe_run`] with `--max-live` background rows from `requests` (their token limits raised
+/// to the context, so the batch stays busy).
+fn join_probes(
+    args: &BenchArgs,
+    arms: &mut [(&str, Loaded)],
+    requests: &[Request],
+    len: usize,
+) -> Result<Vec<Value>> {
+    let probe = probe_request(requests, len)?;
+    let mut reports = Vec::new();
+    for (name, m) in arms.iter_mut() {
+        let ctx = m.decoder.context_length();
+        let background: Vec<Request> = requests
+            .iter()
+            .map(|r| Request {
+                max_tokens: ctx,
+                ..r.clone()
+            })
+            .collect();
+        let mut runs = Vec::new();
+        for rep in 0..=args.repetitions {
+            let r = probe_run(
+                m.decoder.as_mut(),
+                &m.tokenizer,
+                &background,
+                &probe,
+                args.max_live,
+            )?;
+            if rep > 0 {
+                runs.push(r);
+            }
+        }
+        reports.push(probe_report(name, len, &runs));
+    }
+    Ok(reports)
 }
 
 /// Milliseconds per round (0 without rounds).
@@ -341,8 +390,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if args.batch == Some(0) {
         bail!("--batch must be at least 1");
     }
-    if args.requests == Some(0) || args.max_live == 0 || args.max_batch_tokens == 0 {
-        bail!("--requests, --max-live and --max-batch-tokens must be at least 1");
+    if args.requests == Some(0)
+        || args.max_live == 0
+        || args.max_batch_tokens == 0
+        || args.join_probe == Some(0)
+    {
+        bail!("--requests, --max-live, --max-batch-tokens and --join-probe must be at least 1");
     }
     let probe = load_target(&args.model)?;
     #[cfg(feature = "cuda")]

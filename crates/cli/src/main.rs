@@ -3,6 +3,7 @@
 mod args;
 mod bench;
 mod bench_load;
+mod bench_probe;
 mod eval;
 mod generate;
 mod load;

@@ -1,7 +1,7 @@
 //! `dflash bench --requests R`: a serving-style load on a tiny synthetic target (plain, and
 //! DFlash with a random drafter) gives a JSON report whose counts, percentiles and KV cache
 //! peak hang together, with prompts longer than the step's token budget (chunked prefill);
-//! bad values are clear errors.
+//! `--join-probe` times prompts joining a busy batch; bad values are clear errors.
 
 mod support;
 
@@ -128,6 +128,57 @@ fn dflash_load_with_prompts_longer_than_the_step_budget() {
 }
 
 #[test]
+fn join_probe_times_prompts_joining_a_busy_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let drafter = random_drafter_dir(dir.path());
+    let out = dflash(&[
+        "bench",
+        "--model",
+        model.to_str().unwrap(),
+        "--draft",
+        drafter.to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--requests",
+        "3",
+        "--max-live",
+        "3",
+        "--max-batch-tokens",
+        "16",
+        "-n",
+        "4",
+        "-r",
+        "1",
+        "--join-probe",
+        "40",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "bench failed: {err}");
+    let report: Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    let probes = report["join_probe"].as_array().expect("join_probe");
+    assert_eq!(probes.len(), 2, "plain and DFlash arms: {probes:?}");
+    for p in probes {
+        assert_eq!(p["prompt_tokens"], 40);
+        assert_eq!(p["probes"], 5, "{p}");
+        // Three background rows stay live; a 40-token prompt under a 16-token budget with
+        // the live rows' tokens first takes several steps to its first token.
+        assert_eq!(p["background_live_min"], 3, "{p}");
+        let steps = p["steps_median"].as_f64().unwrap();
+        assert!((3.0..=40.0).contains(&steps), "{p}");
+        let (med, max) = (
+            p["ttft_ms_median"].as_f64().unwrap(),
+            p["ttft_ms_max"].as_f64().unwrap(),
+        );
+        assert!(0.0 < med && med <= max, "{p}");
+    }
+    assert!(
+        err.contains("40-token prompt joining 3 live rows"),
+        "table: {err}"
+    );
+}
+
+#[test]
 fn bad_load_flags_are_errors() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny(dir.path());
@@ -139,6 +190,8 @@ fn bad_load_flags_are_errors() {
             vec!["--requests", "3", "--max-batch-tokens", "0"],
             "at least 1",
         ),
+        (vec!["--requests", "3", "--join-probe", "0"], "at least 1"),
+        (vec!["--join-probe", "64"], "--requests"),
         (vec!["--max-live", "2"], "--requests"),
         (
             vec!["--requests", "3", "--batch", "2"],
