@@ -24,8 +24,7 @@
 //! Every round is measured, also those whose forward carried prompt pieces of joining rows
 //! (chunked prefill): under constant joining many rounds do. Those pieces are not decoding
 //! work, and the two kinds carry different amounts of them (the verify blocks take more of the
-//! token budget), so [`moments`] rates a kind by its rounds without pieces once it has seen
-//! one, and until then charges a round with pieces only its live rows' share of the forward.
+//! token budget), so [`moments`] charges a round only its live rows' share of the forward.
 //!
 //! Skipping the draft never changes greedy output (a plain round is the target's own greedy
 //! step), so `Auto` acts only while every row decodes greedily. Rows that sample keep drafting

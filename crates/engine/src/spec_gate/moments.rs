@@ -2,17 +2,18 @@
 //! give.
 //!
 //! A round's decoding cost is its wall time without the prompt pieces of joining rows that
-//! rode in its forward. Rounds that carried none measure it directly, and once a group has
-//! seen such a round, its rate comes from those rounds only. Until then a round is charged
-//! its draft and commit time plus its live rows' share of the forward (the forward's time
-//! times live tokens over all tokens): exact where the forward is compute-bound, and a fair
-//! estimate at the large batches where constant joining leaves no round without pieces.
+//! rode in its forward: its draft and commit time plus its live rows' share of the forward
+//! (the forward's time times live tokens over all tokens). A round without pieces is charged
+//! whole. Exact where the forward is compute-bound, as it is at the large batches where rows
+//! join all the time; on the GPU a prompt piece is not a free rider at small batches either
+//! (it takes its own tensor-core launches: 17 prompt tokens added 1.1 ms to a 1.7 ms step of
+//! 16 rows on the H200).
 //!
-//! (Fitting one cost per prompt token from the rounds themselves, as before, failed on the
-//! H200: within a group the pieces often fill the same share of the budget round after round,
-//! so the fit had no spread and charged them nothing, and a piece's cost is not linear in its
-//! tokens: a short piece adds its own tensor-core launches. Plain rounds, which leave more of
-//! the budget to pieces, then looked slower than they were.)
+//! Mixed rounds count as much as rounds without pieces, so the rates follow what the batch
+//! does now: while rows join, a speculative round serves fewer live rows (its verify blocks
+//! leave less of the budget to the joining prompts), and its rate shows it. (A per-token cost
+//! fitted from the rounds, the first design, had nothing to fit when the pieces filled the
+//! same share of the budget round after round, and then charged them nothing.)
 
 use super::Round;
 
@@ -44,37 +45,28 @@ impl Ewma {
     }
 }
 
-/// One group's rounds: those without prompt pieces, and every round with its pieces' share of
-/// the forward taken out.
+/// One group's rounds, each charged its decoding cost (see above).
 #[derive(Clone, Copy, Debug, Default)]
 pub(super) struct Moments {
-    pure: Ewma,
-    shared: Ewma,
+    ewma: Ewma,
 }
 
 impl Moments {
     /// Rounds recorded so far.
     pub fn rounds(&self) -> usize {
-        self.shared.rounds
+        self.ewma.rounds
     }
 
     pub fn add(&mut self, r: &Round) {
-        let committed = r.committed as f64;
-        if r.prompt_tokens == 0 {
-            self.pure.add(committed, r.seconds);
-        }
         let live = r.tokens.saturating_sub(r.prompt_tokens) as f64;
         let forward = r.forward_seconds.clamp(0.0, r.seconds);
         let share = forward * live / r.tokens.max(1) as f64;
-        self.shared.add(committed, r.seconds - forward + share);
+        self.ewma
+            .add(r.committed as f64, r.seconds - forward + share);
     }
 
     /// Committed tokens per second of decoding.
     pub fn rate(&self) -> f64 {
-        if self.pure.rounds > 0 {
-            self.pure.rate()
-        } else {
-            self.shared.rate()
-        }
+        self.ewma.rate()
     }
 }
