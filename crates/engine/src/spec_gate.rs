@@ -24,7 +24,8 @@
 //! Every round is measured, also those whose forward carried prompt pieces of joining rows
 //! (chunked prefill): under constant joining many rounds do. Those pieces are not decoding
 //! work, and the two kinds carry different amounts of them (the verify blocks take more of the
-//! token budget), so [`moments`] charges a round only its live rows' share of the forward.
+//! token budget), so [`moments`] charges a round only its live rows' share of its forward and
+//! commit.
 //!
 //! Skipping the draft never changes greedy output (a plain round is the target's own greedy
 //! step), so `Auto` acts only while every row decodes greedily. Rows that sample keep drafting
@@ -70,8 +71,8 @@ pub struct Round {
     pub prompt_tokens: usize,
     /// Its wall time.
     pub seconds: f64,
-    /// Of `seconds`, the target forward's (the rest is drafting and committing).
-    pub forward_seconds: f64,
+    /// Of `seconds`, the draft's (the rest is the target forward and the commit).
+    pub draft_seconds: f64,
 }
 
 /// The bucket of a batch of `rows` rows: the nearest power of two's exponent (in log scale:

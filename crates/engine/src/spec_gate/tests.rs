@@ -3,7 +3,7 @@ use super::*;
 /// A fake machine: the seconds and committed tokens of a round, given the rows the batch
 /// holds, whether it drafts and the prompt tokens it carries.
 struct Machine {
-    /// Seconds of a round outside the forward (drafting, committing): `(rows, speculative)`.
+    /// Seconds of a round's draft: `(rows, speculative)`.
     overhead_s: fn(usize, bool) -> f64,
     /// Seconds of a forward over this many tokens (the live rows' and the prompt pieces).
     forward_s: fn(usize) -> f64,
@@ -22,15 +22,15 @@ impl Machine {
             rows
         };
         let tokens = rows * per_row + prompt_tokens;
-        let forward = (self.forward_s)(tokens);
+        let overhead = (self.overhead_s)(rows, speculated);
         Round {
             rows,
             speculated,
             committed,
             tokens,
             prompt_tokens,
-            seconds: (self.overhead_s)(rows, speculated) + forward,
-            forward_seconds: forward,
+            seconds: overhead + (self.forward_s)(tokens),
+            draft_seconds: overhead,
         }
     }
 }
@@ -258,10 +258,10 @@ fn moments_charge_a_round_its_live_share_of_the_forward() {
         g.rate()
     );
     assert_eq!(g.rounds(), 4);
-    // A forward reported longer than the round is cut to it.
+    // A draft reported longer than the round is cut to it.
     let mut h = Moments::default();
     h.add(&Round {
-        forward_seconds: 10.0 * pure.seconds,
+        draft_seconds: 10.0 * pure.seconds,
         ..pure
     });
     assert!((h.rate() - pure.committed as f64 / pure.seconds).abs() < 1e-9 * want);
