@@ -5,8 +5,13 @@
 //! ```text
 //! cargo build --release -p dflash-cli --features cuda --example gpu_parity
 //! gpu_parity --model M.gguf --draft DIR --prompts data/mt_bench_first_turns.jsonl \
-//!     [--count 24] [--max-tokens 64] [--block 16] [--batch 4]
+//!     [--count 24] [--max-tokens 64] [--block 16] [--batch 4[,16,...]] [--skip-cpu]
 //! ```
+//!
+//! Batched runs hold at most `--batch` rows at once, the other requests joining as rows
+//! finish (the serving scheduler's continuous batching), so with more prompts than rows, rows
+//! join mid-run. Each batch size in the list is checked. `--skip-cpu` leaves out the CPU
+//! comparison (for hundreds of prompts, whose CPU runs take minutes).
 //!
 //! Where CPU and GPU greedy tokens part, the step is reported with the top-2 logit margin of
 //! both backends and the largest logit difference seen before it: the kernels compute in a
@@ -35,8 +40,9 @@ struct Args {
     count: usize,
     max_tokens: usize,
     block: usize,
-    batch: usize,
+    batches: Vec<usize>,
     margin: f32,
+    skip_cpu: bool,
 }
 
 fn parse() -> Result<Args> {
@@ -47,8 +53,9 @@ fn parse() -> Result<Args> {
         count: 24,
         max_tokens: 64,
         block: 16,
-        batch: 4,
+        batches: vec![4],
         margin: 0.05,
+        skip_cpu: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -60,7 +67,16 @@ fn parse() -> Result<Args> {
             "--count" => a.count = val()?.parse()?,
             "--max-tokens" => a.max_tokens = val()?.parse()?,
             "--block" => a.block = val()?.parse()?,
-            "--batch" => a.batch = val()?.parse()?,
+            "--batch" => {
+                a.batches = val()?
+                    .split(',')
+                    .map(|b| match b.trim().parse() {
+                        Ok(n) if n > 0 => Ok(n),
+                        _ => bail!("--batch takes rows per batch (> 0), comma-separated"),
+                    })
+                    .collect::<Result<_>>()?
+            }
+            "--skip-cpu" => a.skip_cpu = true,
             "--margin" => a.margin = val()?.parse()?,
             _ => bail!("unknown flag {flag}"),
         }
@@ -132,7 +148,10 @@ fn main() -> Result<()> {
         template,
         ..
     } = load_model(cuda.clone(), &args.model)?;
-    let mut cpu_model = load_model(cpu.clone(), &args.model)?.model;
+    let mut cpu_model = match args.skip_cpu {
+        true => None,
+        false => Some(load_model(cpu.clone(), &args.model)?.model),
+    };
     let text = std::fs::read_to_string(&args.prompts)
         .with_context(|| format!("cannot read {}", args.prompts.display()))?;
     let mut prompts = Vec::new();
@@ -159,8 +178,12 @@ fn main() -> Result<()> {
     let (mut exact, mut parted_ok) = (0usize, 0usize);
     let mut worst_diff = 0f32;
     for (i, p) in prompts.iter().enumerate() {
+        let Some(cpu_model) = cpu_model.as_mut() else {
+            println!("cpu vs gpu: skipped (--skip-cpu)");
+            break;
+        };
         let g = greedy(&mut gpu_model, p, args.max_tokens)?;
-        let c = greedy(&mut cpu_model, p, args.max_tokens)?;
+        let c = greedy(cpu_model, p, args.max_tokens)?;
         let part = g.iter().zip(&c).position(|(a, b)| a.0 != b.0);
         for (a, b) in g.iter().zip(&c).take(part.unwrap_or(g.len()) + 1) {
             let d =
@@ -194,12 +217,14 @@ fn main() -> Result<()> {
             }
         }
     }
-    println!(
-        "cpu vs gpu: {exact}/{} prompts identical over {} tokens, {parted_ok} part at a near-tie; \
-         largest logit difference before parting {worst_diff:.3e}",
-        prompts.len(),
-        args.max_tokens
-    );
+    if !args.skip_cpu {
+        println!(
+            "cpu vs gpu: {exact}/{} prompts identical over {} tokens, {parted_ok} part at a \
+             near-tie; largest logit difference before parting {worst_diff:.3e}",
+            prompts.len(),
+            args.max_tokens
+        );
+    }
 
     // 2. On the GPU: batched plain rows vs single rows, DFlash B=1 and batched vs plain.
     let requests: Vec<Request> = prompts
@@ -213,7 +238,10 @@ fn main() -> Result<()> {
         .collect();
     let mut ar = ArDecoder::new(gpu_model);
     let single = run_scheduled(&mut ar, &tok, &requests, 1, &mut |_, _| {})?;
-    let batched = run_scheduled(&mut ar, &tok, &requests, args.batch, &mut |_, _| {})?;
+    let mut batched = Vec::new();
+    for &b in &args.batches {
+        batched.push(run_scheduled(&mut ar, &tok, &requests, b, &mut |_, _| {})?);
+    }
     let mut check = |name: &str, got: &[Completion]| {
         let bad: Vec<usize> = (0..single.len())
             .filter(|&i| got[i].tokens != single[i].tokens)
@@ -225,7 +253,9 @@ fn main() -> Result<()> {
             failures += 1;
         }
     };
-    check(&format!("plain B={}", args.batch), &batched);
+    for (b, got) in args.batches.iter().zip(&batched) {
+        check(&format!("plain B={b}"), got);
+    }
     if let Some(dir) = &args.draft {
         let target = load_model(cuda.clone(), &args.model)?.model;
         let drafter = DflashDrafter::open(cuda.clone(), dir)?;
@@ -233,16 +263,19 @@ fn main() -> Result<()> {
         let mut df = DflashDecoder::new(target, drafter, block, AcceptPolicy::PerRow)?;
         let one = run_scheduled(&mut df, &tok, &requests, 1, &mut |_, _| {})?;
         check(&format!("DFlash block {block} B=1"), &one);
-        let many = run_scheduled(&mut df, &tok, &requests, args.batch, &mut |_, _| {})?;
-        check(
-            &format!("DFlash block {block} B={} per-row", args.batch),
-            &many,
-        );
-        let mut st = RowStats::default();
-        for c in &many {
-            st.merge(&c.stats);
+        for &b in &args.batches {
+            let many = run_scheduled(&mut df, &tok, &requests, b, &mut |_, _| {})?;
+            check(&format!("DFlash block {block} B={b} per-row"), &many);
+            let mut st = RowStats::default();
+            for c in &many {
+                st.merge(&c.stats);
+            }
+            println!(
+                "DFlash B={b}: tau {:.2} over {} rounds",
+                st.tau(),
+                st.rounds
+            );
         }
-        println!("DFlash tau {:.2} over {} rounds", st.tau(), st.rounds);
     }
     if failures > 0 {
         bail!("{failures} parity check(s) failed");

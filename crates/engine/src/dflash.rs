@@ -728,6 +728,7 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
             tokens: batch * block + prompt_tokens,
             prompt_tokens,
             seconds: t_round.elapsed().as_secs_f64(),
+            draft_seconds: draft_s,
         });
         for &r in &live {
             let st = &mut self.rows[r].as_mut().expect("live").stats;

@@ -22,12 +22,10 @@
 //! kind before it chooses.
 //!
 //! Every round is measured, also those whose forward carried prompt pieces of joining rows
-//! (chunked prefill): under constant joining nearly every round does. Those pieces are not
-//! decoding work, and the two kinds carry different amounts of them (the verify blocks take
-//! more of the token budget), so a round is charged its time less what its prompt tokens cost:
-//! [`moments`] fits that per-token cost from the rounds themselves (how round time grows with
-//! the prompt tokens they carried) and bounds it between free and the forward's mean time per
-//! token.
+//! (chunked prefill): under constant joining many rounds do. Those pieces are not decoding
+//! work, and the two kinds carry different amounts of them (the verify blocks take more of the
+//! token budget), so [`moments`] charges a round only its live rows' share of its forward and
+//! commit.
 //!
 //! Skipping the draft never changes greedy output (a plain round is the target's own greedy
 //! step), so `Auto` acts only while every row decodes greedily. Rows that sample keep drafting
@@ -38,7 +36,7 @@ mod moments;
 #[cfg(test)]
 mod tests;
 
-use moments::{prompt_cost, Moments};
+use moments::Moments;
 
 /// How rounds choose between drafting and a plain step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,6 +51,9 @@ pub enum SpecMode {
 const PROBE_EVERY: usize = 12;
 /// The longest probe interval after repeated probes found the same leader.
 const MAX_PROBE_EVERY: usize = 48;
+/// A bucket's state is traced (`DFLASH_LOG=dflash_engine::spec_gate=debug`) every this many
+/// of its rounds.
+const TRACE_EVERY: usize = 64;
 
 /// One finished round, as [`SpecGate::record`] sees it.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -70,6 +71,8 @@ pub struct Round {
     pub prompt_tokens: usize,
     /// Its wall time.
     pub seconds: f64,
+    /// Of `seconds`, the draft's (the rest is the target forward and the commit).
+    pub draft_seconds: f64,
 }
 
 /// The bucket of a batch of `rows` rows: the nearest power of two's exponent (in log scale:
@@ -105,15 +108,15 @@ impl Default for Bucket {
 }
 
 impl Bucket {
-    /// Whether the next round drafts, prompt tokens charged at `cost` seconds each.
-    fn speculate(&mut self, cost: f64) -> bool {
+    /// Whether the next round drafts.
+    fn speculate(&mut self) -> bool {
         if self.spec.rounds() == 0 {
             return true;
         }
         if self.plain.rounds() == 0 {
             return false;
         }
-        let ahead = self.spec.rate(cost) >= self.plain.rate(cost);
+        let ahead = self.spec.rate() >= self.plain.rate();
         if let Some(before) = self.probed.take() {
             self.probe_every = if before == ahead {
                 (2 * self.probe_every).min(MAX_PROBE_EVERY)
@@ -160,19 +163,13 @@ impl SpecGate {
         &mut self.buckets[b]
     }
 
-    /// Seconds one prompt token adds to a round, fitted over every bucket and kind.
-    fn prompt_cost(&self) -> f64 {
-        prompt_cost(self.buckets.iter().flat_map(|b| [&b.spec, &b.plain]))
-    }
-
     /// Whether the next round of a batch holding `rows` rows drafts; `all_greedy` says
     /// whether every live row is greedy.
     pub fn speculate(&mut self, rows: usize, all_greedy: bool) -> bool {
         if self.mode == SpecMode::Always || !all_greedy {
             return true;
         }
-        let cost = self.prompt_cost();
-        self.bucket_mut(rows).speculate(cost)
+        self.bucket_mut(rows).speculate()
     }
 
     /// Records a finished round.
@@ -185,6 +182,19 @@ impl SpecGate {
             b.spec.add(&round);
         } else {
             b.plain.add(&round);
+        }
+        let seen = b.spec.rounds() + b.plain.rounds();
+        if seen.is_multiple_of(TRACE_EVERY) {
+            tracing::debug!(
+                rows = round.rows,
+                spec_rounds = b.spec.rounds(),
+                plain_rounds = b.plain.rounds(),
+                spec = ?b.spec,
+                plain = ?b.plain,
+                spec_rate = b.spec.rate(),
+                plain_rate = b.plain.rate(),
+                "speculation gate"
+            );
         }
     }
 }

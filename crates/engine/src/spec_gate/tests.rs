@@ -3,12 +3,12 @@ use super::*;
 /// A fake machine: the seconds and committed tokens of a round, given the rows the batch
 /// holds, whether it drafts and the prompt tokens it carries.
 struct Machine {
-    /// Seconds of a round's decoding part: `(rows, speculative)`.
-    decode_s: fn(usize, bool) -> f64,
+    /// Seconds of a round's draft: `(rows, speculative)`.
+    overhead_s: fn(usize, bool) -> f64,
+    /// Seconds of a forward over this many tokens (the live rows' and the prompt pieces).
+    forward_s: fn(usize) -> f64,
     /// Tokens a speculative round commits per row.
     tau: f64,
-    /// Seconds each prompt token adds.
-    prompt_s: f64,
     /// The block size (verify tokens per row of a speculative round).
     block: usize,
 }
@@ -21,13 +21,16 @@ impl Machine {
         } else {
             rows
         };
+        let tokens = rows * per_row + prompt_tokens;
+        let overhead = (self.overhead_s)(rows, speculated);
         Round {
             rows,
             speculated,
             committed,
-            tokens: rows * per_row + prompt_tokens,
+            tokens,
             prompt_tokens,
-            seconds: (self.decode_s)(rows, speculated) + self.prompt_s * prompt_tokens as f64,
+            seconds: overhead + (self.forward_s)(tokens),
+            draft_seconds: overhead,
         }
     }
 }
@@ -60,24 +63,34 @@ fn spec_at(kinds: &[bool]) -> Vec<usize> {
 /// An H200-like balance (the default model, block 4, τ = 2): a forward is memory-bound (a
 /// fixed time) up to ~64 tokens and compute-bound beyond, so a speculative round's verify
 /// rides almost free at 16 rows and costs about four plain steps at 256.
-fn gpu_like(rows: usize, speculated: bool) -> f64 {
-    let r = rows as f64;
-    let forward = |tokens: f64| (4e-3f64).max(6e-5 * tokens);
+fn gpu_forward(tokens: usize) -> f64 {
+    (4e-3f64).max(6e-5 * tokens as f64)
+}
+
+/// The draft forward of a speculative round; a plain round has nothing outside its forward.
+fn gpu_draft(rows: usize, speculated: bool) -> f64 {
     if speculated {
-        // A draft forward, then a verify over four tokens per row.
-        5e-4 + 1e-5 * r + forward(4.0 * r)
+        5e-4 + 1e-5 * rows as f64
     } else {
-        forward(r)
+        0.0
     }
 }
 
 fn gpu() -> Machine {
     Machine {
-        decode_s: gpu_like,
+        overhead_s: gpu_draft,
+        forward_s: gpu_forward,
         tau: 2.0,
-        prompt_s: 1e-5,
         block: 4,
     }
+}
+
+/// The prompt tokens a step's budget of 512 leaves after the live rows' own (a verify block
+/// per drafting row, one token per row otherwise), never less than a quarter of it (the join
+/// reserve), at most `queued`.
+fn leftover(m: &Machine, rows: usize, speculated: bool, queued: usize) -> usize {
+    let own = rows * if speculated { m.block } else { 1 };
+    queued.min(512usize.saturating_sub(own).max(128))
 }
 
 #[test]
@@ -159,20 +172,14 @@ fn a_batch_growing_from_16_to_256_rows_switches_and_back() {
 
 #[test]
 fn rounds_with_prompt_pieces_inform_the_gate() {
-    // Constant joining: every round carries prompt pieces, as many as the step's budget of
-    // 512 tokens leaves after the live rows' own (a verify block of 4 per row drafting, one
-    // per row otherwise), at most what the queue holds. Plain decoding is faster here, but a
-    // speculative round carries fewer prompt tokens: charged whole, it would look faster.
+    // Constant joining: every round carries prompt pieces, as many as the step's budget
+    // leaves (see `leftover`), at most what the queue holds. Plain decoding is faster here
+    // (a compute-bound forward: 2 ms a token), but a speculative round carries fewer prompt
+    // tokens: charged whole, it would look faster.
     let m = Machine {
-        decode_s: |rows, s| {
-            if s {
-                0.020 * rows as f64
-            } else {
-                0.007 * rows as f64
-            }
-        },
+        overhead_s: |rows, s| if s { 0.012 } else { 0.005 } * rows as f64,
+        forward_s: |tokens| 0.002 * tokens as f64,
         tau: 2.0,
-        prompt_s: 0.004,
         block: 4,
     };
     let rows = 64;
@@ -182,8 +189,7 @@ fn rounds_with_prompt_pieces_inform_the_gate() {
     for i in 0..400usize {
         let s = gate.speculate(rows, true);
         let queued = 100 + (i * 7919) % 500;
-        let budget = 512 - rows * if s { m.block } else { 1 };
-        let r = m.round(rows, s, queued.min(budget));
+        let r = m.round(rows, s, leftover(&m, rows, s, queued));
         assert!(r.prompt_tokens > 0);
         gate.record(r);
         let n = &mut naive[s as usize];
@@ -200,41 +206,73 @@ fn rounds_with_prompt_pieces_inform_the_gate() {
 }
 
 #[test]
-fn the_prompt_cost_is_fitted_within_groups_and_bounded() {
+fn a_filling_batch_keeps_to_plain_steps_where_drafting_starves_joining_rows() {
+    // A batch of 256 rows filling up: most rows are still prefilling, and every forward is
+    // full. A plain round decodes 40 live rows and fills the budget with 472 prompt tokens; a
+    // speculative round decodes 96 rows' blocks (384 tokens) and carries 128. The pieces fill
+    // the same share round after round. Charged whole, drafting would look 4x faster; without
+    // the pieces, plain steps are faster, and the gate keeps to them.
+    let m = gpu();
+    let round = |s: bool| {
+        let live = if s { 96 } else { 40 };
+        let own = live * if s { m.block } else { 1 };
+        Round {
+            rows: 256,
+            ..m.round(live, s, 512 - own)
+        }
+    };
+    let whole = |r: Round| r.committed as f64 / r.seconds;
+    assert!(whole(round(true)) > 4.0 * whole(round(false)));
+    let alone = |live, s| whole(m.round(live, s, 0));
+    assert!(alone(40, false) > 1.2 * alone(96, true));
+    let mut gate = SpecGate::new(SpecMode::Auto);
+    let kinds: Vec<bool> = (0..200)
+        .map(|_| {
+            let s = gate.speculate(256, true);
+            gate.record(round(s));
+            s
+        })
+        .collect();
+    assert!(share(&kinds[3..]) < 0.06, "{kinds:?}");
+}
+
+#[test]
+fn moments_charge_a_round_its_live_share_of_the_forward() {
     let m = Machine {
-        decode_s: |rows, s| if s { 2.0 } else { 1.0 } * rows as f64,
+        overhead_s: |rows, _| 0.001 * rows as f64,
+        forward_s: |tokens| 0.002 * tokens as f64,
         tau: 2.0,
-        prompt_s: 0.01,
         block: 4,
     };
-    let mut a = Moments::default();
-    let mut b = Moments::default();
-    for i in 0..40 {
-        a.add(&m.round(8, true, 10 * (i % 5)));
-        b.add(&m.round(64, false, 50 + 30 * (i % 3)));
+    let mut g = Moments::default();
+    // With a forward without a fixed part, a round's decoding cost is exactly the round
+    // without its pieces, whatever the pieces.
+    for q in [100, 0, 300, 50] {
+        g.add(&m.round(8, true, q));
     }
-    let c = prompt_cost([&a, &b].into_iter());
-    assert!((c - 0.01).abs() < 1e-9, "{c}");
-    // Charged at the fitted cost, each group's rate is its decoding rate.
-    assert!((a.rate(c) - 16.0 / 16.0).abs() < 1e-9);
-    assert!((b.rate(c) - 1.0).abs() < 1e-9);
-    // The same prompt work in every round says nothing: charged whole.
-    let mut same = Moments::default();
-    for _ in 0..10 {
-        same.add(&m.round(4, false, 100));
-    }
-    assert_eq!(prompt_cost([&same].into_iter()), 0.0);
-    assert!((same.rate(0.0) - 4.0 / 5.0).abs() < 1e-9);
-    // A cost above the round's mean time per forward token is cut to it.
-    assert!((same.rate(1.0) - same.rate(5.0 / 104.0)).abs() < 1e-9);
+    let pure = m.round(8, true, 0);
+    let want = pure.committed as f64 / pure.seconds;
+    assert!(
+        (g.rate() - want).abs() < 1e-9 * want,
+        "{} vs {want}",
+        g.rate()
+    );
+    assert_eq!(g.rounds(), 4);
+    // A draft reported longer than the round is cut to it.
+    let mut h = Moments::default();
+    h.add(&Round {
+        draft_seconds: 10.0 * pure.seconds,
+        ..pure
+    });
+    assert!((h.rate() - pure.committed as f64 / pure.seconds).abs() < 1e-9 * want);
 }
 
 #[test]
 fn follows_a_change_in_the_balance() {
     let useless = Machine {
-        decode_s: |_, s| if s { 2.0 } else { 1.0 },
+        overhead_s: |_, s| if s { 1.0 } else { 0.0 },
+        forward_s: |_| 1.0,
         tau: 1.0,
-        prompt_s: 0.0,
         block: 4,
     };
     let good = Machine {
