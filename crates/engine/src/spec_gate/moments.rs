@@ -21,6 +21,14 @@ use super::Round;
 /// Weight of the newest round in the moving averages.
 pub(super) const SMOOTHING: f64 = 0.3;
 
+/// Once a group has this many rounds, a round slower than [`SLOW_CAP`] times its average
+/// counts as that slow: one stalled round (a CUDA graph captured for a new shape, a host
+/// hiccup: 12.7 ms for a 1.7 ms step of 16 rows on the H200) must not hand the lead to the
+/// other kind for the dozens of rounds until it is probed again. Faster rounds always count
+/// whole, so a group whose first rounds were slow recovers as fast as without the cap.
+const SETTLED: usize = 3;
+const SLOW_CAP: f64 = 1.5;
+
 /// An exponentially weighted average of committed tokens and seconds per round.
 #[derive(Clone, Copy, Debug, Default)]
 pub(super) struct Ewma {
@@ -32,6 +40,11 @@ pub(super) struct Ewma {
 impl Ewma {
     fn add(&mut self, committed: f64, seconds: f64) {
         let w = if self.rounds == 0 { 1.0 } else { SMOOTHING };
+        let seconds = if self.rounds >= SETTLED {
+            seconds.min(SLOW_CAP * self.seconds)
+        } else {
+            seconds
+        };
         self.committed += w * (committed - self.committed);
         self.seconds += w * (seconds - self.seconds);
         self.rounds += 1;

@@ -268,6 +268,37 @@ fn moments_charge_a_round_its_live_share_of_the_forward() {
 }
 
 #[test]
+fn one_stalled_round_does_not_hand_over_the_lead() {
+    // Plain steps lead by 25%; one plain step stalls (8x its time, as a graph capture does).
+    let m = Machine {
+        overhead_s: |_, s| if s { 1.0 } else { 0.0 },
+        forward_s: |_| 1.0,
+        tau: 1.6,
+        block: 4,
+    };
+    let mut gate = SpecGate::new(SpecMode::Auto);
+    drive(&mut gate, &m, 16, 100);
+    assert!(!gate.speculate(16, true));
+    gate.record(Round {
+        seconds: 8.0,
+        ..m.round(16, false, 0)
+    });
+    let after = drive(&mut gate, &m, 16, 40);
+    assert!(after.iter().filter(|&&s| s).count() <= 1, "{after:?}");
+    // A stall among a group's first rounds (the cap does not apply yet) fades as the group
+    // runs normally: faster rounds are never capped.
+    let mut g = Moments::default();
+    g.add(&Round {
+        seconds: 8.0,
+        ..m.round(16, false, 0)
+    });
+    for _ in 0..16 {
+        g.add(&m.round(16, false, 0));
+    }
+    assert!(g.rate() > 15.5, "{}", g.rate());
+}
+
+#[test]
 fn follows_a_change_in_the_balance() {
     let useless = Machine {
         overhead_s: |_, s| if s { 1.0 } else { 0.0 },
