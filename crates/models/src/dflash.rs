@@ -316,7 +316,11 @@ impl<B: Backend> DflashDrafter<B> {
             self.ensure_capacity(row, start + n + self.cfg.block_size);
             self.meta
                 .extend((0..n).map(|i| TokenMeta::causal(row as u32, (start + i) as u32)));
-            self.rows.set_len(row, start + n);
+        }
+        // Only once every row is known to be open.
+        for &(row, n) in rows {
+            let len = self.rows.len(row) + n;
+            self.rows.set_len(row, len);
         }
         Ok(())
     }
