@@ -435,8 +435,13 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
         });
         // The gate keys its measurements by the rows the batch holds, prefilling ones included.
         let held = live.len() + self.queue.len();
+        let speculate = self.gate.speculate(held, all_greedy);
+        if speculate {
+            // The context upkeep deferred by plain rounds is theirs, not this round's.
+            self.drafter.flush()?;
+        }
         let t_round = Instant::now();
-        let block = if self.gate.speculate(held, all_greedy) {
+        let block = if speculate {
             self.block.min(room)
         } else {
             room.min(1)
@@ -716,8 +721,15 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
             out.push((r, emitted));
         }
         self.piece_context(&pieces, batch * block, &mut extend_rows, &mut tap_rows);
-        self.drafter
-            .extend(&extend_rows, self.target.taps(), &tap_rows)?;
+        // After a plain round the next one is most likely plain too: the drafter may keep the
+        // new context's features and write it when it next drafts.
+        let taps = self.target.taps();
+        if block >= 2 {
+            self.drafter.extend(&extend_rows, taps, &tap_rows)?;
+        } else {
+            self.drafter
+                .extend_deferred(&extend_rows, taps, &tap_rows)?;
+        }
         let commit_s = t_commit.elapsed().as_secs_f64();
         let committed: usize = verdicts.iter().map(|v| v.accepted + 1).sum();
         let prompt_tokens: usize = pieces.iter().map(|p| p.range.len()).sum();

@@ -95,7 +95,24 @@ pub struct DflashDrafter<B: Backend> {
     anchors: Vec<u32>,
     /// A vocabulary shortlist: its target ids and the head made of their rows.
     shortlist: Option<(Vec<u32>, B::Weight)>,
+    /// Deferred context (`Drafter::extend_deferred`): the placed tokens whose keys and values
+    /// are not written yet, and their features in rows `0..pending.len()` of `pending_feat`
+    /// (`[PENDING_MAX, layers x hidden]` once used).
+    pending: Vec<TokenMeta>,
+    pending_feat: B::Tensor,
 }
+
+/// Where [`DflashDrafter::write_context`] reads the features.
+enum Features<'a, B: Backend> {
+    /// Rows of the target's taps.
+    Taps(&'a B::Tensor),
+    /// Rows of the deferred features.
+    Pending,
+}
+
+/// Most deferred context tokens held at once; more are written first (a prompt chunk larger
+/// than this is written at once).
+const PENDING_MAX: usize = 1024;
 
 /// Longest context extension replayed from a captured graph (a round commits at most a
 /// block per row); longer ones (prompt chunks) run eagerly.
@@ -247,6 +264,8 @@ impl<B: Backend> DflashDrafter<B> {
             host_logits: Vec::new(),
             anchors: Vec::new(),
             shortlist: None,
+            pending: Vec::new(),
+            pending_feat: b.tensor(0, 0),
             backend,
             cfg,
         })
@@ -281,69 +300,15 @@ impl<B: Backend> DflashDrafter<B> {
         }
     }
 
-    fn ensure_capacity(&mut self, row: usize, needed: usize) {
-        let cap = self.backend.kv_capacity(&self.kv, row);
-        if needed > cap {
-            let keep = self.rows.len(row);
-            self.backend
-                .kv_reserve(&mut self.kv, row, needed.max(cap * 2), keep);
-        }
-    }
-}
-
-impl<B: Backend> Drafter for DflashDrafter<B> {
-    type B = B;
-
-    fn block_size(&self) -> usize {
-        self.cfg.block_size
-    }
-
-    fn tap_layers(&self) -> &[usize] {
-        &self.cfg.target_layer_ids
-    }
-
-    fn new_row(&mut self, capacity: usize) -> Result<usize> {
-        let row = self.rows.open();
-        self.backend
-            .kv_reserve(&mut self.kv, row, capacity.max(1) + self.cfg.block_size, 0);
-        Ok(row)
-    }
-
-    fn release_row(&mut self, row: usize) {
-        self.rows.close(row);
-        self.backend.kv_release(&mut self.kv, row);
-    }
-
-    fn kv_usage(&self) -> KvUsage {
-        let c = &self.cfg;
-        KvUsage::of(
-            &*self.backend,
-            &self.kv,
-            &self.rows,
-            c.layers,
-            c.kv_heads * c.head_dim,
-        )
-    }
-
-    fn context_len(&self, row: usize) -> usize {
-        self.rows.len(row)
-    }
-
-    fn extend(
-        &mut self,
-        rows: &[(usize, usize)],
-        taps: &B::Tensor,
-        tap_rows: &[u32],
-    ) -> Result<()> {
+    /// Gives the next `count` context positions of each `(row, count)` to its tokens (their
+    /// metadata in `self.meta`, in order), counts them in the rows' lengths and makes room for
+    /// them; `features` is how many feature rows came with them.
+    fn place(&mut self, rows: &[(usize, usize)], features: usize) -> Result<()> {
         let total: usize = rows.iter().map(|r| r.1).sum();
-        if total != tap_rows.len() {
+        if total != features {
             return Err(ModelError::Config(format!(
-                "drafter context: {total} positions but {} feature rows",
-                tap_rows.len()
+                "drafter context: {total} positions but {features} feature rows"
             )));
-        }
-        if total == 0 {
-            return Ok(());
         }
         self.meta.clear();
         for &(row, n) in rows {
@@ -352,10 +317,29 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
             self.meta
                 .extend((0..n).map(|i| TokenMeta::causal(row as u32, (start + i) as u32)));
         }
+        // Only once every row is known to be open.
+        for &(row, n) in rows {
+            let len = self.rows.len(row) + n;
+            self.rows.set_len(row, len);
+        }
+        Ok(())
+    }
+
+    /// Writes the context keys and values of the tokens `meta` (positions already placed)
+    /// from feature rows `tap_rows` of `features` (`[tokens, layers x hidden]`).
+    fn write_context(&mut self, meta: &[TokenMeta], features: Features<'_, B>, tap_rows: &[u32]) {
+        let total = meta.len();
+        if total == 0 {
+            return;
+        }
+        let taps = match features {
+            Features::Taps(t) => t,
+            Features::Pending => &self.pending_feat,
+        };
         let backend = self.backend.clone();
         let b = &*backend;
         let ids = vec![0u32; total];
-        b.step_upload(&mut self.ctx_step, &self.meta, &ids, tap_rows);
+        b.step_upload(&mut self.ctx_step, meta, &ids, tap_rows);
         let eps = self.cfg.rms_eps;
         let (h, kvd) = (self.cfg.hidden, self.cfg.kv_heads * self.cfg.head_dim);
         let taps_width = self.cfg.target_layer_ids.len() * h;
@@ -404,10 +388,111 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
                 work();
             }
         });
-        for &(row, n) in rows {
-            let len = self.rows.len(row) + n;
-            self.rows.set_len(row, len);
+    }
+
+    /// Writes the deferred context tokens (see [`Drafter::extend_deferred`]).
+    fn write_pending(&mut self) {
+        if self.pending.is_empty() {
+            return;
         }
+        let mut meta = std::mem::take(&mut self.pending);
+        let at: Vec<u32> = (0..meta.len() as u32).collect();
+        self.write_context(&meta, Features::Pending, &at);
+        meta.clear();
+        self.pending = meta;
+    }
+
+    fn ensure_capacity(&mut self, row: usize, needed: usize) {
+        let cap = self.backend.kv_capacity(&self.kv, row);
+        if needed > cap {
+            let keep = self.rows.len(row);
+            self.backend
+                .kv_reserve(&mut self.kv, row, needed.max(cap * 2), keep);
+        }
+    }
+}
+
+impl<B: Backend> Drafter for DflashDrafter<B> {
+    type B = B;
+
+    fn block_size(&self) -> usize {
+        self.cfg.block_size
+    }
+
+    fn tap_layers(&self) -> &[usize] {
+        &self.cfg.target_layer_ids
+    }
+
+    fn new_row(&mut self, capacity: usize) -> Result<usize> {
+        let row = self.rows.open();
+        self.backend
+            .kv_reserve(&mut self.kv, row, capacity.max(1) + self.cfg.block_size, 0);
+        Ok(row)
+    }
+
+    fn release_row(&mut self, row: usize) {
+        // The row's slot may be reused before the next flush: its deferred tokens go now.
+        if self.pending.iter().any(|m| m.row as usize == row) {
+            self.write_pending();
+        }
+        self.rows.close(row);
+        self.backend.kv_release(&mut self.kv, row);
+    }
+
+    fn kv_usage(&self) -> KvUsage {
+        let c = &self.cfg;
+        KvUsage::of(
+            &*self.backend,
+            &self.kv,
+            &self.rows,
+            c.layers,
+            c.kv_heads * c.head_dim,
+        )
+    }
+
+    fn context_len(&self, row: usize) -> usize {
+        self.rows.len(row)
+    }
+
+    fn extend(
+        &mut self,
+        rows: &[(usize, usize)],
+        taps: &B::Tensor,
+        tap_rows: &[u32],
+    ) -> Result<()> {
+        self.place(rows, tap_rows.len())?;
+        let meta = std::mem::take(&mut self.meta);
+        self.write_context(&meta, Features::Taps(taps), tap_rows);
+        self.meta = meta;
+        Ok(())
+    }
+
+    fn extend_deferred(
+        &mut self,
+        rows: &[(usize, usize)],
+        taps: &B::Tensor,
+        tap_rows: &[u32],
+    ) -> Result<()> {
+        let total = tap_rows.len();
+        if total > PENDING_MAX {
+            return self.extend(rows, taps, tap_rows);
+        }
+        if self.pending.len() + total > PENDING_MAX {
+            self.write_pending();
+        }
+        self.place(rows, total)?;
+        let b = &*self.backend;
+        let width = self.cfg.target_layer_ids.len() * self.cfg.hidden;
+        if b.shape(&self.pending_feat) != (PENDING_MAX, width) {
+            self.pending_feat = b.tensor(PENDING_MAX, width);
+        }
+        b.gather_rows_at(taps, tap_rows, &mut self.pending_feat, self.pending.len());
+        self.pending.extend_from_slice(&self.meta);
+        Ok(())
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        self.write_pending();
         Ok(())
     }
 
@@ -424,6 +509,7 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
                 self.cfg.block_size
             )));
         }
+        self.write_pending();
         self.ids.clear();
         self.sel_rows.clear();
         self.anchors.clear();

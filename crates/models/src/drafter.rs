@@ -33,6 +33,24 @@ pub trait Drafter: Send {
         taps: &<Self::B as Backend>::Tensor,
         tap_rows: &[u32],
     ) -> Result<()>;
+    /// [`Drafter::extend`] whose work may wait: the tokens are placed at once (the context
+    /// lengths grow), their features are kept, and their keys and values are written when
+    /// the drafter next drafts or flushes (in one pass over every waiting token). For rounds
+    /// that did not draft: while drafting does not pay, the context's upkeep then costs a copy
+    /// per round. The default extends at once.
+    fn extend_deferred(
+        &mut self,
+        rows: &[(usize, usize)],
+        taps: &<Self::B as Backend>::Tensor,
+        tap_rows: &[u32],
+    ) -> Result<()> {
+        self.extend(rows, taps, tap_rows)
+    }
+    /// Writes every deferred context token ([`Drafter::extend_deferred`]); drafting does it
+    /// first anyway. The default has nothing to write.
+    fn flush(&mut self) -> Result<()> {
+        Ok(())
+    }
     /// Drafts a block of `block` slots for every `(row, current token)`; afterwards
     /// [`Drafter::logits`] holds `block - 1` rows of logits per row (slots 1..block), rows in
     /// order. The context is not changed.

@@ -489,6 +489,9 @@ pub trait Backend: Send + Sync + 'static {
     );
     /// `out[i] = x[rows[i]]`.
     fn gather_rows(&self, x: &Self::Tensor, rows: &[u32], out: &mut Self::Tensor);
+    /// `out[at + i] = x[rows[i]]`; `out` keeps its shape and its other rows (it must have x's
+    /// columns and at least `at + rows.len()` rows).
+    fn gather_rows_at(&self, x: &Self::Tensor, rows: &[u32], out: &mut Self::Tensor, at: usize);
     /// Copies `src` (`[T, c]`) into columns `col..col+c` of `dst` (`[T, C]`).
     fn copy_columns(&self, src: &Self::Tensor, dst: &mut Self::Tensor, col: usize);
     /// Index of the largest value of every row (first one on ties).

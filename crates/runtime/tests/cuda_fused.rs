@@ -2,7 +2,8 @@
 //! replaces (bit for bit on the GPU; the q/k/v products with RoPE and the KV write in their
 //! epilogue included), the small-M matmul tiles against each other for every
 //! M = 1..20 (one reduction order: bit for bit), split attention across split boundaries, and
-//! a step replayed from a CUDA graph against the same step run eagerly.
+//! a step replayed from a CUDA graph against the same step run eagerly; rows gathered into an
+//! offset of a larger tensor.
 //!
 //! Every test prints "skipped: no CUDA device (<reason>)" and returns when there is none.
 #![cfg(feature = "cuda")]
@@ -438,6 +439,27 @@ fn step_inputs_feed_embed_and_gather() {
             bits(&g.to_host(&s2)),
             "gather_step t={t}"
         );
+    }
+}
+
+#[test]
+fn gather_rows_at_writes_at_the_offset_and_keeps_the_other_rows() {
+    let Some(g) = gpu() else { return };
+    let cols = 300;
+    let x = random_vec(20 * cols, -1.0, 1.0, 21);
+    let base = random_vec(50 * cols, -1.0, 1.0, 22);
+    let rows = [19u32, 0, 7, 7, 3];
+    for at in [0usize, 1, 45] {
+        let mut out = g.upload(&base, 50, cols);
+        g.gather_rows_at(&g.upload(&x, 20, cols), &rows, &mut out, at);
+        let mut want = base.clone();
+        for (i, &r) in rows.iter().enumerate() {
+            let r = r as usize;
+            want[(at + i) * cols..(at + i + 1) * cols]
+                .copy_from_slice(&x[r * cols..(r + 1) * cols]);
+        }
+        assert_eq!(g.shape(&out), (50, cols));
+        assert_eq!(bits(&g.to_host(&out)), bits(&want), "at {at}");
     }
 }
 

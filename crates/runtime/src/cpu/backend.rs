@@ -781,8 +781,17 @@ impl Backend for CpuBackend {
 
     fn gather_rows(&self, x: &CpuTensor, rows: &[u32], out: &mut CpuTensor) {
         out.reshape(rows.len(), x.cols);
+        self.gather_rows_at(x, rows, out, 0);
+    }
+
+    fn gather_rows_at(&self, x: &CpuTensor, rows: &[u32], out: &mut CpuTensor, at: usize) {
+        assert_eq!(out.cols, x.cols, "gather_rows_at: columns differ");
+        assert!(
+            at + rows.len() <= out.rows,
+            "gather_rows_at: rows past the end of out"
+        );
         for (i, &r) in rows.iter().enumerate() {
-            out.row_mut(i).copy_from_slice(x.row(r as usize));
+            out.row_mut(at + i).copy_from_slice(x.row(r as usize));
         }
     }
 

@@ -1326,15 +1326,24 @@ impl Backend for CudaBackend {
     }
 
     fn gather_rows(&self, x: &CudaTensor, rows: &[u32], out: &mut CudaTensor) {
+        self.reshape(out, rows.len(), x.cols);
+        self.gather_rows_at(x, rows, out, 0);
+    }
+
+    fn gather_rows_at(&self, x: &CudaTensor, rows: &[u32], out: &mut CudaTensor, at: usize) {
         for &r in rows {
             assert!((r as usize) < x.rows, "gather_rows: row {r} of {}", x.rows);
         }
-        self.reshape(out, rows.len(), x.cols);
+        assert_eq!(out.cols, x.cols, "gather_rows_at: columns differ");
+        assert!(
+            at + rows.len() <= out.rows,
+            "gather_rows_at: rows past the end of out"
+        );
         if rows.is_empty() || x.cols == 0 {
             return;
         }
         self.dev.bind();
-        let (src, dst) = (self.tptr(x), self.tptr(out));
+        let (src, dst) = (self.tptr(x), self.tptr(out) + (4 * at * x.cols) as u64);
         self.with_indices(rows, |p| {
             self.dev.launch(
                 &self.dev.k.gather_rows,
