@@ -21,6 +21,7 @@ use serde_json::{json, Value};
 use crate::args::{BatchAccept, DraftArgs, ModelArgs};
 use crate::bench_load::{arm_line, arm_report, load_run, LoadRun};
 use crate::bench_probe::{probe_line, probe_report, probe_request, probe_run};
+use crate::bench_verify::{verify_cost, verify_line};
 #[cfg(feature = "cuda")]
 use crate::load::DeviceTarget;
 use crate::load::{decoder, drafter_dir, load_target, Loaded};
@@ -449,6 +450,14 @@ pub fn run(args: BenchArgs) -> Result<()> {
         "matmul_mode": std::env::var("DFLASH_MATMUL").unwrap_or_else(|_| "auto".into()),
         "matmul": paths_json(&plain.matmul),
     });
+    // A verify block (the DFlash block, 16 without a drafter) against a decode step.
+    let block = args.draft.block_size.unwrap_or(16);
+    report["verify"] = verify_cost(
+        load_target(&args.model)?.target,
+        &prompt,
+        block,
+        5 * args.repetitions,
+    )?;
     let mut matmul = plain.matmul.clone();
     #[cfg(feature = "cuda")]
     if let Some(b) = &cuda {
@@ -466,6 +475,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         report["decode_tok_per_s"].as_f64().unwrap_or(0.0)
     )];
 
+    table.push(verify_line(&report["verify"]));
     if let Some(split) = report.get("kernel_split") {
         let classes = split["classes"].as_array().cloned().unwrap_or_default();
         table.push(format!(

@@ -4,6 +4,7 @@ mod args;
 mod bench;
 mod bench_load;
 mod bench_probe;
+mod bench_verify;
 mod eval;
 mod generate;
 mod load;
