@@ -10,6 +10,7 @@ use cudarc::driver::{result as drv, CudaContext, CudaFunction, CudaSlice, CudaSt
 
 use super::compile::{self, Image, Module, Target};
 use super::profile::Profiler;
+use crate::cpu::int8::pack::Int8Format;
 use crate::dtype::DType;
 use crate::error::RuntimeError;
 
@@ -185,12 +186,19 @@ pub(crate) const ATT_MAX_SPLITS: usize = 16;
 /// Threads of an attention_split block (ATT_WARPS * 32).
 pub(crate) const ATT_THREADS: u32 = 128;
 
+/// Whether format `d` has int8-activation kernels (`mmq_*`, built with `DF_MM_INT8`): the
+/// formats of the CPU's int8 kernels.
+pub(crate) fn int8_format(d: DType) -> bool {
+    Int8Format::of(d).is_some()
+}
+
 /// Function handles of the kernels every model needs (ops.cu, attention.cu).
 pub(crate) struct Kernels {
     pub dequant_float_any: CudaFunction,
     pub add: CudaFunction,
     pub add_bias: CudaFunction,
     pub silu_mul: CudaFunction,
+    pub quant_q8: CudaFunction,
     pub scale: CudaFunction,
     pub grouped_conv: CudaFunction,
     pub gather_rows: CudaFunction,
@@ -211,6 +219,9 @@ pub(crate) struct Kernels {
 pub(crate) struct FormatKernels {
     /// `mm[tile index][epilogue index]` for the tiles of `MM_TILES`.
     pub mm: Vec<Vec<CudaFunction>>,
+    /// `mmq[tile index][epilogue index]`: the int8-activation kernels (empty for formats
+    /// without them, see [`int8_format`]).
+    pub mmq: Vec<Vec<CudaFunction>>,
     /// `mmtc[epilogue index]`: the tensor-core kernels of prompt rows (matmul_tc.cu).
     pub mmtc: Vec<CudaFunction>,
     pub dequant: CudaFunction,
@@ -256,6 +267,8 @@ pub(crate) struct Scratch {
     pub deq: Option<CudaSlice<f32>>,
     /// Partial softmax states of the split attention.
     pub att_part: Option<CudaSlice<f32>>,
+    /// x of an int8 product, quantized: codes, then (d, ds) per 32-value block.
+    pub xq: Option<CudaSlice<u8>>,
 }
 
 /// Returns `slot`'s buffer, reallocated when shorter than `n` (contents undefined). A
@@ -299,6 +312,10 @@ pub(crate) struct Device {
     /// epilogue (`EPI_ROPE`, matmul.cu) instead of a separate `rope_kv` launch, unless
     /// `DFLASH_CUDA_FUSE_ROPE=0`; the bits are the same either way.
     pub fuse_rope: bool,
+    /// The target's projections in a format with int8 kernels (Q4_0, Q4_1, Q8_0) multiply
+    /// int8-quantized activations (`mmq_*` kernels, dp4a), as on the CPU, unless
+    /// `DFLASH_CUDA_INT8=0`; fixed per weight at upload.
+    pub int8: bool,
     pub name: String,
     pub compute_capability: (i32, i32),
     pub target: Target,
@@ -435,6 +452,12 @@ impl Device {
             }
         };
 
+        let int8 = match std::env::var("DFLASH_CUDA_INT8").as_deref() {
+            Err(_) | Ok("1") | Ok("") => true,
+            Ok("0") => false,
+            Ok(v) => return Err(dev_err(format!("DFLASH_CUDA_INT8={v:?}: expected 0 or 1"))),
+        };
+
         let blas = match opts.prefill_gemm {
             PrefillGemm::Kernel | PrefillGemm::Tensor => None,
             PrefillGemm::Cublas { .. } => {
@@ -463,6 +486,7 @@ impl Device {
             fixed_mt,
             pdl,
             fuse_rope,
+            int8,
             name,
             compute_capability: cc,
             target,
@@ -537,12 +561,24 @@ impl Device {
             }
             mm.push(by_epi);
         }
+        let mut mmq = Vec::new();
+        if int8_format(d) {
+            for t in MM_TILES {
+                let mut by_epi = Vec::new();
+                for e in Epilogue::ALL {
+                    let r = t.r_of(e);
+                    by_epi.push(get(&format!("mmq_{sfx}_{}_{r}_{}", t.mt, e.name()))?);
+                }
+                mmq.push(by_epi);
+            }
+        }
         let mmtc = Epilogue::TENSOR
             .iter()
             .map(|e| get(&format!("mmtc_{sfx}_{}", e.name())))
             .collect::<Result<_, _>>()?;
         Ok(FormatKernels {
             mm,
+            mmq,
             mmtc,
             dequant: get(&format!("dequant_{sfx}"))?,
         })
@@ -831,6 +867,7 @@ fn load_kernels_for(ctx: &Arc<CudaContext>, target: Target) -> Result<Kernels, S
         add: get(Module::Ops, "add_f32")?,
         add_bias: get(Module::Ops, "add_bias_f32")?,
         silu_mul: get(Module::Ops, "silu_mul_f32")?,
+        quant_q8: get(Module::Ops, "quant_q8_f32")?,
         scale: get(Module::Ops, "scale_f32")?,
         grouped_conv: get(Module::Ops, "grouped_conv_f32")?,
         gather_rows: get(Module::Ops, "gather_rows_f32")?,
