@@ -87,7 +87,7 @@ EOF
             > build.log 2>&1 && cmake --build build -j 14 --target llama-bench llama-batched-bench \
             >> build.log 2>&1; echo \$? > build.done" > /dev/null 2>&1 < /dev/null &
     fi
-    for t in cuda_ops cuda_fused cuda_token_choice; do
+    for t in cuda_ops cuda_fused cuda_token_choice cuda_gdn_ops cuda_qwen35; do
         say "$t"
         timeout 300 "$W/$t" --test-threads=1 2>&1 | tee "$out/$t.log" | grep -E "^test |test result|panicked|skipped|error" | head -60
     done
