@@ -187,17 +187,27 @@ fn matmul_every_dtype_matches_cpu_and_is_batch_invariant() {
     let Some(g) = gpu() else { return };
     let c = cpu();
     let ms = [1usize, 2, 5, 16, 100];
-    for (di, dtype) in DType::ALL.into_iter().enumerate() {
+    // Projections of the int8 formats take the int8 kernels; drafter weights the f32 ones.
+    let cases = DType::ALL.into_iter().enumerate().flat_map(|(di, d)| {
+        let roles: &[WeightRole] = if matches!(d, DType::Q4_0 | DType::Q4_1 | DType::Q8_0) {
+            &[WeightRole::Projection, WeightRole::Draft]
+        } else {
+            &[WeightRole::Projection]
+        };
+        roles.iter().map(move |&r| (di, d, r))
+    });
+    for (di, dtype, role) in cases {
         // More than 32 groups (two staging chunks, the second partial) and an odd row count.
         let k = if dtype.block_len() == 256 { 1280 } else { 1088 };
         let n = 67;
         let w = random_weight(dtype, n, k, 200 + di as u64);
-        let wg = g.upload_weight(&w, WeightRole::Projection).unwrap();
+        let wg = g.upload_weight(&w, role).unwrap();
         let int8 = g.weight_path(&wg).activations == Activations::Int8;
         assert_eq!(
             int8,
-            matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q8_0),
-            "{dtype}: a target projection takes int8 activations exactly in Q4_0, Q4_1 and Q8_0"
+            role == WeightRole::Projection
+                && matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q8_0),
+            "{dtype} as {role:?}: int8 activations exactly for projections in Q4_0, Q4_1, Q8_0"
         );
         let mut x_all = random_vec(100 * k, -2.0, 2.0, 300 + di as u64);
         // An all-zero block (scale 0) and a block of exact ties (x * 127 / amax = j + 0.5).

@@ -19,9 +19,9 @@ use crate::backend::{
     GraphKey, QkNorm, Rope, RopeStyle, RowSpan, TokenMeta, WeightPath, WeightRole,
 };
 use crate::choice::{DraftRow, SampleRow, Verdict, VerifyRow};
+use crate::cpu::int8::pack::PANEL;
 use crate::dtype::DType;
 use crate::error::RuntimeError;
-use crate::cpu::int8::pack::PANEL;
 use crate::quant::GROUP;
 use crate::weight::HostWeight;
 
@@ -783,8 +783,8 @@ impl Backend for CudaBackend {
     }
 
     /// The target's projections in Q4_0, Q4_1 or Q8_0 with at least `PANEL` rows take int8
-    /// activations (unless `DFLASH_CUDA_INT8=0`), as on the CPU; every other weight f32
-    /// activations.
+    /// activations as the [`Int8Policy`](super::device::Int8Policy) says; every other weight
+    /// f32 activations.
     fn upload_weight(&self, w: &HostWeight, role: WeightRole) -> Result<CudaWeight, RuntimeError> {
         self.dev.bind();
         self.dev.format(w.dtype).map_err(RuntimeError::Device)?;
@@ -799,7 +799,7 @@ impl Backend for CudaBackend {
             row_bytes: w.row_bytes(),
             buf,
             // The CPU's rule (cpu::policy::select), so both backends take one numeric path.
-            int8: self.dev.int8
+            int8: self.dev.int8.takes(w.cols)
                 && role == WeightRole::Projection
                 && int8_format(w.dtype)
                 && w.rows >= PANEL

@@ -38,6 +38,7 @@ pub struct CudaOptions {
     /// Device ordinal.
     pub device: usize,
     pub prefill_gemm: PrefillGemm,
+    pub int8: Int8Policy,
 }
 
 impl Default for CudaOptions {
@@ -45,16 +46,20 @@ impl Default for CudaOptions {
         Self {
             device: 0,
             prefill_gemm: PrefillGemm::Tensor,
+            int8: Int8Policy::Auto,
         }
     }
 }
 
 impl CudaOptions {
-    /// Defaults, overridden by `DFLASH_CUDA_DEVICE` (ordinal) and `DFLASH_CUDA_GEMM`
-    /// (`tensor`, the default; `kernel`; or `cublas` / `cublas:<min_rows>` for the cuBLAS
-    /// prefill path).
+    /// Defaults, overridden by `DFLASH_CUDA_DEVICE` (ordinal), `DFLASH_CUDA_GEMM` (`tensor`,
+    /// the default; `kernel`; or `cublas` / `cublas:<min_rows>` for the cuBLAS prefill path)
+    /// and `DFLASH_CUDA_INT8` ([`Int8Policy`]).
     pub fn from_env() -> Result<Self, RuntimeError> {
         let mut o = Self::default();
+        if let Ok(v) = std::env::var("DFLASH_CUDA_INT8") {
+            o.int8 = v.parse().map_err(RuntimeError::Device)?;
+        }
         if let Ok(v) = std::env::var("DFLASH_CUDA_DEVICE") {
             o.device = v.trim().parse().map_err(|_| {
                 RuntimeError::Device(format!("DFLASH_CUDA_DEVICE={v:?} is not a device number"))
@@ -186,6 +191,52 @@ pub(crate) const ATT_MAX_SPLITS: usize = 16;
 /// Threads of an attention_split block (ATT_WARPS * 32).
 pub(crate) const ATT_THREADS: u32 = 128;
 
+/// Which of the target's projections (Q4_0, Q4_1 or Q8_0, at least `PANEL` rows, as on the CPU)
+/// multiply int8-quantized activations (`quant_q8_f32`, then the `mmq_*` kernels: dp4a);
+/// `DFLASH_CUDA_INT8` = `auto` (default), `1` or `0`. Fixed per weight at upload, so every
+/// product with a weight, whatever M, takes one path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Int8Policy {
+    /// None: f32 activations everywhere.
+    Off,
+    /// Projections with at least [`INT8_MIN_K`] inputs: where the cheaper products outweigh the
+    /// quantizer's extra launch per product.
+    Auto,
+    /// Every eligible projection.
+    All,
+}
+
+/// The smallest inner dimension `Int8Policy::Auto` gives int8 activations. Measured on the
+/// H200 (docs/benchmarks/2026-12-01-h200-int8-activations.md): on the Qwen3-4B shapes (K 2560
+/// and 9728) int8 cuts a 16-token verify from 4.56 to 3.43 decode steps and decode gains 1-2%;
+/// on the default model's (K 576 and 1536) the 120 quantizer launches per token cost 9% of
+/// decode speed.
+pub const INT8_MIN_K: usize = 2048;
+
+impl Int8Policy {
+    /// Whether an eligible projection with `k` inputs takes int8 activations.
+    pub fn takes(self, k: usize) -> bool {
+        match self {
+            Int8Policy::Off => false,
+            Int8Policy::Auto => k >= INT8_MIN_K,
+            Int8Policy::All => true,
+        }
+    }
+}
+
+impl std::str::FromStr for Int8Policy {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "" | "auto" => Ok(Int8Policy::Auto),
+            "1" | "on" => Ok(Int8Policy::All),
+            "0" | "off" => Ok(Int8Policy::Off),
+            v => Err(format!("DFLASH_CUDA_INT8={v:?}: expected auto, 1 or 0")),
+        }
+    }
+}
+
 /// Whether format `d` has int8-activation kernels (`mmq_*`, built with `DF_MM_INT8`): the
 /// formats of the CPU's int8 kernels.
 pub(crate) fn int8_format(d: DType) -> bool {
@@ -312,10 +363,8 @@ pub(crate) struct Device {
     /// epilogue (`EPI_ROPE`, matmul.cu) instead of a separate `rope_kv` launch, unless
     /// `DFLASH_CUDA_FUSE_ROPE=0`; the bits are the same either way.
     pub fuse_rope: bool,
-    /// The target's projections in a format with int8 kernels (Q4_0, Q4_1, Q8_0) multiply
-    /// int8-quantized activations (`mmq_*` kernels, dp4a), as on the CPU, unless
-    /// `DFLASH_CUDA_INT8=0`; fixed per weight at upload.
-    pub int8: bool,
+    /// Which of the target's projections multiply int8-quantized activations (`DFLASH_CUDA_INT8`).
+    pub int8: Int8Policy,
     pub name: String,
     pub compute_capability: (i32, i32),
     pub target: Target,
@@ -452,12 +501,6 @@ impl Device {
             }
         };
 
-        let int8 = match std::env::var("DFLASH_CUDA_INT8").as_deref() {
-            Err(_) | Ok("1") | Ok("") => true,
-            Ok("0") => false,
-            Ok(v) => return Err(dev_err(format!("DFLASH_CUDA_INT8={v:?}: expected 0 or 1"))),
-        };
-
         let blas = match opts.prefill_gemm {
             PrefillGemm::Kernel | PrefillGemm::Tensor => None,
             PrefillGemm::Cublas { .. } => {
@@ -486,7 +529,7 @@ impl Device {
             fixed_mt,
             pdl,
             fuse_rope,
-            int8,
+            int8: opts.int8,
             name,
             compute_capability: cc,
             target,
@@ -882,4 +925,44 @@ fn load_kernels_for(ctx: &Arc<CudaContext>, target: Target) -> Result<Kernels, S
         attention_merge: get(Module::Attention, "attention_merge")?,
         sample: super::sample::SampleKernels::load(|name| get(Module::Sample, name))?,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn int8_policy_parses_and_gates_by_inner_dimension() {
+        assert_eq!("".parse(), Ok(Int8Policy::Auto));
+        assert_eq!("auto".parse(), Ok(Int8Policy::Auto));
+        assert_eq!("1".parse(), Ok(Int8Policy::All));
+        assert_eq!("0".parse(), Ok(Int8Policy::Off));
+        let bad = "yes".parse::<Int8Policy>().unwrap_err();
+        assert!(
+            bad.contains("DFLASH_CUDA_INT8") && bad.contains("auto, 1 or 0"),
+            "{bad}"
+        );
+        // The default model's projections (K 576, 1536) stay on f32; Qwen3-4B's (2560, 9728)
+        // take int8.
+        for k in [576, 1536] {
+            assert!(!Int8Policy::Auto.takes(k));
+            assert!(Int8Policy::All.takes(k));
+        }
+        for k in [2560, 9728] {
+            assert!(Int8Policy::Auto.takes(k));
+            assert!(!Int8Policy::Off.takes(k));
+        }
+        assert_eq!(CudaOptions::default().int8, Int8Policy::Auto);
+    }
+
+    #[test]
+    fn int8_formats_are_the_cpu_int8_formats() {
+        for d in DType::ALL {
+            assert_eq!(
+                int8_format(d),
+                matches!(d, DType::Q4_0 | DType::Q4_1 | DType::Q8_0),
+                "{d}"
+            );
+        }
+    }
 }
