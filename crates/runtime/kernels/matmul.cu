@@ -493,9 +493,10 @@ __device__ __forceinline__ void mm_warp(const MmSeg& sg, const int (&nr)[R], con
 //
 // The weights of the target's projections in Q4_0, Q4_1 and Q8_0 multiply x quantized to int8
 // per row and 32-value block (quant_q8_f32 in ops.cu: codes, and per block the scale d and
-// ds = d * Σ codes; the CPU's definition). The lanes walk the groups exactly as mm_warp, with
-// the same weight loads (MmPart); a lane's quarter (8 values) is two words of 4 signed bytes,
-// and its dot with the codes an exact integer D (two dp4a). Per output, lane l accumulates
+// ds = d * Σ codes; the CPU's definition; codes in quarter order). The lanes walk the groups
+// exactly as mm_warp, with the same weight loads (MmPart); a lane's quarter (8 values) is two
+// words of 4 signed bytes, and its dot with its 8 codes (one 8-byte load) an exact integer D
+// (two dp4a). Per output, lane l accumulates
 // acc = fma(dw * dx, D, acc) for its quarters in group order (Q4_1: the lane of quarter 0
 // then adds fma(m, ds, acc)); then the xor butterfly. As in mm_warp, the order depends on K
 // and the format only: every M, MT and R gives the same bits.
@@ -537,17 +538,16 @@ struct MmQ<DT_Q8_0> {
     static __device__ __forceinline__ float minimum(const MmPart<DT_Q8_0>&) { return 0.0f; }
 };
 
-// The code words of quarter (xa, xb) of group g and the block's (d, ds), for MT rows of x
-// (rows past ml re-read row 0).
+// The 8 codes of quarter s of group g (stored in quarter order by quant_q8_f32: one 8-byte
+// load; word x pairs with the weights' low word, y with the high) and the block's (d, ds), for
+// MT rows of x (rows past ml re-read row 0).
 template <int MT>
 __device__ __forceinline__ void mmq_load_x(const signed char* __restrict__ xq, const float2* __restrict__ xs, int K,
-                                           int m0, int ml, int g, int xa, int xb, int* ca, int* cb, float2* sc) {
+                                           int m0, int ml, int g, int s, int2* c, float2* sc) {
 #pragma unroll
     for (int m = 0; m < MT; m++) {
         const size_t r = (size_t)(m0 + (m < ml ? m : 0));
-        const signed char* xr = xq + r * K + (size_t)g * GROUP;
-        ca[m] = __ldg((const int*)(xr + xa));
-        cb[m] = __ldg((const int*)(xr + xb));
+        c[m] = __ldg((const int2*)(xq + r * K + (size_t)g * GROUP + 8 * s));
         sc[m] = __ldg(xs + r * (K / GROUP) + g);
     }
 }
@@ -579,12 +579,10 @@ __device__ __forceinline__ void mmq_warp(const MmSeg& sg, const int (&nr)[R], co
         for (int v = 0; v < W; v++)
 #pragma unroll
             for (int m = 0; m < MT; m++) acc[r][v][m] = 0.0f;
-    const int xa = MmPart<DT>::xa(s);
-    const int xb = MmPart<DT>::xb(s);
     const bool adds_min = DT == DT_Q4_1 && s == 0;
     for (int g0 = j; g0 < groups; g0 += 8 * P) {
         MmPart<DT> part[P][R][W];
-        int ca[P][MT], cb[P][MT];
+        int2 c[P][MT];
         float2 sc[P][MT];
 #pragma unroll
         for (int q = 0; q < P; q++) {
@@ -594,7 +592,7 @@ __device__ __forceinline__ void mmq_warp(const MmSeg& sg, const int (&nr)[R], co
                 for (int r = 0; r < R; r++)
 #pragma unroll
                     for (int v = 0; v < W; v++) part[q][r][v].load(rows[r][v], g, s);
-                mmq_load_x<MT>(xq, xs, K, m0, ml, g, xa, xb, ca[q], cb[q], sc[q]);
+                mmq_load_x<MT>(xq, xs, K, m0, ml, g, s, c[q], sc[q]);
             }
         }
 #pragma unroll
@@ -612,7 +610,7 @@ __device__ __forceinline__ void mmq_warp(const MmSeg& sg, const int (&nr)[R], co
 #pragma unroll
                         for (int m = 0; m < MT; m++) {
                             if (m < ml) {
-                                const int d = __dp4a(hi, cb[q][m], __dp4a(lo, ca[q][m], 0));
+                                const int d = __dp4a(hi, c[q][m].y, __dp4a(lo, c[q][m].x, 0));
                                 float a = __fmaf_rn(__fmul_rn(dw, sc[q][m].x), (float)d, acc[r][v][m]);
                                 if (adds_min) a = __fmaf_rn(mw, sc[q][m].y, a);
                                 acc[r][v][m] = a;

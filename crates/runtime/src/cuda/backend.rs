@@ -404,7 +404,8 @@ impl CudaBackend {
         let first = &prods[0];
         let kernels = self.dev.loaded(first.w.dtype);
         let f = if first.w.int8 {
-            (p.x, p.xs) = self.quantize_x(p.x, p.m as usize, p.k as usize);
+            let nibbles = first.w.dtype != DType::Q8_0;
+            (p.x, p.xs) = self.quantize_x(p.x, p.m as usize, p.k as usize, nibbles);
             &kernels.mmq[ti][epi as usize]
         } else {
             &kernels.mm[ti][epi as usize]
@@ -423,8 +424,9 @@ impl CudaBackend {
     }
 
     /// Quantizes `m` rows of `k` values at `x` to int8 per 32-value block (`quant_q8_f32`)
-    /// into the scratch buffer; returns the addresses of the codes and of the (d, ds) pairs.
-    fn quantize_x(&self, x: u64, m: usize, k: usize) -> (u64, u64) {
+    /// into the scratch buffer, the codes in the quarter order of a nibble format's kernels
+    /// (`nibbles`) or of Q8_0's; returns the addresses of the codes and of the (d, ds) pairs.
+    fn quantize_x(&self, x: u64, m: usize, k: usize, nibbles: bool) -> (u64, u64) {
         let blocks = m * k / GROUP;
         // Codes, padded to 16 bytes, then two f32 per block.
         let codes = (m * k).next_multiple_of(16);
@@ -446,6 +448,7 @@ impl CudaBackend {
             &[
                 Arg::Ptr(x),
                 long(blocks),
+                Arg::I32(i32::from(nibbles)),
                 Arg::Ptr(base),
                 Arg::Ptr(base + codes as u64),
             ],
