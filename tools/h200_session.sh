@@ -96,7 +96,7 @@ EOF
         for spec in "smollm2 q4_1 matmul regex:mmq_q4_1_16_" "qwen3-4b q4_0 matmul regex:mmq_q4_0_1_" \
             "smollm2 q4_1 attention regex:attention_split"; do
             set -- $spec
-            timeout 120 ncu --clock-control none --kernel-name "$4" --launch-skip 40 --launch-count 1 \
+            DFLASH_CUDA_INT8=1 timeout 120 ncu --clock-control none --kernel-name "$4" --launch-skip 40 --launch-count 1 \
                 --section SpeedOfLight --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis \
                 "$W/cuda_microbench" --shapes "$1" --formats "$2" --only "$3" --reps 4 2>&1 \
                 | grep -E "^  [a-z_]+.*\(|Duration|Throughput|Registers|Achieved Occupancy|Block Size|Grid Size|Waves|L1/TEX Hit|L2 Hit|Mem Busy|Max Bandwidth" \

@@ -802,7 +802,7 @@ impl Backend for CudaBackend {
             row_bytes: w.row_bytes(),
             buf,
             // The CPU's rule (cpu::policy::select), so both backends take one numeric path.
-            int8: self.dev.int8.takes(w.cols)
+            int8: self.dev.int8.takes(w.dtype, w.cols)
                 && role == WeightRole::Projection
                 && int8_format(w.dtype)
                 && w.rows >= PANEL

@@ -199,8 +199,9 @@ pub(crate) const ATT_THREADS: u32 = 128;
 pub enum Int8Policy {
     /// None: f32 activations everywhere.
     Off,
-    /// Projections with at least [`INT8_MIN_K`] inputs: where the cheaper products outweigh the
-    /// quantizer's extra launch per product.
+    /// Q4_0 and Q4_1 projections with at least [`INT8_MIN_K`] inputs: where the cheaper
+    /// products outweigh the quantizer's extra launch per product. (Q8_0 stays on f32: on the
+    /// Qwen3-4B shapes its int8 M = 1 products are slower for three of six shapes.)
     Auto,
     /// Every eligible projection.
     All,
@@ -208,17 +209,17 @@ pub enum Int8Policy {
 
 /// The smallest inner dimension `Int8Policy::Auto` gives int8 activations. Measured on the
 /// H200 (docs/benchmarks/2026-12-01-h200-int8-activations.md): on the Qwen3-4B shapes (K 2560
-/// and 9728) int8 cuts a 16-token verify from 4.56 to 3.43 decode steps and decode gains 1-2%;
-/// on the default model's (K 576 and 1536) the 120 quantizer launches per token cost 9% of
-/// decode speed.
+/// and 9728, Q4_0) int8 cuts a 16-token verify from 4.6 to 3.4 decode steps and decode gains
+/// 2-3%; on the default model's (K 576 and 1536) the 120 quantizer launches per token cost 9%
+/// of decode speed.
 pub const INT8_MIN_K: usize = 2048;
 
 impl Int8Policy {
-    /// Whether an eligible projection with `k` inputs takes int8 activations.
-    pub fn takes(self, k: usize) -> bool {
+    /// Whether an eligible projection stored as `dtype` with `k` inputs takes int8 activations.
+    pub fn takes(self, dtype: DType, k: usize) -> bool {
         match self {
             Int8Policy::Off => false,
-            Int8Policy::Auto => k >= INT8_MIN_K,
+            Int8Policy::Auto => k >= INT8_MIN_K && dtype != DType::Q8_0,
             Int8Policy::All => true,
         }
     }
@@ -945,12 +946,15 @@ mod tests {
         // The default model's projections (K 576, 1536) stay on f32; Qwen3-4B's (2560, 9728)
         // take int8.
         for k in [576, 1536] {
-            assert!(!Int8Policy::Auto.takes(k));
-            assert!(Int8Policy::All.takes(k));
+            assert!(!Int8Policy::Auto.takes(DType::Q4_1, k));
+            assert!(Int8Policy::All.takes(DType::Q4_1, k));
         }
         for k in [2560, 9728] {
-            assert!(Int8Policy::Auto.takes(k));
-            assert!(!Int8Policy::Off.takes(k));
+            assert!(Int8Policy::Auto.takes(DType::Q4_0, k));
+            assert!(Int8Policy::Auto.takes(DType::Q4_1, k));
+            assert!(!Int8Policy::Auto.takes(DType::Q8_0, k));
+            assert!(Int8Policy::All.takes(DType::Q8_0, k));
+            assert!(!Int8Policy::Off.takes(DType::Q4_0, k));
         }
         assert_eq!(CudaOptions::default().int8, Int8Policy::Auto);
     }
