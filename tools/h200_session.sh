@@ -87,24 +87,27 @@ EOF
             > build.log 2>&1 && cmake --build build -j 14 --target llama-bench llama-batched-bench \
             >> build.log 2>&1; echo \$? > build.done" > /dev/null 2>&1 < /dev/null &
     fi
-    for t in cuda_ops cuda_fused cuda_token_choice; do
+    for t in cuda_ops cuda_fused cuda_token_choice cuda_gdn_ops cuda_qwen35; do
         say "$t"
         timeout 300 "$W/$t" --test-threads=1 2>&1 | tee "$out/$t.log" | grep -E "^test |test result|panicked|skipped|error" | head -60
     done
     if command -v ncu > /dev/null; then
         say "ncu: the M=16 576x576 product, the 4B gate/up product at M=1, attention at context 128"
-        for spec in "smollm2 q4_1 matmul regex:mm_q4_1_16_" "qwen3-4b q4_0 matmul regex:mm_q4_0_1_" \
+        for spec in "smollm2 q4_1 matmul regex:mmq_q4_1_16_" "qwen3-4b q4_0 matmul regex:mmq_q4_0_1_" \
             "smollm2 q4_1 attention regex:attention_split"; do
             set -- $spec
-            timeout 120 ncu --clock-control none --kernel-name "$4" --launch-skip 40 --launch-count 1 \
+            DFLASH_CUDA_INT8=1 timeout 120 ncu --clock-control none --kernel-name "$4" --launch-skip 40 --launch-count 1 \
                 --section SpeedOfLight --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis \
                 "$W/cuda_microbench" --shapes "$1" --formats "$2" --only "$3" --reps 4 2>&1 \
                 | grep -E "^  [a-z_]+.*\(|Duration|Throughput|Registers|Achieved Occupancy|Block Size|Grid Size|Waves|L1/TEX Hit|L2 Hit|Mem Busy|Max Bandwidth" \
                 | head -30 | tee -a "$out/ncu.txt"
         done
     fi
-    say "microbench (smollm2 shapes)"
-    timeout 240 "$W/cuda_microbench" --shapes smollm2 --reps 30 | tee "$out/microbench_smollm2.md"
+    for int8 in 1 0; do
+        say "microbench (smollm2 shapes), DFLASH_CUDA_INT8=$int8"
+        DFLASH_CUDA_INT8=$int8 timeout 240 "$W/cuda_microbench" --shapes smollm2 --only matmul --reps 30 \
+            | tee "$out/microbench_smollm2_int8_$int8.md"
+    done
     for t in cuda_ops cuda_fused cuda_token_choice; do
         say "compute-sanitizer memcheck: $t (the long sweeps skipped)"
         timeout 120 compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
@@ -121,10 +124,12 @@ stage_b() {
     timeout 300 "$W/gpu_parity" --model "$MODEL" --prompts "$root/.gpu/common/prompts.jsonl" \
         --count 24 --max-tokens 64 | tee "$out/parity_plain.log"
     for p in 128 512; do
-        say "dflash bench plain, prompt $p"
-        timeout 200 "$W/dflash" bench -m "$MODEL" --device cuda --no-draft -p $p -n 128 -r 5 \
-            > "$out/bench_plain_p$p.json" 2> "$out/bench_plain_p$p.err"
-        tail -n 4 "$out/bench_plain_p$p.err"
+        for int8 in 1 0; do
+            say "dflash bench plain, prompt $p, DFLASH_CUDA_INT8=$int8"
+            DFLASH_CUDA_INT8=$int8 timeout 200 "$W/dflash" bench -m "$MODEL" --device cuda --no-draft \
+                -p $p -n 128 -r 5 > "$out/bench_plain_p${p}_int8_$int8.json" 2> "$out/bench_plain_p${p}_int8_$int8.err"
+            tail -n 4 "$out/bench_plain_p${p}_int8_$int8.err"
+        done
     done
     say "llama.cpp build: $(cat "$W/llama/build.done" 2>/dev/null || echo running)"
     tail -n 3 "$W/llama/build.log" 2>/dev/null
@@ -137,9 +142,11 @@ stage_c() {
         --prompts "$root/.gpu/common/prompts.jsonl" --count 24 --max-tokens 64 \
         | tee "$out/parity_dflash.log" | tail -n 8
     say "dflash bench: AR vs DFlash B=1 (block 16), then B=4 per-row/clamp/B=1"
-    timeout 200 "$W/dflash" bench -m "$MODEL" --device cuda --draft "$W/drafter" --block-size 16 \
-        -n 128 -r 3 > "$out/bench_dflash.json" 2> "$out/bench_dflash.err"
-    tail -n 3 "$out/bench_dflash.err"
+    for bs in 16 4; do
+        timeout 200 "$W/dflash" bench -m "$MODEL" --device cuda --draft "$W/drafter" --block-size $bs \
+            -n 128 -r 3 > "$out/bench_dflash_b$bs.json" 2> "$out/bench_dflash_b$bs.err"
+        tail -n 3 "$out/bench_dflash_b$bs.err"
+    done
     timeout 200 "$W/dflash" bench -m "$MODEL" --device cuda --draft "$W/drafter" --block-size 16 \
         -n 128 -r 3 --batch 4 > "$out/bench_b4.json" 2> "$out/bench_b4.err"
     tail -n 3 "$out/bench_b4.err"
@@ -148,20 +155,28 @@ stage_c() {
             say "round $r: llama-bench, then dflash bench (prompt 512, 128 new tokens)"
             "$W/llama/build/bin/llama-bench" -m "$MODEL" -ngl 99 -p 512 -n 128 -r 3 -o md 2>&1 \
                 | grep -E "^\|" | tee -a "$out/llama_bench.md"
-            "$W/dflash" bench -m "$MODEL" --device cuda --no-draft -p 512 -n 128 -r 3 \
-                > "$out/bench_alt_$r.json" 2> "$out/bench_alt_$r.err"
-            tail -n 2 "$out/bench_alt_$r.err"
+            for int8 in 1 0; do
+                DFLASH_CUDA_INT8=$int8 "$W/dflash" bench -m "$MODEL" --device cuda --no-draft -p 512 -n 128 \
+                    -r 3 > "$out/bench_alt_${r}_int8_$int8.json" 2> "$out/bench_alt_${r}_int8_$int8.err"
+                echo "DFLASH_CUDA_INT8=$int8: $(tail -n 1 "$out/bench_alt_${r}_int8_$int8.err")"
+            done
         done
     else
         say "llama.cpp build did not finish: $(tail -n 5 "$W/llama/build.log" 2>/dev/null)"
     fi
     say "Qwen3-4B-shaped synthetic target (Q4_0)"
-    "$W/synthetic_model" --shape qwen3-4b --dtype q4_0 --out "$W/q4b.gguf" \
-        && timeout 200 "$W/dflash" bench -m "$W/q4b.gguf" --device cuda --no-draft -p 128 -n 64 -r 3 \
-            > "$out/bench_q4b.json" 2> "$out/bench_q4b.err"
-    tail -n 3 "$out/bench_q4b.err"
-    timeout 200 "$W/cuda_microbench" --shapes qwen3-4b --formats q4_0 --reps 20 \
-        | tee "$out/microbench_q4b.md"
+    "$W/synthetic_model" --shape qwen3-4b --dtype q4_0 --out "$W/q4b.gguf"
+    for r in 1 2; do
+        for int8 in 1 0; do
+            DFLASH_CUDA_INT8=$int8 timeout 200 "$W/dflash" bench -m "$W/q4b.gguf" --device cuda --no-draft \
+                -p 128 -n 64 -r 3 > "$out/bench_q4b_${r}_int8_$int8.json" 2> "$out/bench_q4b_${r}_int8_$int8.err"
+            echo "round $r DFLASH_CUDA_INT8=$int8: $(tail -n 1 "$out/bench_q4b_${r}_int8_$int8.err")"
+        done
+    done
+    for int8 in 1 0; do
+        DFLASH_CUDA_INT8=$int8 timeout 200 "$W/cuda_microbench" --shapes qwen3-4b --formats q4_0 --only matmul \
+            --reps 20 | tee "$out/microbench_q4b_int8_$int8.md"
+    done
 }
 
 # D (needs no model): the CUDA tests of every crate (.gpu/D/tests.tar.xz: cuda_ops with the

@@ -15,7 +15,8 @@
 //!
 //! Where CPU and GPU greedy tokens part, the step is reported with the top-2 logit margin of
 //! both backends and the largest logit difference seen before it: the kernels compute in a
-//! different order than the CPU (f32 throughout), so a near-tie may resolve differently, and
+//! different order than the CPU (on the CPU's int8 path where the GPU's projections take int8
+//! activations, else f32 throughout), so a near-tie may resolve differently, and
 //! the check passes only when the CPU's margin there is inside `--margin` (default 0.05,
 //! the bound documented in docs/architecture.md); GPU-only checks must be exact.
 
@@ -31,7 +32,7 @@ use dflash_models::chat::Message;
 use dflash_models::{load_model, DflashDrafter, Drafter, LoadedModel, LogitRows, RowStep, Target};
 use dflash_runtime::cpu::{CpuBackend, Isa, MatmulMode};
 use dflash_runtime::cuda::CudaBackend;
-use dflash_runtime::Backend;
+use dflash_runtime::{Activations, Backend};
 
 struct Args {
     model: PathBuf,
@@ -129,25 +130,32 @@ fn top2_margin(l: &[f32]) -> f32 {
 fn main() -> Result<()> {
     let args = parse()?;
     let cuda = Arc::new(CudaBackend::new()?);
-    // The f32 CPU path: the GPU multiplies with f32 activations too.
-    let cpu = Arc::new(CpuBackend::with_options(
-        0,
-        Isa::detect(),
-        MatmulMode::Reference,
-    ));
-    println!(
-        "GPU {} ({}), CPU x{}; model {}",
-        cuda.device_name(),
-        cuda.kernel_target(),
-        cpu.threads(),
-        args.model.display()
-    );
     let LoadedModel {
         model: mut gpu_model,
         tokenizer: tok,
         template,
         ..
     } = load_model(cuda.clone(), &args.model)?;
+    // The CPU takes the GPU's numeric path: int8 activations for the target's projections
+    // (the CPU's default) where the GPU multiplies them with int8 activations (the same codes,
+    // see DFLASH_CUDA_INT8), else the f32 path.
+    let gpu_int8 = gpu_model
+        .matmul_paths()
+        .iter()
+        .any(|p| p.path.activations == Activations::Int8);
+    let mode = if gpu_int8 {
+        MatmulMode::Auto
+    } else {
+        MatmulMode::Reference
+    };
+    let cpu = Arc::new(CpuBackend::with_options(0, Isa::detect(), mode));
+    println!(
+        "GPU {} ({}), CPU x{} ({mode} matmul path); model {}",
+        cuda.device_name(),
+        cuda.kernel_target(),
+        cpu.threads(),
+        args.model.display()
+    );
     let mut cpu_model = match args.skip_cpu {
         true => None,
         false => Some(load_model(cpu.clone(), &args.model)?.model),

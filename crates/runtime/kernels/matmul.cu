@@ -61,7 +61,8 @@ struct MmSeg {
 
 struct MmParams {
     MmSeg seg[MM_SEGS];
-    u64 x;      // [M, K] f32
+    u64 x;      // [M, K] f32 (int8 kernels: [M, K] codes)
+    u64 xs;     // int8 kernels: [M, K/32] float2 (d, ds) per block of x; else 0
     int nseg;
     int k;
     int m;
@@ -343,6 +344,74 @@ __device__ __forceinline__ RopeLane rope_lane(const MmParams& p, int seg, int pa
     return rl;
 }
 
+// The weight rows of outputs nr (W = 2: gate and up); rows past the end repeat the last (their
+// results are not stored).
+template <int R, int W>
+__device__ __forceinline__ void mm_weight_rows(const MmSeg& sg, const int (&nr)[R], const u8* (&rows)[R][W]) {
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        const int n = min(nr[r], sg.n - 1);
+        rows[r][0] = (const u8*)sg.w + (size_t)n * sg.row_bytes;
+        if (W == 2) rows[r][W - 1] = (const u8*)sg.w2 + (size_t)n * sg.row_bytes;
+    }
+}
+
+// The end of a warp's product: the lane sums of each output added by the xor butterfly
+// (warp_sum), then the epilogue, for the CUDA-core kernels of both activation types.
+template <int MT, int R, int W, int EPI>
+__device__ __forceinline__ void mm_finish(float (&acc)[R][W][MT], const MmSeg& sg, const int (&nr)[R],
+                                          const MmParams& p, int m0, int seg, int ml, const RopeLane& rl) {
+    const int lane = threadIdx.x & 31;
+    float* out = (float*)sg.out;
+    if (EPI == EPI_ROPE) {
+        // Lane m takes token m's pair: the sums of every token are in every lane after the
+        // butterflies; lane m keeps its own.
+        float a = 0.0f, b = 0.0f;
+#pragma unroll
+        for (int m = 0; m < MT; m++) {
+            const float sa = warp_sum(acc[0][0][m]);
+            const float sb = warp_sum(acc[R - 1][0][m]);
+            if (lane == m) {
+                a = sa;
+                b = sb;
+            }
+        }
+        if (lane < ml) {
+            float ra = a, rb = b;
+            if (seg < 2) rope_apply(a, b, rl.c, rl.s, p.style, &ra, &rb);
+            float* o = out + (size_t)(m0 + lane) * sg.n;
+            o[nr[0]] = ra;
+            o[nr[R - 1]] = rb;
+            if (rl.slot) {
+                rl.slot[nr[0]] = ra;
+                rl.slot[nr[R - 1]] = rb;
+            }
+        }
+        return;
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        const int n = nr[r];
+#pragma unroll
+        for (int m = 0; m < MT; m++) {
+            float sum[W];
+#pragma unroll
+            for (int v = 0; v < W; v++) sum[v] = warp_sum(acc[r][v][m]);
+            if (lane == 0 && n < sg.n && m < ml) {
+                float* o = out + (size_t)(m0 + m) * sg.n + n;
+                if (EPI == EPI_STORE) {
+                    *o = sum[0];
+                } else if (EPI == EPI_ADD) {
+                    *o = __fadd_rn(*o, sum[0]);
+                } else {
+                    *o = swiglu(sum[0], sum[W - 1]);
+                }
+            }
+        }
+    }
+}
+
+
 // One warp: output rows nr[0..R] of segment `seg` (each from W weight rows, W = 2 for
 // SwiGLU) for MT rows of x from m0; `pair` is the rotary pair of the rope epilogue.
 template <int DT, int MT, int R, int EPI>
@@ -358,12 +427,7 @@ __device__ __forceinline__ void mm_warp(const MmSeg& sg, const int (&nr)[R], con
     const int ml = min(MT, p.m - m0);
 
     const u8* rows[R][W];
-#pragma unroll
-    for (int r = 0; r < R; r++) {
-        const int n = min(nr[r], sg.n - 1);  // rows past the end repeat the last (not stored)
-        rows[r][0] = (const u8*)sg.w + (size_t)n * sg.row_bytes;
-        if (W == 2) rows[r][W - 1] = (const u8*)sg.w2 + (size_t)n * sg.row_bytes;
-    }
+    mm_weight_rows<R, W>(sg, nr, rows);
 
     // P steps' weight bytes are loaded before any of their products (P more loads in flight
     // per lane); the products then run in step order, so the sum is the same for every P.
@@ -421,56 +485,148 @@ __device__ __forceinline__ void mm_warp(const MmSeg& sg, const int (&nr)[R], con
         }
     }
 
-    float* out = (float*)sg.out;
-    if (EPI == EPI_ROPE) {
-        // Lane m takes token m's pair: the sums of every token are in every lane after the
-        // butterflies; lane m keeps its own.
-        float a = 0.0f, b = 0.0f;
-#pragma unroll
-        for (int m = 0; m < MT; m++) {
-            const float sa = warp_sum(acc[0][0][m]);
-            const float sb = warp_sum(acc[R - 1][0][m]);
-            if (lane == m) {
-                a = sa;
-                b = sb;
-            }
-        }
-        if (lane < ml) {
-            float ra = a, rb = b;
-            if (seg < 2) rope_apply(a, b, rl.c, rl.s, p.style, &ra, &rb);
-            float* o = out + (size_t)(m0 + lane) * sg.n;
-            o[nr[0]] = ra;
-            o[nr[R - 1]] = rb;
-            if (rl.slot) {
-                rl.slot[nr[0]] = ra;
-                rl.slot[nr[R - 1]] = rb;
-            }
-        }
-        return;
+    mm_finish<MT, R, W, EPI>(acc, sg, nr, p, m0, seg, ml, rl);
+}
+
+#if DF_MM_INT8
+// ---- int8 activations (dp4a) -------------------------------------------------------------
+//
+// The weights of the target's projections in Q4_0, Q4_1 and Q8_0 multiply x quantized to int8
+// per row and 32-value block (quant_q8_f32 in ops.cu: codes, and per block the scale d and
+// ds = d * Σ codes; the CPU's definition; codes in quarter order). The lanes walk the groups
+// exactly as mm_warp, with the same weight loads (MmPart); a lane's quarter (8 values) is two
+// words of 4 signed bytes, and its dot with its 8 codes (one 8-byte load) an exact integer D
+// (two dp4a). Per output, lane l accumulates
+// acc = fma(dw * dx, D, acc) for its quarters in group order (Q4_1: the lane of quarter 0
+// then adds fma(m, ds, acc)); then the xor butterfly. As in mm_warp, the order depends on K
+// and the format only: every M, MT and R gives the same bits.
+template <int DT>
+struct MmQ;
+
+template <>
+struct MmQ<DT_Q4_0> {
+    // q - 8 per nibble, as signed bytes (the per-byte subtraction wraps to two's complement).
+    static __device__ __forceinline__ void words(const MmPart<DT_Q4_0>& w, int* lo, int* hi) {
+        *lo = (int)__vsub4(DF_LO_NIBBLES(w.q), 0x08080808u);
+        *hi = (int)__vsub4(DF_HI_NIBBLES(w.q), 0x08080808u);
     }
+    static __device__ __forceinline__ float scale(const MmPart<DT_Q4_0>& w) { return f16_to_f32(w.d); }
+    static __device__ __forceinline__ float minimum(const MmPart<DT_Q4_0>&) { return 0.0f; }
+};
+
+template <>
+struct MmQ<DT_Q4_1> {
+    static __device__ __forceinline__ void words(const MmPart<DT_Q4_1>& w, int* lo, int* hi) {
+        *lo = (int)DF_LO_NIBBLES(w.q);
+        *hi = (int)DF_HI_NIBBLES(w.q);
+    }
+    static __device__ __forceinline__ float scale(const MmPart<DT_Q4_1>& w) {
+        return f16_to_f32((u16)(w.dm & 0xffffu));
+    }
+    static __device__ __forceinline__ float minimum(const MmPart<DT_Q4_1>& w) {
+        return f16_to_f32((u16)(w.dm >> 16));
+    }
+};
+
+template <>
+struct MmQ<DT_Q8_0> {
+    static __device__ __forceinline__ void words(const MmPart<DT_Q8_0>& w, int* lo, int* hi) {
+        *lo = (int)w.lo;
+        *hi = (int)w.hi;
+    }
+    static __device__ __forceinline__ float scale(const MmPart<DT_Q8_0>& w) { return f16_to_f32(w.d); }
+    static __device__ __forceinline__ float minimum(const MmPart<DT_Q8_0>&) { return 0.0f; }
+};
+
+// The 8 codes of quarter s of group g (stored in quarter order by quant_q8_f32: one 8-byte
+// load; word x pairs with the weights' low word, y with the high) and the block's (d, ds), for
+// MT rows of x (rows past ml re-read row 0).
+template <int MT>
+__device__ __forceinline__ void mmq_load_x(const signed char* __restrict__ xq, const float2* __restrict__ xs, int K,
+                                           int m0, int ml, int g, int s, int2* c, float2* sc) {
 #pragma unroll
-    for (int r = 0; r < R; r++) {
-        const int n = nr[r];
-#pragma unroll
-        for (int m = 0; m < MT; m++) {
-            float sum[W];
-#pragma unroll
-            for (int v = 0; v < W; v++) sum[v] = warp_sum(acc[r][v][m]);
-            if (lane == 0 && n < sg.n && m < ml) {
-                float* o = out + (size_t)(m0 + m) * sg.n + n;
-                if (EPI == EPI_STORE) {
-                    *o = sum[0];
-                } else if (EPI == EPI_ADD) {
-                    *o = __fadd_rn(*o, sum[0]);
-                } else {
-                    *o = swiglu(sum[0], sum[W - 1]);
-                }
-            }
-        }
+    for (int m = 0; m < MT; m++) {
+        const size_t r = (size_t)(m0 + (m < ml ? m : 0));
+        c[m] = __ldg((const int2*)(xq + r * K + (size_t)g * GROUP + 8 * s));
+        sc[m] = __ldg(xs + r * (K / GROUP) + g);
     }
 }
 
+// mm_warp for int8 x (see above).
 template <int DT, int MT, int R, int EPI>
+__device__ __forceinline__ void mmq_warp(const MmSeg& sg, const int (&nr)[R], const MmParams& p, int m0, int seg,
+                                         int pair) {
+    constexpr int W = EPI == EPI_SWIGLU ? 2 : 1;
+    const signed char* __restrict__ xq = (const signed char*)p.x;
+    const float2* __restrict__ xs = (const float2*)p.xs;
+    const int K = p.k;
+    const int lane = threadIdx.x & 31;
+    const int j = lane >> 2;
+    const int s = lane & 3;
+    const int groups = K / GROUP;
+    const int ml = min(MT, p.m - m0);
+    const u8* rows[R][W];
+    mm_weight_rows<R, W>(sg, nr, rows);
+
+    constexpr int P = MT <= 2 ? 4 : (MT <= 4 ? 2 : 1);
+    RopeLane rl = {1.0f, 0.0f, nullptr};
+    if (EPI == EPI_ROPE && lane < ml) rl = rope_lane(p, seg, pair, m0 + lane);
+    df_kernel_begin();
+    float acc[R][W][MT];
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int v = 0; v < W; v++)
+#pragma unroll
+            for (int m = 0; m < MT; m++) acc[r][v][m] = 0.0f;
+    const bool adds_min = DT == DT_Q4_1 && s == 0;
+    for (int g0 = j; g0 < groups; g0 += 8 * P) {
+        MmPart<DT> part[P][R][W];
+        int2 c[P][MT];
+        float2 sc[P][MT];
+#pragma unroll
+        for (int q = 0; q < P; q++) {
+            const int g = g0 + 8 * q;
+            if (g < groups) {
+#pragma unroll
+                for (int r = 0; r < R; r++)
+#pragma unroll
+                    for (int v = 0; v < W; v++) part[q][r][v].load(rows[r][v], g, s);
+                mmq_load_x<MT>(xq, xs, K, m0, ml, g, s, c[q], sc[q]);
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < P; q++) {
+            const int g = g0 + 8 * q;
+            if (g < groups) {
+#pragma unroll
+                for (int r = 0; r < R; r++)
+#pragma unroll
+                    for (int v = 0; v < W; v++) {
+                        int lo, hi;
+                        MmQ<DT>::words(part[q][r][v], &lo, &hi);
+                        const float dw = MmQ<DT>::scale(part[q][r][v]);
+                        const float mw = MmQ<DT>::minimum(part[q][r][v]);
+#pragma unroll
+                        for (int m = 0; m < MT; m++) {
+                            if (m < ml) {
+                                const int d = __dp4a(hi, c[q][m].y, __dp4a(lo, c[q][m].x, 0));
+                                float a = __fmaf_rn(__fmul_rn(dw, sc[q][m].x), (float)d, acc[r][v][m]);
+                                if (adds_min) a = __fmaf_rn(mw, sc[q][m].y, a);
+                                acc[r][v][m] = a;
+                            }
+                        }
+                    }
+            }
+        }
+    }
+    mm_finish<MT, R, W, EPI>(acc, sg, nr, p, m0, seg, ml, rl);
+}
+#endif
+
+// One warp per unit (R weight rows, or a rotary pair) of the segment its block belongs to;
+// Q: int8 x (mmq_warp), else f32 x (mm_warp).
+template <int DT, int MT, int R, int EPI, bool Q>
 __device__ __forceinline__ void mm_body(const MmParams& p) {
     int si = 0;
 #pragma unroll
@@ -498,6 +654,9 @@ __device__ __forceinline__ void mm_body(const MmParams& p) {
         df_kernel_begin();
         return;
     }
+#if DF_MM_INT8
+    if (Q) return mmq_warp<DT, MT, R, EPI>(sg, nr, p, (int)blockIdx.y * MT, si, pair);
+#endif
     mm_warp<DT, MT, R, EPI>(sg, nr, p, (int)blockIdx.y * MT, si, pair);
 }
 
@@ -506,23 +665,38 @@ __device__ __forceinline__ void mm_body(const MmParams& p) {
 #define MM_KERNEL(SUFFIX, DT, MT, R, EPI, ENAME)                                               \
     extern "C" __global__ void __launch_bounds__(MM_WARPS * 32)                                \
         mm_##SUFFIX##_##MT##_##R##_##ENAME(const MmParams p) {                                 \
-        mm_body<DT, MT, R, EPI>(p); /* waits for the previous kernel itself (mm_warp) */       \
+        mm_body<DT, MT, R, EPI, false>(p); /* waits for the previous kernel itself (mm_warp) */ \
     }
 
-#define MM_EPIS(SUFFIX, DT, MT, R, RS)                   \
-    MM_KERNEL(SUFFIX, DT, MT, R, EPI_STORE, store)       \
-    MM_KERNEL(SUFFIX, DT, MT, R, EPI_ADD, add)           \
-    MM_KERNEL(SUFFIX, DT, MT, RS, EPI_SWIGLU, swiglu)    \
-    MM_KERNEL(SUFFIX, DT, MT, 2, EPI_ROPE, rope)
+// Kernel names: mmq_<format>_<MT>_<R>_<epilogue> (int8 x; formats with DF_MM_INT8).
+#define MMQ_KERNEL(SUFFIX, DT, MT, R, EPI, ENAME)                                              \
+    extern "C" __global__ void __launch_bounds__(MM_WARPS * 32)                                \
+        mmq_##SUFFIX##_##MT##_##R##_##ENAME(const MmParams p) {                                \
+        mm_body<DT, MT, R, EPI, true>(p); /* waits for the previous kernel itself (mmq_warp) */ \
+    }
+
+#define MM_EPIS_OF(KERNEL, SUFFIX, DT, MT, R, RS)     \
+    KERNEL(SUFFIX, DT, MT, R, EPI_STORE, store)       \
+    KERNEL(SUFFIX, DT, MT, R, EPI_ADD, add)           \
+    KERNEL(SUFFIX, DT, MT, RS, EPI_SWIGLU, swiglu)    \
+    KERNEL(SUFFIX, DT, MT, 2, EPI_ROPE, rope)
+#define MM_EPIS(SUFFIX, DT, MT, R, RS) MM_EPIS_OF(MM_KERNEL, SUFFIX, DT, MT, R, RS)
+#define MMQ_EPIS(SUFFIX, DT, MT, R, RS) MM_EPIS_OF(MMQ_KERNEL, SUFFIX, DT, MT, R, RS)
 
 // (MT, R for store/add, R for SwiGLU; the rope epilogue always has R = 2, one rotary pair):
 // keep each warp at most 64 accumulators.
-#define MM_KERNELS(SUFFIX, DT)         \
-    MM_EPIS(SUFFIX, DT, 1, 1, 1)       \
-    MM_EPIS(SUFFIX, DT, 2, 1, 1)       \
-    MM_EPIS(SUFFIX, DT, 4, 2, 1)       \
-    MM_EPIS(SUFFIX, DT, 8, 4, 2)       \
-    MM_EPIS(SUFFIX, DT, 16, 4, 2)
+#define MM_TILES_OF(EPIS, SUFFIX, DT) \
+    EPIS(SUFFIX, DT, 1, 1, 1)          \
+    EPIS(SUFFIX, DT, 2, 1, 1)          \
+    EPIS(SUFFIX, DT, 4, 2, 1)          \
+    EPIS(SUFFIX, DT, 8, 4, 2)          \
+    EPIS(SUFFIX, DT, 16, 4, 2)
+#define MM_KERNELS(SUFFIX, DT) MM_TILES_OF(MM_EPIS, SUFFIX, DT)
+#if DF_MM_INT8
+#define MMQ_KERNELS(SUFFIX, DT) MM_TILES_OF(MMQ_EPIS, SUFFIX, DT)
+#else
+#define MMQ_KERNELS(SUFFIX, DT)
+#endif
 
 // Kernel names: mmtc_<format>_<epilogue> (prompt rows on tensor cores, matmul_tc.cu).
 #define MMTC_KERNEL(SUFFIX, DT, EPI, ENAME)                                            \
@@ -576,6 +750,7 @@ __device__ __forceinline__ void dequant_body(const u8* __restrict__ table, i64 r
 // DF_MM_SUFFIX set to that format's number and name (from the format table, dtype.rs).
 #define DF_FORMAT(SUFFIX, DT) \
     MM_KERNELS(SUFFIX, DT)    \
+    MMQ_KERNELS(SUFFIX, DT)   \
     MMTC_KERNELS(SUFFIX, DT)  \
     DQ_KERNEL(SUFFIX, DT)
 #define DF_FORMAT_OF(SUFFIX, DT) DF_FORMAT(SUFFIX, DT)

@@ -113,6 +113,38 @@ extern "C" __global__ void dequant_float_any(const u8* table, i64 row_bytes, int
     }
 }
 
+// ---- int8 activations ----------------------------------------------------------------------
+//
+// x [blocks * 32] f32 to int8 codes per 32-value block for the int8 matmul kernels (mmq_* in
+// matmul.cu), as the CPU defines it (cpu/int8/quantize.rs), bit for bit: amax = max |x_j|
+// (compared as bits), d = amax / 127, q_j = clamp(rint(x_j * (127 / amax)), -127, 127)
+// (inverse 0 when amax = 0), and per block (d, d * Σ q_j). One warp per block, lane j holds x_j.
+// The codes are stored in the order the kernels' quarter groups read them (8 bytes each):
+// natural for Q8_0 (`nibbles` 0); for the nibble formats (`nibbles` 1) quarter s is values
+// 4s..4s+3 then 16+4s..16+4s+3, the low and high nibbles of its 4 weight bytes.
+extern "C" __global__ void quant_q8_f32(const float* x, i64 blocks, int nibbles, signed char* codes,
+                                        float2* scales) {
+    df_kernel_begin();
+    const int lane = threadIdx.x & 31;
+    const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
+    for (i64 b = blockIdx.x * (i64)(blockDim.x >> 5) + (threadIdx.x >> 5); b < blocks; b += warps) {
+        const float v = x[b * GROUP + lane];
+        u32 a = __float_as_uint(v) & 0x7fffffffu;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) a = max(a, __shfl_xor_sync(0xffffffffu, a, o));
+        const float amax = __uint_as_float(a);
+        const float d = __fdiv_rn(amax, 127.0f);
+        const float inv = amax > 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
+        const int q = (int)fminf(fmaxf(rintf(__fmul_rn(v, inv)), -127.0f), 127.0f);
+        const int at = nibbles ? 8 * ((lane & 15) >> 2) + 4 * (lane >> 4) + (lane & 3) : lane;
+        codes[b * GROUP + at] = (signed char)q;
+        int sum = q;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        if (lane == 0) scales[b] = make_float2(d, __fmul_rn(d, (float)sum));
+    }
+}
+
 // ---- RMS norm ----------------------------------------------------------------------------
 //
 // Every `dim`-value group of x is normalised: out = w' * (v * inv), inv = 1 / sqrt(ss/dim + eps),

@@ -11,7 +11,9 @@ mod common;
 
 use common::{bits, cpu, gpu, random_vec, random_weight, rng};
 
-use dflash_runtime::backend::{AttnShape, RopeStyle};
+use dflash_runtime::backend::{Activations, AttnShape, RopeStyle};
+use dflash_runtime::cpu::int8::quantize::QuantRows;
+use dflash_runtime::cpu::int8::reference as int8_reference;
 use dflash_runtime::cpu::{CpuBackend, CpuWeight};
 use dflash_runtime::cuda::{compile, CudaBackend, CudaOptions, PrefillGemm};
 use dflash_runtime::{Backend, DType, HostWeight, RowSpan, TokenMeta, WeightRole};
@@ -185,13 +187,34 @@ fn matmul_every_dtype_matches_cpu_and_is_batch_invariant() {
     let Some(g) = gpu() else { return };
     let c = cpu();
     let ms = [1usize, 2, 5, 16, 100];
-    for (di, dtype) in DType::ALL.into_iter().enumerate() {
+    // Projections of the int8 formats take the int8 kernels; drafter weights the f32 ones.
+    let cases = DType::ALL.into_iter().enumerate().flat_map(|(di, d)| {
+        let roles: &[WeightRole] = if matches!(d, DType::Q4_0 | DType::Q4_1 | DType::Q8_0) {
+            &[WeightRole::Projection, WeightRole::Draft]
+        } else {
+            &[WeightRole::Projection]
+        };
+        roles.iter().map(move |&r| (di, d, r))
+    });
+    for (di, dtype, role) in cases {
         // More than 32 groups (two staging chunks, the second partial) and an odd row count.
         let k = if dtype.block_len() == 256 { 1280 } else { 1088 };
         let n = 67;
         let w = random_weight(dtype, n, k, 200 + di as u64);
-        let wg = g.upload_weight(&w, WeightRole::Projection).unwrap();
-        let x_all = random_vec(100 * k, -2.0, 2.0, 300 + di as u64);
+        let wg = g.upload_weight(&w, role).unwrap();
+        let int8 = g.weight_path(&wg).activations == Activations::Int8;
+        assert_eq!(
+            int8,
+            role == WeightRole::Projection
+                && matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q8_0),
+            "{dtype} as {role:?}: int8 activations exactly for projections in Q4_0, Q4_1, Q8_0"
+        );
+        let mut x_all = random_vec(100 * k, -2.0, 2.0, 300 + di as u64);
+        // An all-zero block (scale 0) and a block of exact ties (x * 127 / amax = j + 0.5).
+        x_all[3 * k + 64..3 * k + 96].fill(0.0);
+        for j in 0..32 {
+            x_all[4 * k + j] = if j == 0 { 127.0 } else { j as f32 - 0.5 } / 64.0;
+        }
         let mag = product_magnitudes(&w, &x_all, 100);
         let mut full = Vec::new();
         for &m in ms.iter().rev() {
@@ -201,13 +224,24 @@ fn matmul_every_dtype_matches_cpu_and_is_batch_invariant() {
             g.matmul(&xg, &wg, &mut og);
             assert_eq!(g.shape(&og), (m, n));
             let got = g.to_host(&og);
-            let xc = c.upload(x, m, k);
-            let mut oc = c.tensor(0, 0);
-            c.matmul(&xc, &CpuWeight::f32(w.clone()), &mut oc);
+            // Int8 products against the CPU's int8 reference (same codes and integer block
+            // dots; only the float accumulation order differs), the rest against f32.
+            let want = if int8 {
+                let mut q = QuantRows::default();
+                q.quantize(x, m, k);
+                let mut out = vec![0f32; m * n];
+                int8_reference::matmul(&w, &q, &mut out);
+                out
+            } else {
+                let xc = c.upload(x, m, k);
+                let mut oc = c.tensor(0, 0);
+                c.matmul(&xc, &CpuWeight::f32(w.clone()), &mut oc);
+                c.to_host(&oc)
+            };
             assert_close(
                 &format!("matmul {dtype} M={m}"),
                 &got,
-                &c.to_host(&oc),
+                &want,
                 &mag[..m * n],
                 2e-6,
                 1e-6,
@@ -233,6 +267,33 @@ fn matmul_every_dtype_matches_cpu_and_is_batch_invariant() {
                 bits(&full[r * n..(r + 1) * n]),
                 "matmul {dtype}: row {r} alone differs from row {r} of the M=100 batch"
             );
+        }
+    }
+}
+
+/// The numeric path of each weight: int8 activations for the target's projections in Q4_0,
+/// Q4_1 and Q8_0 (as on the CPU), f32 for the vocabulary projection, drafter weights and
+/// other formats.
+#[test]
+fn weight_paths_follow_role_and_format() {
+    let Some(g) = gpu() else { return };
+    for dtype in DType::ALL {
+        let w = random_weight(dtype, 16, 256, 11);
+        for role in [WeightRole::Projection, WeightRole::Vocab, WeightRole::Draft] {
+            let path = g.weight_path(&g.upload_weight(&w, role).unwrap());
+            let int8 = role == WeightRole::Projection
+                && matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q8_0);
+            assert_eq!(path.format, dtype);
+            assert_eq!(
+                path.activations,
+                if int8 {
+                    Activations::Int8
+                } else {
+                    Activations::F32
+                },
+                "{dtype} as {role:?}"
+            );
+            assert_eq!(path.kernel, if int8 { "cuda dp4a" } else { "cuda" });
         }
     }
 }

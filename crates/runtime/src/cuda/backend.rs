@@ -5,8 +5,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::device::{
-    ck, ensure, int, long, Arg, CudaOptions, Device, Epilogue, PrefillGemm, ATT_GM, ATT_MAX_GHD,
-    ATT_MAX_SPLITS, ATT_PER, ATT_THREADS, MM_SEGS, MM_TILES, MM_WARPS, TC_BM, TC_BN, TC_THREADS,
+    ck, ensure, int, int8_format, long, Arg, CudaOptions, Device, Epilogue, PrefillGemm, ATT_GM,
+    ATT_MAX_GHD, ATT_MAX_SPLITS, ATT_PER, ATT_THREADS, MM_SEGS, MM_TILES, MM_WARPS, TC_BM, TC_BN,
+    TC_THREADS,
 };
 use super::gdn::CudaGdn;
 use super::graph::Graphs;
@@ -18,14 +19,18 @@ use crate::backend::{
     GraphKey, QkNorm, Rope, RopeStyle, RowSpan, TokenMeta, WeightPath, WeightRole,
 };
 use crate::choice::{DraftRow, SampleRow, Verdict, VerifyRow};
+use crate::cpu::int8::pack::PANEL;
 use crate::dtype::DType;
 use crate::error::RuntimeError;
+use crate::quant::GROUP;
 use crate::weight::HostWeight;
 
 /// Threads per block of the element-wise kernels.
 const EW_THREADS: u32 = 256;
 /// Most blocks an element-wise kernel is launched with (they loop over the rest).
 const EW_MAX_BLOCKS: usize = 4096;
+/// Threads per block of the activation quantizer (a warp per 32-value block).
+const QUANT_THREADS: u32 = 256;
 /// Largest rotary half-dimension (as on the CPU).
 const ROPE_MAX_HALF: usize = 256;
 /// Floats of dequantized weight the cuBLAS path keeps at once.
@@ -57,6 +62,8 @@ pub(super) struct MmSeg {
 pub(super) struct MmParams {
     seg: [MmSeg; MM_SEGS],
     x: u64,
+    /// Int8 kernels: the (d, ds) pairs of x's blocks (x then points at the codes).
+    xs: u64,
     nseg: i32,
     k: i32,
     pub(super) m: i32,
@@ -353,7 +360,7 @@ impl CudaBackend {
             return self.mm_tensor(x_ptr, m, k, prods, epi, rows.start);
         }
         let ti = self.mm_tile(m);
-        let (p, blocks) = self.mm_params(
+        let (mut p, blocks) = self.mm_params(
             x_ptr,
             m,
             k,
@@ -361,7 +368,7 @@ impl CudaBackend {
             rows.start,
             MM_WARPS * MM_TILES[ti].r_of(epi),
         );
-        self.mm_core_launch(prods, epi, ti, &p, blocks);
+        self.mm_core_launch(prods, epi, ti, &mut p, blocks);
     }
 
     /// The CUDA-core tile (index into `MM_TILES`) for `m` rows of x: the smallest tile
@@ -381,20 +388,28 @@ impl CudaBackend {
             .expect("tiles cover 1..=16")
     }
 
-    /// Launches the CUDA-core kernel of tile `ti` and `epi` over `blocks` blocks with `p`.
+    /// Launches the CUDA-core kernel of tile `ti` and `epi` over `blocks` blocks with `p`;
+    /// for int8 weights, x is quantized first (`quantize_x`) and `p` pointed at its codes.
     pub(super) fn mm_core_launch(
         &self,
         prods: &[Product<'_>],
         epi: Epilogue,
         ti: usize,
-        p: &MmParams,
+        p: &mut MmParams,
         blocks: usize,
     ) {
         if blocks == 0 {
             return;
         }
         let first = &prods[0];
-        let f = &self.dev.loaded(first.w.dtype).mm[ti][epi as usize];
+        let kernels = self.dev.loaded(first.w.dtype);
+        let f = if first.w.int8 {
+            let nibbles = first.w.dtype != DType::Q8_0;
+            (p.x, p.xs) = self.quantize_x(p.x, p.m as usize, p.k as usize, nibbles);
+            &kernels.mmq[ti][epi as usize]
+        } else {
+            &kernels.mm[ti][epi as usize]
+        };
         self.dev.launch_with(
             f,
             &format!("matmul[{}]", first.w.name),
@@ -406,6 +421,39 @@ impl CudaBackend {
             ((MM_WARPS * 32) as u32, 1, 1),
             p,
         );
+    }
+
+    /// Quantizes `m` rows of `k` values at `x` to int8 per 32-value block (`quant_q8_f32`)
+    /// into the scratch buffer, the codes in the quarter order of a nibble format's kernels
+    /// (`nibbles`) or of Q8_0's; returns the addresses of the codes and of the (d, ds) pairs.
+    fn quantize_x(&self, x: u64, m: usize, k: usize, nibbles: bool) -> (u64, u64) {
+        let blocks = m * k / GROUP;
+        // Codes, padded to 16 bytes, then two f32 per block.
+        let codes = (m * k).next_multiple_of(16);
+        let mut s = self.dev.scratch.lock().expect("scratch lock");
+        let base = ensure(
+            &self.dev.stream,
+            &self.dev.epoch,
+            &mut s.xq,
+            codes + 8 * blocks,
+        );
+        drop(s);
+        let warps = (QUANT_THREADS / 32) as usize;
+        self.dev.launch(
+            &self.dev.k.quant_q8,
+            "quant_q8",
+            (blocks.div_ceil(warps).clamp(1, 4096) as u32, 1, 1),
+            (QUANT_THREADS, 1, 1),
+            0,
+            &[
+                Arg::Ptr(x),
+                long(blocks),
+                Arg::I32(i32::from(nibbles)),
+                Arg::Ptr(base),
+                Arg::Ptr(base + codes as u64),
+            ],
+        );
+        (base, base + codes as u64)
     }
 
     /// The launch parameters of products over `m` rows of x at `x_ptr` (row `row0` of the
@@ -429,7 +477,7 @@ impl CudaBackend {
         };
         let mut blocks = 0usize;
         for (seg, pr) in p.seg.iter_mut().zip(prods) {
-            assert_eq!(pr.w.dtype, first.w.dtype, "one launch, one format");
+            assert_eq!(pr.w.kernels(), first.w.kernels(), "one launch, one kernel");
             assert_eq!(pr.w.cols, k, "one launch, one K");
             *seg = MmSeg {
                 w: self.ptr(&pr.w.buf),
@@ -737,8 +785,10 @@ impl Backend for CudaBackend {
         f()
     }
 
-    /// Every role takes the same path on the GPU (f32 activations).
-    fn upload_weight(&self, w: &HostWeight, _role: WeightRole) -> Result<CudaWeight, RuntimeError> {
+    /// The target's projections in Q4_0, Q4_1 or Q8_0 with at least `PANEL` rows take int8
+    /// activations as the [`Int8Policy`](super::device::Int8Policy) says; every other weight
+    /// f32 activations.
+    fn upload_weight(&self, w: &HostWeight, role: WeightRole) -> Result<CudaWeight, RuntimeError> {
         self.dev.bind();
         self.dev.format(w.dtype).map_err(RuntimeError::Device)?;
         let bytes = w.bytes.as_slice();
@@ -751,14 +801,28 @@ impl Backend for CudaBackend {
             cols: w.cols,
             row_bytes: w.row_bytes(),
             buf,
+            // The CPU's rule (cpu::policy::select), so both backends take one numeric path.
+            int8: self.dev.int8.takes(w.dtype, w.cols)
+                && role == WeightRole::Projection
+                && int8_format(w.dtype)
+                && w.rows >= PANEL
+                && w.cols.is_multiple_of(GROUP),
         })
     }
 
     fn weight_path(&self, w: &CudaWeight) -> WeightPath {
-        WeightPath {
-            format: w.dtype,
-            activations: Activations::F32,
-            kernel: "cuda".into(),
+        if w.int8 {
+            WeightPath {
+                format: w.dtype,
+                activations: Activations::Int8,
+                kernel: "cuda dp4a".into(),
+            }
+        } else {
+            WeightPath {
+                format: w.dtype,
+                activations: Activations::F32,
+                kernel: "cuda".into(),
+            }
         }
     }
 
@@ -1023,7 +1087,7 @@ impl Backend for CudaBackend {
     /// kernel path is in use; otherwise one product at a time.
     fn matmul_many(&self, x: &CudaTensor, ws: &[&CudaWeight], outs: &mut [&mut CudaTensor]) {
         assert_eq!(ws.len(), outs.len());
-        let same_format = ws.iter().all(|w| w.dtype == ws[0].dtype);
+        let same_format = ws.iter().all(|w| w.kernels() == ws[0].kernels());
         let cublas = matches!(self.dev.prefill_gemm, PrefillGemm::Cublas { min_rows }
             if x.rows > 16 && x.rows >= min_rows);
         if ws.len() > MM_SEGS || !same_format || cublas {
@@ -1515,7 +1579,7 @@ impl Backend for CudaBackend {
         out: &mut CudaTensor,
         scratch: &mut CudaTensor,
     ) {
-        let fusable = gate.dtype == up.dtype && gate.rows == up.rows;
+        let fusable = gate.kernels() == up.kernels() && gate.rows == up.rows;
         if !fusable || (x.rows > 16 && matches!(self.dev.prefill_gemm, PrefillGemm::Cublas { .. }))
         {
             self.matmul_many(x, &[gate, up], &mut [&mut *out, &mut *scratch]);
@@ -1540,7 +1604,7 @@ impl Backend for CudaBackend {
         }
         assert_eq!(ws.len(), outs.len());
         let prods = self.store_products(x, ws, outs);
-        if ws.len() <= MM_SEGS && ws.iter().all(|w| w.dtype == ws[0].dtype) {
+        if ws.len() <= MM_SEGS && ws.iter().all(|w| w.kernels() == ws[0].kernels()) {
             self.mm_runs(x, &prods, Epilogue::Store, &runs);
         } else {
             for p in prods.chunks(1) {
@@ -1578,7 +1642,7 @@ impl Backend for CudaBackend {
         if !runs.iter().any(|(_, tensor)| *tensor) {
             return self.matmul_swiglu(x, gate, up, out, scratch);
         }
-        if gate.dtype != up.dtype || gate.rows != up.rows {
+        if gate.kernels() != up.kernels() || gate.rows != up.rows {
             self.step_matmul_many(x, &[gate, up], &mut [&mut *out, &mut *scratch], spans);
             return self.silu_mul(out, scratch);
         }

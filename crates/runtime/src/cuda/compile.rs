@@ -99,9 +99,10 @@ impl Module {
         let mut body = format_defines();
         if let Module::Matmul(d) = self {
             body.push_str(&format!(
-                "#define DF_MM_DTYPE {}\n#define DF_MM_SUFFIX {}\n",
+                "#define DF_MM_DTYPE {}\n#define DF_MM_SUFFIX {}\n#define DF_MM_INT8 {}\n",
                 d.index(),
-                d.info().kernel_name
+                d.info().kernel_name,
+                u8::from(super::device::int8_format(d))
             ));
         }
         for line in raw.lines() {
@@ -559,10 +560,12 @@ mod tests {
             assert!(!s.lines().any(|l| l.trim() == INCLUDE_MATMUL_TC));
             if let Module::Matmul(d) = m {
                 assert!(s.contains("mmtc_body"));
+                let int8 = matches!(d, DType::Q4_0 | DType::Q4_1 | DType::Q8_0);
                 assert!(s.contains(&format!(
-                    "#define DF_MM_DTYPE {}\n#define DF_MM_SUFFIX {}\n",
+                    "#define DF_MM_DTYPE {}\n#define DF_MM_SUFFIX {}\n#define DF_MM_INT8 {}\n",
                     d.index(),
-                    d.info().kernel_name
+                    d.info().kernel_name,
+                    u8::from(int8)
                 )));
             }
         }
@@ -574,7 +577,7 @@ mod tests {
     /// kernel body. The one exception is the matmul kernels (`mm_body`), whose warps first
     /// read what only the host writes (parameters, weights, the step's token metadata and the
     /// KV row table, copied before the step) and then wait: `mm_body` waits on both of its
-    /// paths (a warp without rows, and `mm_warp` before its first read of x).
+    /// paths (a warp without rows, and `mm_warp` / `mmq_warp` before its first read of x).
     #[test]
     fn every_kernel_begins_by_waiting_for_the_previous_one() {
         let mut kernels = 0;

@@ -10,6 +10,7 @@ use cudarc::driver::{result as drv, CudaContext, CudaFunction, CudaSlice, CudaSt
 
 use super::compile::{self, Image, Module, Target};
 use super::profile::Profiler;
+use crate::cpu::int8::pack::Int8Format;
 use crate::dtype::DType;
 use crate::error::RuntimeError;
 
@@ -37,6 +38,7 @@ pub struct CudaOptions {
     /// Device ordinal.
     pub device: usize,
     pub prefill_gemm: PrefillGemm,
+    pub int8: Int8Policy,
 }
 
 impl Default for CudaOptions {
@@ -44,16 +46,20 @@ impl Default for CudaOptions {
         Self {
             device: 0,
             prefill_gemm: PrefillGemm::Tensor,
+            int8: Int8Policy::Auto,
         }
     }
 }
 
 impl CudaOptions {
-    /// Defaults, overridden by `DFLASH_CUDA_DEVICE` (ordinal) and `DFLASH_CUDA_GEMM`
-    /// (`tensor`, the default; `kernel`; or `cublas` / `cublas:<min_rows>` for the cuBLAS
-    /// prefill path).
+    /// Defaults, overridden by `DFLASH_CUDA_DEVICE` (ordinal), `DFLASH_CUDA_GEMM` (`tensor`,
+    /// the default; `kernel`; or `cublas` / `cublas:<min_rows>` for the cuBLAS prefill path)
+    /// and `DFLASH_CUDA_INT8` ([`Int8Policy`]).
     pub fn from_env() -> Result<Self, RuntimeError> {
         let mut o = Self::default();
+        if let Ok(v) = std::env::var("DFLASH_CUDA_INT8") {
+            o.int8 = v.parse().map_err(RuntimeError::Device)?;
+        }
         if let Ok(v) = std::env::var("DFLASH_CUDA_DEVICE") {
             o.device = v.trim().parse().map_err(|_| {
                 RuntimeError::Device(format!("DFLASH_CUDA_DEVICE={v:?} is not a device number"))
@@ -185,12 +191,66 @@ pub(crate) const ATT_MAX_SPLITS: usize = 16;
 /// Threads of an attention_split block (ATT_WARPS * 32).
 pub(crate) const ATT_THREADS: u32 = 128;
 
+/// Which of the target's projections (Q4_0, Q4_1 or Q8_0, at least `PANEL` rows, as on the CPU)
+/// multiply int8-quantized activations (`quant_q8_f32`, then the `mmq_*` kernels: dp4a);
+/// `DFLASH_CUDA_INT8` = `auto` (default), `1` or `0`. Fixed per weight at upload, so every
+/// product with a weight, whatever M, takes one path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Int8Policy {
+    /// None: f32 activations everywhere.
+    Off,
+    /// Q4_0 and Q4_1 projections with at least [`INT8_MIN_K`] inputs: where the cheaper
+    /// products outweigh the quantizer's extra launch per product. (Q8_0 stays on f32: on the
+    /// Qwen3-4B shapes its int8 M = 1 products are slower for three of six shapes.)
+    Auto,
+    /// Every eligible projection.
+    All,
+}
+
+/// The smallest inner dimension `Int8Policy::Auto` gives int8 activations. Measured on the
+/// H200 (docs/benchmarks/2026-12-01-h200-int8-activations.md): on the Qwen3-4B shapes (K 2560
+/// and 9728, Q4_0) int8 cuts a 16-token verify from 4.6 to 3.4 decode steps and decode gains
+/// 2-3%; on the default model's (K 576 and 1536) the 120 quantizer launches per token cost 9%
+/// of decode speed.
+pub const INT8_MIN_K: usize = 2048;
+
+impl Int8Policy {
+    /// Whether an eligible projection stored as `dtype` with `k` inputs takes int8 activations.
+    pub fn takes(self, dtype: DType, k: usize) -> bool {
+        match self {
+            Int8Policy::Off => false,
+            Int8Policy::Auto => k >= INT8_MIN_K && dtype != DType::Q8_0,
+            Int8Policy::All => true,
+        }
+    }
+}
+
+impl std::str::FromStr for Int8Policy {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "" | "auto" => Ok(Int8Policy::Auto),
+            "1" | "on" => Ok(Int8Policy::All),
+            "0" | "off" => Ok(Int8Policy::Off),
+            v => Err(format!("DFLASH_CUDA_INT8={v:?}: expected auto, 1 or 0")),
+        }
+    }
+}
+
+/// Whether format `d` has int8-activation kernels (`mmq_*`, built with `DF_MM_INT8`): the
+/// formats of the CPU's int8 kernels.
+pub(crate) fn int8_format(d: DType) -> bool {
+    Int8Format::of(d).is_some()
+}
+
 /// Function handles of the kernels every model needs (ops.cu, attention.cu).
 pub(crate) struct Kernels {
     pub dequant_float_any: CudaFunction,
     pub add: CudaFunction,
     pub add_bias: CudaFunction,
     pub silu_mul: CudaFunction,
+    pub quant_q8: CudaFunction,
     pub scale: CudaFunction,
     pub grouped_conv: CudaFunction,
     pub gather_rows: CudaFunction,
@@ -211,6 +271,9 @@ pub(crate) struct Kernels {
 pub(crate) struct FormatKernels {
     /// `mm[tile index][epilogue index]` for the tiles of `MM_TILES`.
     pub mm: Vec<Vec<CudaFunction>>,
+    /// `mmq[tile index][epilogue index]`: the int8-activation kernels (empty for formats
+    /// without them, see [`int8_format`]).
+    pub mmq: Vec<Vec<CudaFunction>>,
     /// `mmtc[epilogue index]`: the tensor-core kernels of prompt rows (matmul_tc.cu).
     pub mmtc: Vec<CudaFunction>,
     pub dequant: CudaFunction,
@@ -256,6 +319,8 @@ pub(crate) struct Scratch {
     pub deq: Option<CudaSlice<f32>>,
     /// Partial softmax states of the split attention.
     pub att_part: Option<CudaSlice<f32>>,
+    /// x of an int8 product, quantized: codes, then (d, ds) per 32-value block.
+    pub xq: Option<CudaSlice<u8>>,
 }
 
 /// Returns `slot`'s buffer, reallocated when shorter than `n` (contents undefined). A
@@ -299,6 +364,8 @@ pub(crate) struct Device {
     /// epilogue (`EPI_ROPE`, matmul.cu) instead of a separate `rope_kv` launch, unless
     /// `DFLASH_CUDA_FUSE_ROPE=0`; the bits are the same either way.
     pub fuse_rope: bool,
+    /// Which of the target's projections multiply int8-quantized activations (`DFLASH_CUDA_INT8`).
+    pub int8: Int8Policy,
     pub name: String,
     pub compute_capability: (i32, i32),
     pub target: Target,
@@ -463,6 +530,7 @@ impl Device {
             fixed_mt,
             pdl,
             fuse_rope,
+            int8: opts.int8,
             name,
             compute_capability: cc,
             target,
@@ -537,12 +605,24 @@ impl Device {
             }
             mm.push(by_epi);
         }
+        let mut mmq = Vec::new();
+        if int8_format(d) {
+            for t in MM_TILES {
+                let mut by_epi = Vec::new();
+                for e in Epilogue::ALL {
+                    let r = t.r_of(e);
+                    by_epi.push(get(&format!("mmq_{sfx}_{}_{r}_{}", t.mt, e.name()))?);
+                }
+                mmq.push(by_epi);
+            }
+        }
         let mmtc = Epilogue::TENSOR
             .iter()
             .map(|e| get(&format!("mmtc_{sfx}_{}", e.name())))
             .collect::<Result<_, _>>()?;
         Ok(FormatKernels {
             mm,
+            mmq,
             mmtc,
             dequant: get(&format!("dequant_{sfx}"))?,
         })
@@ -831,6 +911,7 @@ fn load_kernels_for(ctx: &Arc<CudaContext>, target: Target) -> Result<Kernels, S
         add: get(Module::Ops, "add_f32")?,
         add_bias: get(Module::Ops, "add_bias_f32")?,
         silu_mul: get(Module::Ops, "silu_mul_f32")?,
+        quant_q8: get(Module::Ops, "quant_q8_f32")?,
         scale: get(Module::Ops, "scale_f32")?,
         grouped_conv: get(Module::Ops, "grouped_conv_f32")?,
         gather_rows: get(Module::Ops, "gather_rows_f32")?,
@@ -845,4 +926,47 @@ fn load_kernels_for(ctx: &Arc<CudaContext>, target: Target) -> Result<Kernels, S
         attention_merge: get(Module::Attention, "attention_merge")?,
         sample: super::sample::SampleKernels::load(|name| get(Module::Sample, name))?,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn int8_policy_parses_and_gates_by_inner_dimension() {
+        assert_eq!("".parse(), Ok(Int8Policy::Auto));
+        assert_eq!("auto".parse(), Ok(Int8Policy::Auto));
+        assert_eq!("1".parse(), Ok(Int8Policy::All));
+        assert_eq!("0".parse(), Ok(Int8Policy::Off));
+        let bad = "yes".parse::<Int8Policy>().unwrap_err();
+        assert!(
+            bad.contains("DFLASH_CUDA_INT8") && bad.contains("auto, 1 or 0"),
+            "{bad}"
+        );
+        // The default model's projections (K 576, 1536) stay on f32; Qwen3-4B's (2560, 9728)
+        // take int8.
+        for k in [576, 1536] {
+            assert!(!Int8Policy::Auto.takes(DType::Q4_1, k));
+            assert!(Int8Policy::All.takes(DType::Q4_1, k));
+        }
+        for k in [2560, 9728] {
+            assert!(Int8Policy::Auto.takes(DType::Q4_0, k));
+            assert!(Int8Policy::Auto.takes(DType::Q4_1, k));
+            assert!(!Int8Policy::Auto.takes(DType::Q8_0, k));
+            assert!(Int8Policy::All.takes(DType::Q8_0, k));
+            assert!(!Int8Policy::Off.takes(DType::Q4_0, k));
+        }
+        assert_eq!(CudaOptions::default().int8, Int8Policy::Auto);
+    }
+
+    #[test]
+    fn int8_formats_are_the_cpu_int8_formats() {
+        for d in DType::ALL {
+            assert_eq!(
+                int8_format(d),
+                matches!(d, DType::Q4_0 | DType::Q4_1 | DType::Q8_0),
+                "{d}"
+            );
+        }
+    }
 }

@@ -11,7 +11,10 @@
 //!   Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) and are decoded in the kernels with the CPU reference's
 //!   arithmetic (same fused multiply-adds), so embeddings are bit-identical to the CPU's, and
 //!   so is RMS norm (same summation tree). Matmul and attention use their own fixed orders
-//!   (close to the CPU, not equal).
+//!   (close to the CPU, not equal). The target's Q4_0/Q4_1/Q8_0 projections may multiply
+//!   int8-quantized activations instead, as the CPU does ([`Int8Policy`]: by default Q4_0 and
+//!   Q4_1 with K >= 2048): x is quantized per 32-value block exactly as on the CPU (same codes and
+//!   scales), then `mmq_*` kernels take exact integer dot products (dp4a) per quarter group.
 //! - **Batch invariance.** Every op computes each token on its own with an order that does
 //!   not depend on the batch: a matmul output is owned by one warp whose lanes walk fixed
 //!   32-value groups, for any number of rows of x (M = 1 decode, M = 2..16 verify, and
@@ -78,7 +81,7 @@ mod sample;
 mod tensor;
 
 pub use backend::CudaBackend;
-pub use device::{CudaOptions, PrefillGemm};
+pub use device::{CudaOptions, Int8Policy, PrefillGemm, INT8_MIN_K};
 pub use gdn::CudaGdn;
 pub use kv::CudaKv;
 pub use profile::KernelClassTime;

@@ -35,7 +35,7 @@ impl CudaBackend {
             && x.rows == meta.host.len()
             && half > 0
             && PAIR * half == rope.head_dim
-            && ws.iter().all(|w| w.dtype == wq.dtype)
+            && ws.iter().all(|w| w.kernels() == wq.kernels())
             && wq.rows.is_multiple_of(rope.head_dim)
             && wk.rows == kv.kv_dim
             && wv.rows == kv.kv_dim
@@ -77,6 +77,6 @@ impl CudaBackend {
             kv_dim: kv.kv_dim as i32,
             pad: 0,
         };
-        self.mm_core_launch(&prods, Epilogue::Rope, ti, &p, blocks);
+        self.mm_core_launch(&prods, Epilogue::Rope, ti, &mut p, blocks);
     }
 }

@@ -42,6 +42,16 @@ pub struct CudaWeight {
     pub cols: usize,
     pub(crate) row_bytes: usize,
     pub(crate) buf: CudaSlice<u8>,
+    /// Multiplied with int8-quantized activations (the `mmq_*` kernels), fixed at upload.
+    pub(crate) int8: bool,
+}
+
+impl CudaWeight {
+    /// What picks this weight's CUDA-core kernels: its format and activation type. Products
+    /// share a launch only when this is the same.
+    pub(crate) fn kernels(&self) -> (DType, bool) {
+        (self.dtype, self.int8)
+    }
 }
 
 /// The token metadata of one step: a host copy (for bounds checks) and a device copy

@@ -1,18 +1,25 @@
-//! Helpers shared by the CUDA test files: the GPU (every format's kernels preloaded) or a
+//! Helpers shared by the CUDA test files: the GPU (every format's kernels preloaded, int8
+//! activations for every eligible projection) or a
 //! printed skip, the CPU reference backend, seeded random inputs and weights, bit views.
 #![allow(dead_code)] // each test file uses its own subset
 
 use std::sync::OnceLock;
 
 use dflash_runtime::cpu::{CpuBackend, Isa, MatmulMode};
-use dflash_runtime::cuda::CudaBackend;
+use dflash_runtime::cuda::{CudaBackend, CudaOptions, Int8Policy};
 use dflash_runtime::{DType, HostWeight, WeightBytes};
 use rand::{Rng, SeedableRng};
 
+/// The GPU, with int8 activations for every eligible projection (`Int8Policy::All`), so the
+/// tests' small shapes run the int8 kernels; other roles (`Draft`, `Vocab`) keep f32.
 pub fn gpu() -> Option<&'static CudaBackend> {
     static GPU: OnceLock<Result<CudaBackend, String>> = OnceLock::new();
     let open = || {
-        let b = CudaBackend::new()?;
+        let opts = CudaOptions {
+            int8: Int8Policy::All,
+            ..CudaOptions::from_env()?
+        };
+        let b = CudaBackend::with_options(opts)?;
         // Every format's kernels at once (in parallel) rather than one by one on first use.
         b.preload(&DType::ALL)?;
         Ok::<_, dflash_runtime::RuntimeError>(b)
