@@ -74,6 +74,7 @@ mod device;
 mod gdn;
 mod graph;
 pub mod kv;
+pub mod pack;
 mod profile;
 mod qkv_rope;
 mod rope_kv;
