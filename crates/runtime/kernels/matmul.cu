@@ -389,6 +389,17 @@ __device__ __forceinline__ void mm_weight_rows(const MmSeg& sg, const int (&nr)[
     }
 }
 
+// Every accumulator of a warp to zero.
+template <int R, int W, int MT>
+__device__ __forceinline__ void mm_zero(float (&acc)[R][W][MT]) {
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int v = 0; v < W; v++)
+#pragma unroll
+            for (int m = 0; m < MT; m++) acc[r][v][m] = 0.0f;
+}
+
 // The end of a warp's product: the lane sums of each output added by the xor butterfly
 // (warp_sum), then the epilogue, for the CUDA-core kernels of both activation types.
 template <int MT, int R, int W, int EPI>
@@ -471,12 +482,7 @@ __device__ __forceinline__ void mm_warp(const MmSeg& sg, const int (&nr)[R], con
     if (EPI == EPI_ROPE && lane < ml) rl = rope_lane(p, seg, pair, m0 + lane);
     df_kernel_begin();
     float acc[R][W][MT];
-#pragma unroll
-    for (int r = 0; r < R; r++)
-#pragma unroll
-        for (int v = 0; v < W; v++)
-#pragma unroll
-            for (int m = 0; m < MT; m++) acc[r][v][m] = 0.0f;
+    mm_zero(acc);
     const int xa = MmPart<DT>::xa(s);
     const int xb = MmPart<DT>::xb(s);
     for (int g0 = j; g0 < groups; g0 += 8 * P) {
@@ -616,12 +622,7 @@ __device__ __forceinline__ void mmq_warp(const MmSeg& sg, const int (&nr)[R], co
     if (EPI == EPI_ROPE && lane < ml) rl = rope_lane(p, seg, pair, m0 + lane);
     df_kernel_begin();
     float acc[R][W][MT];
-#pragma unroll
-    for (int r = 0; r < R; r++)
-#pragma unroll
-        for (int v = 0; v < W; v++)
-#pragma unroll
-            for (int m = 0; m < MT; m++) acc[r][v][m] = 0.0f;
+    mm_zero(acc);
     for (int g0 = lane; g0 < groups; g0 += 32 * P) {
         uint4 c[P][R][W][NC];
         u32 sw[P][R][W];

@@ -599,26 +599,31 @@ impl Device {
                 .map_err(|e| format!("kernel {name} missing from {}: {e}", m.name()))
         };
         let sfx = d.info().kernel_name;
-        let mut mm = Vec::new();
-        for t in MM_TILES {
-            let mut by_epi = Vec::new();
-            for e in Epilogue::ALL {
-                let r = t.r_of(e);
-                by_epi.push(get(&format!("mm_{sfx}_{}_{r}_{}", t.mt, e.name()))?);
-            }
-            mm.push(by_epi);
-        }
-        let mut mmq = Vec::new();
-        if int8_format(d) {
-            for t in MM_TILES {
-                let mut by_epi = Vec::new();
-                for e in Epilogue::ALL {
-                    let r = t.r_of(e);
-                    by_epi.push(get(&format!("mmq_{sfx}_{}_{r}_{}", t.mt, e.name()))?);
-                }
-                mmq.push(by_epi);
-            }
-        }
+        // `<family>_<format>_<MT>_<R>_<epilogue>` for every tile and epilogue.
+        let tiles = |family: &str| -> Result<Vec<Vec<CudaFunction>>, String> {
+            MM_TILES
+                .iter()
+                .map(|t| {
+                    Epilogue::ALL
+                        .iter()
+                        .map(|&e| {
+                            get(&format!(
+                                "{family}_{sfx}_{}_{}_{}",
+                                t.mt,
+                                t.r_of(e),
+                                e.name()
+                            ))
+                        })
+                        .collect()
+                })
+                .collect()
+        };
+        let mm = tiles("mm")?;
+        let mmq = if int8_format(d) {
+            tiles("mmq")?
+        } else {
+            Vec::new()
+        };
         let mmtc = Epilogue::TENSOR
             .iter()
             .map(|e| get(&format!("mmtc_{sfx}_{}", e.name())))
