@@ -38,6 +38,13 @@ pack() {
     cp .gpu/tests/* .gpu/bin/
     strip .gpu/bin/* 2>/dev/null || true
     tar -C .gpu/bin -cJf .gpu/A/bins.tar.xz .
+    # llama.cpp's source for the side-by-side build: LLAMA_GIT names a git checkout (or a bare
+    # mirror) of llama.cpp; only the parts the two benchmark tools need are archived.
+    if [ -n "${LLAMA_GIT:-}" ]; then
+        git -C "$LLAMA_GIT" archive --format=tar HEAD CMakeLists.txt cmake ggml src include common \
+            examples/llama-bench examples/batched-bench | gzip -9 > .gpu/llama_src.tgz
+        tar -tzf .gpu/llama_src.tgz CMakeLists.txt > /dev/null
+    fi
     [ -f .gpu/llama_src.tgz ] && cp .gpu/llama_src.tgz .gpu/A/
     local room=$(( 60 * 1024 * 1024 - $(du -cb .gpu/A .gpu/common | tail -n 1 | cut -f1) ))
     head -c "$room" "$model" > .gpu/A/model.part1
