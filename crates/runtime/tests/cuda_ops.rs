@@ -15,7 +15,7 @@ use dflash_runtime::backend::{Activations, AttnShape, RopeStyle};
 use dflash_runtime::cpu::int8::quantize::QuantRows;
 use dflash_runtime::cpu::int8::reference as int8_reference;
 use dflash_runtime::cpu::{CpuBackend, CpuWeight};
-use dflash_runtime::cuda::{compile, CudaBackend, CudaOptions, PrefillGemm};
+use dflash_runtime::cuda::{compile, CudaBackend, CudaOptions, Int8Policy, PrefillGemm};
 use dflash_runtime::{Backend, DType, HostWeight, RowSpan, TokenMeta, WeightRole};
 use rand::Rng;
 
@@ -559,8 +559,10 @@ fn cublas_prefill_path_matches_cpu() {
     if gpu().is_none() {
         return;
     }
+    // Int8-path weights too: the cuBLAS path dequantizes them from their device layout.
     let opts = CudaOptions {
         prefill_gemm: PrefillGemm::Cublas { min_rows: 17 },
+        int8: Int8Policy::All,
         ..CudaOptions::default()
     };
     let g = match CudaBackend::with_options(opts) {

@@ -62,7 +62,9 @@
 //!
 //! `DFLASH_CUDA_DEVICE` (ordinal, default 0); `DFLASH_CUDA_GEMM` (`tensor` default, `kernel`,
 //! `cublas` or `cublas:<min rows>`); `DFLASH_CUDA_FUSE_ROPE=0` (RoPE and the KV write as their
-//! own launch, not in the q/k/v products' epilogue); `DFLASH_CUDA_ARCH` (compile for another
+//! own launch, not in the q/k/v products' epilogue); `DFLASH_CUDA_INT8` (`auto` default, `1`,
+//! `0`: which target projections take int8 activations, [`Int8Policy`]); `DFLASH_CUDA_ARCH`
+//! (compile for another
 //! `sm_XY`);
 //! `DFLASH_CUDA_MM_TILE` (force one matmul tile, for debugging); `DFLASH_CUDA_INCLUDE`,
 //! `CUDA_HOME`, `CUDA_PATH` (NVRTC include folders); `DFLASH_CACHE_DIR` /
