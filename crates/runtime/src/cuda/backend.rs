@@ -5,12 +5,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::device::{
-    ck, ensure, int, int8_format, long, Arg, CudaOptions, Device, Epilogue, PrefillGemm, ATT_GM,
-    ATT_MAX_GHD, ATT_MAX_SPLITS, ATT_PER, ATT_THREADS, MM_SEGS, MM_TILES, MM_WARPS, TC_BM, TC_BN,
-    TC_THREADS,
+    ck, ensure, int, long, Arg, CudaOptions, Device, Epilogue, PrefillGemm, ATT_GM, ATT_MAX_GHD,
+    ATT_MAX_SPLITS, ATT_PER, ATT_THREADS, MM_SEGS, MM_TILES, MM_WARPS, TC_BM, TC_BN, TC_THREADS,
 };
 use super::gdn::CudaGdn;
 use super::graph::Graphs;
+use super::int8::int8_format;
 use super::kv::CudaKv;
 use super::pack;
 use super::profile::{KernelClassTime, Profiler};

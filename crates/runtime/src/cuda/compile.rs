@@ -102,7 +102,7 @@ impl Module {
                 "#define DF_MM_DTYPE {}\n#define DF_MM_SUFFIX {}\n#define DF_MM_INT8 {}\n",
                 d.index(),
                 d.info().kernel_name,
-                u8::from(super::device::int8_format(d))
+                u8::from(super::int8::int8_format(d))
             ));
         }
         for line in raw.lines() {

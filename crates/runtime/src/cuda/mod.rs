@@ -75,6 +75,7 @@ pub mod compile;
 mod device;
 mod gdn;
 mod graph;
+mod int8;
 pub mod kv;
 pub mod pack;
 mod profile;
@@ -84,8 +85,9 @@ mod sample;
 mod tensor;
 
 pub use backend::CudaBackend;
-pub use device::{CudaOptions, Int8Policy, PrefillGemm, INT8_MIN_K};
+pub use device::{CudaOptions, PrefillGemm};
 pub use gdn::CudaGdn;
+pub use int8::{Int8Policy, INT8_MIN_K};
 pub use kv::CudaKv;
 pub use profile::KernelClassTime;
 pub use tensor::{CudaMeta, CudaStep, CudaTensor, CudaWeight};
