@@ -12,22 +12,20 @@ use support::*;
 fn load_report_counts_every_request() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny(dir.path());
-    let out = dflash(&[
-        "bench",
-        "--model",
-        model.to_str().unwrap(),
-        "--device",
-        "cpu",
-        "--no-draft",
-        "--requests",
-        "5",
-        "--max-live",
-        "2",
-        "-n",
-        "6",
-        "-r",
-        "2",
-    ]);
+    let out = bench_cpu(
+        &model,
+        &[
+            "--no-draft",
+            "--requests",
+            "5",
+            "--max-live",
+            "2",
+            "-n",
+            "6",
+            "-r",
+            "2",
+        ],
+    );
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "bench failed: {err}");
     let report: Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
@@ -79,27 +77,25 @@ fn dflash_load_with_prompts_longer_than_the_step_budget() {
     let model = tiny(dir.path());
     let drafter = random_drafter_dir(dir.path());
     for speculation in ["always", "auto"] {
-        let out = dflash(&[
-            "bench",
-            "--model",
-            model.to_str().unwrap(),
-            "--draft",
-            drafter.to_str().unwrap(),
-            "--device",
-            "cpu",
-            "--requests",
-            "4",
-            "--max-live",
-            "3",
-            "--max-batch-tokens",
-            "24",
-            "-n",
-            "8",
-            "-r",
-            "1",
-            "--speculation",
-            speculation,
-        ]);
+        let out = bench_cpu(
+            &model,
+            &[
+                "--draft",
+                drafter.to_str().unwrap(),
+                "--requests",
+                "4",
+                "--max-live",
+                "3",
+                "--max-batch-tokens",
+                "24",
+                "-n",
+                "8",
+                "-r",
+                "1",
+                "--speculation",
+                speculation,
+            ],
+        );
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "bench failed: {err}");
         let report: Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
@@ -132,27 +128,25 @@ fn join_probe_times_prompts_joining_a_busy_batch() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny(dir.path());
     let drafter = random_drafter_dir(dir.path());
-    let out = dflash(&[
-        "bench",
-        "--model",
-        model.to_str().unwrap(),
-        "--draft",
-        drafter.to_str().unwrap(),
-        "--device",
-        "cpu",
-        "--requests",
-        "3",
-        "--max-live",
-        "3",
-        "--max-batch-tokens",
-        "16",
-        "-n",
-        "4",
-        "-r",
-        "1",
-        "--join-probe",
-        "40",
-    ]);
+    let out = bench_cpu(
+        &model,
+        &[
+            "--draft",
+            drafter.to_str().unwrap(),
+            "--requests",
+            "3",
+            "--max-live",
+            "3",
+            "--max-batch-tokens",
+            "16",
+            "-n",
+            "4",
+            "-r",
+            "1",
+            "--join-probe",
+            "40",
+        ],
+    );
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "bench failed: {err}");
     let report: Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
@@ -182,7 +176,6 @@ fn join_probe_times_prompts_joining_a_busy_batch() {
 fn bad_load_flags_are_errors() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny(dir.path());
-    let m = model.to_str().unwrap();
     for (args, needle) in [
         (vec!["--requests", "0"], "at least 1"),
         (vec!["--requests", "3", "--max-live", "0"], "at least 1"),
@@ -198,9 +191,9 @@ fn bad_load_flags_are_errors() {
             "cannot be used with",
         ),
     ] {
-        let mut all = vec!["bench", "--model", m, "--device", "cpu", "--no-draft"];
+        let mut all = vec!["--no-draft"];
         all.extend(args.iter());
-        let out = dflash(&all);
+        let out = bench_cpu(&model, &all);
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{args:?} succeeded");
         assert!(!err.contains("panicked"), "{args:?} panicked: {err}");

@@ -11,22 +11,20 @@ use support::*;
 fn report_has_the_verify_block_against_a_decode_step() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny(dir.path());
-    let out = dflash(&[
-        "bench",
-        "--model",
-        model.to_str().unwrap(),
-        "--device",
-        "cpu",
-        "--no-draft",
-        "--block-size",
-        "4",
-        "-p",
-        "8",
-        "-n",
-        "4",
-        "-r",
-        "2",
-    ]);
+    let out = bench_cpu(
+        &model,
+        &[
+            "--no-draft",
+            "--block-size",
+            "4",
+            "-p",
+            "8",
+            "-n",
+            "4",
+            "-r",
+            "2",
+        ],
+    );
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "bench failed: {err}");
     let report: Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
@@ -55,22 +53,20 @@ fn a_verify_block_past_the_context_is_a_clear_error() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny(dir.path());
     let prompt = (CONTEXT - 4).to_string();
-    let out = dflash(&[
-        "bench",
-        "--model",
-        model.to_str().unwrap(),
-        "--device",
-        "cpu",
-        "--no-draft",
-        "--block-size",
-        "8",
-        "-p",
-        &prompt,
-        "-n",
-        "2",
-        "-r",
-        "1",
-    ]);
+    let out = bench_cpu(
+        &model,
+        &[
+            "--no-draft",
+            "--block-size",
+            "8",
+            "-p",
+            &prompt,
+            "-n",
+            "2",
+            "-r",
+            "1",
+        ],
+    );
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "a block past the context must fail");
     assert!(

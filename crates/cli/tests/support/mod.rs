@@ -31,6 +31,19 @@ pub fn dflash(args: &[&str]) -> Output {
         .expect("the binary runs")
 }
 
+/// `dflash bench --model MODEL --device cpu ARGS...`.
+pub fn bench_cpu(model: &Path, args: &[&str]) -> Output {
+    let mut all = vec![
+        "bench",
+        "--model",
+        model.to_str().unwrap(),
+        "--device",
+        "cpu",
+    ];
+    all.extend_from_slice(args);
+    dflash(&all)
+}
+
 pub fn write(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
     let p = dir.join(name);
     std::fs::write(&p, bytes).unwrap();
