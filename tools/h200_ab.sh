@@ -10,8 +10,10 @@
 # --pack builds `dflash`, `synthetic_model`, `cuda_microbench` and the runtime's CUDA tests of the
 # working tree, and `dflash` + `cuda_microbench` of BASE_REV (in a temporary worktree), into
 # .gpu/ab (about 10 MB). On the GPU machine: AB_ROUNDS (3) rounds per shape, AB_INT8 (the
-# DFLASH_CUDA_INT8 of both arms; unset: each build's default) and AB_SHAPES ("smollm2-135m:q4_1
-# qwen3-4b:q4_0"). Results go to $OUT.
+# DFLASH_CUDA_INT8 of both arms; unset: each build's default), AB_SHAPES ("smollm2-135m:q4_1
+# qwen3-4b:q4_0") and AB_TESTS (1; 0 skips the tests and the microbench: a second
+# pass in the same call).
+# Results go to $OUT.
 set -uo pipefail
 
 if [ "${1:-}" = "--pack" ]; then
@@ -59,15 +61,17 @@ cd "$W" || exit 1
 cat "$here/builds.txt"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 shapes="${AB_SHAPES:-smollm2-135m:q4_1 qwen3-4b:q4_0}"
-(for s in $shapes; do ./synthetic_model --shape "${s%%:*}" --dtype "${s##*:}" --out "${s%%:*}.gguf"; done \
+(for s in $shapes; do [ -f "${s%%:*}.gguf" ] || ./synthetic_model --shape "${s%%:*}" --dtype "${s##*:}" --out "${s%%:*}.gguf"; done \
     > "$out/synthetic.log" 2>&1) &
-for t in cuda_ops cuda_fused cuda_qwen35; do
+for t in $([ "${AB_TESTS:-1}" = 1 ] && echo cuda_ops cuda_fused cuda_qwen35); do
     echo "== $t"
     timeout 200 "./$t" --test-threads=1 2>&1 | tee "$out/$t.log" | grep -E "^test .*FAILED|test result|panicked"
 done
-echo "== memcheck cuda_fused (M sweep skipped)"
-timeout 120 compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 10 ./cuda_fused \
-    --test-threads=1 --skip every_m_from_1 2>&1 | grep -E "ERROR SUMMARY|test result" | head -3
+if [ "${AB_TESTS:-1}" = 1 ]; then
+    echo "== memcheck cuda_fused (M sweep skipped)"
+    timeout 120 compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 10 ./cuda_fused \
+        --test-threads=1 --skip every_m_from_1 2>&1 | grep -E "ERROR SUMMARY|test result" | head -3
+fi
 wait
 for s in $shapes; do
     m="${s%%:*}.gguf"
@@ -81,7 +85,7 @@ for s in $shapes; do
         done
     done
 done
-for b in cuda_microbench_base cuda_microbench; do
+for b in $([ "${AB_TESTS:-1}" = 1 ] && echo cuda_microbench_base cuda_microbench); do
     timeout 120 "./$b" --shapes qwen3-4b --formats q4_0,q4_1 --only matmul --reps 20 > "$out/mb_$b.md" 2>&1
     echo "== $b"; grep -E "^\| Q" "$out/mb_$b.md"
 done

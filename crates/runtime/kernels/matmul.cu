@@ -89,7 +89,7 @@ struct MmPart<DT_F32> {
     float4 a, b;
     static __device__ __forceinline__ int xa(int s) { return 8 * s; }
     static __device__ __forceinline__ int xb(int s) { return 8 * s + 4; }
-    __device__ __forceinline__ void load(const u8* row, int g, int s) {
+    __device__ __forceinline__ void load(const u8* row, int g, int s, int) {
         const float4* p = (const float4*)(row + (size_t)g * 128 + 32 * s);
         a = __ldg(p);
         b = __ldg(p + 1);
@@ -105,7 +105,7 @@ struct MmPartHalf {
     uint4 v;
     static __device__ __forceinline__ int xa(int s) { return 8 * s; }
     static __device__ __forceinline__ int xb(int s) { return 8 * s + 4; }
-    __device__ __forceinline__ void load(const u8* row, int g, int s) {
+    __device__ __forceinline__ void load(const u8* row, int g, int s, int) {
         v = __ldg((const uint4*)(row + (size_t)g * 64 + 16 * s));
     }
     __device__ __forceinline__ void decode(float* w) const {
@@ -132,7 +132,7 @@ struct MmPart<DT_Q4_0> {
     u16 d;
     static __device__ __forceinline__ int xa(int s) { return 4 * s; }
     static __device__ __forceinline__ int xb(int s) { return 16 + 4 * s; }
-    __device__ __forceinline__ void load(const u8* row, int g, int s) {
+    __device__ __forceinline__ void load(const u8* row, int g, int s, int) {
         const u8* b = row + (size_t)g * DT_Q4_0_BYTES;
         d = __ldg((const unsigned short*)b);
         const u16 lo = __ldg((const unsigned short*)(b + 2 + 4 * s));
@@ -157,7 +157,7 @@ struct MmPart<DT_Q4_1> {
     u32 dm;
     static __device__ __forceinline__ int xa(int s) { return 4 * s; }
     static __device__ __forceinline__ int xb(int s) { return 16 + 4 * s; }
-    __device__ __forceinline__ void load(const u8* row, int g, int s) {
+    __device__ __forceinline__ void load(const u8* row, int g, int s, int) {
         const u8* b = row + (size_t)g * DT_Q4_1_BYTES;
         dm = __ldg((const unsigned int*)b);
         q = __ldg((const unsigned int*)(b + 4 + 4 * s));
@@ -181,7 +181,7 @@ struct MmPart<DT_Q8_0> {
     u16 d;
     static __device__ __forceinline__ int xa(int s) { return 8 * s; }
     static __device__ __forceinline__ int xb(int s) { return 8 * s + 4; }
-    __device__ __forceinline__ void load(const u8* row, int g, int s) {
+    __device__ __forceinline__ void load(const u8* row, int g, int s, int) {
         const u8* b = row + (size_t)g * DT_Q8_0_BYTES;
         d = __ldg((const unsigned short*)b);
         const unsigned short* p = (const unsigned short*)(b + 2 + 8 * s);
@@ -217,7 +217,7 @@ struct MmPart<DT_Q4K> {
     int shift;
     static __device__ __forceinline__ int xa(int s) { return 8 * s; }
     static __device__ __forceinline__ int xb(int s) { return 8 * s + 4; }
-    __device__ __forceinline__ void load(const u8* row, int g, int s) {
+    __device__ __forceinline__ void load(const u8* row, int g, int s, int) {
         const u8* blk = row + (size_t)(g >> 3) * DT_Q4K_BYTES;
         const int sub = g & 7;
         dd = __ldg((const unsigned int*)blk);
@@ -258,7 +258,7 @@ struct MmPart<DT_Q6K> {
     int lshift, hshift;
     static __device__ __forceinline__ int xa(int s) { return 8 * s; }
     static __device__ __forceinline__ int xb(int s) { return 8 * s + 4; }
-    __device__ __forceinline__ void load(const u8* row, int g, int s) {
+    __device__ __forceinline__ void load(const u8* row, int g, int s, int) {
         const u8* blk = row + (size_t)(g >> 3) * DT_Q6K_BYTES;
         const int sub = g & 7;
         const int half = sub >> 2;
@@ -286,6 +286,39 @@ struct MmPart<DT_Q6K> {
             w[k] = __fmul_rn(byte_to_f32<32>(c0, k), scale);
             w[4 + k] = __fmul_rn(byte_to_f32<32>(c1, k), scale);
         }
+    }
+};
+
+// ---- packed layouts of the int8-path weights ----------------------------------------------
+//
+// The target projections that take int8 activations are stored on the GPU repacked at upload
+// (cuda/pack.rs): each row is its G groups' code bytes (16 per group for Q4_0/Q4_1, 32 for
+// Q8_0, as in the stored blocks), then the groups' scales (f16 d; Q4_1: d and m), the row padded
+// to 16 bytes. Code blocks are 16-byte aligned, so the int8 kernel (mmq_warp) reads a group's
+// codes in one or two 16-byte loads. Format numbers DT + DT_PACKED name these layouts; their
+// quarter loaders below feed the tensor-core prefill kernels and the dequantizer with the same
+// values as the stored layout (same decoders).
+template <>
+struct MmPart<DT_Q4_0 + DT_PACKED> : MmPart<DT_Q4_0> {
+    __device__ __forceinline__ void load(const u8* row, int g, int s, int groups) {
+        q = __ldg((const unsigned int*)(row + (size_t)g * 16 + 4 * s));
+        d = __ldg((const unsigned short*)(row + (size_t)groups * 16 + 2 * g));
+    }
+};
+template <>
+struct MmPart<DT_Q4_1 + DT_PACKED> : MmPart<DT_Q4_1> {
+    __device__ __forceinline__ void load(const u8* row, int g, int s, int groups) {
+        q = __ldg((const unsigned int*)(row + (size_t)g * 16 + 4 * s));
+        dm = __ldg((const unsigned int*)(row + (size_t)groups * 16 + 4 * g));
+    }
+};
+template <>
+struct MmPart<DT_Q8_0 + DT_PACKED> : MmPart<DT_Q8_0> {
+    __device__ __forceinline__ void load(const u8* row, int g, int s, int groups) {
+        const uint2 v = __ldg((const uint2*)(row + (size_t)g * 32 + 8 * s));
+        lo = v.x;
+        hi = v.y;
+        d = __ldg((const unsigned short*)(row + (size_t)groups * 32 + 2 * g));
     }
 };
 
@@ -463,7 +496,7 @@ __device__ __forceinline__ void mm_warp(const MmSeg& sg, const int (&nr)[R], con
 #pragma unroll
                 for (int r = 0; r < R; r++)
 #pragma unroll
-                    for (int v = 0; v < W; v++) part[q][r][v].load(rows[r][v], g, s);
+                    for (int v = 0; v < W; v++) part[q][r][v].load(rows[r][v], g, s, groups);
                 if (XH) mm_load_x<MT>(x, K, m0, ml, g, xa, xb, xa4[q % XP], xb4[q % XP]);
             }
         }
@@ -497,127 +530,163 @@ __device__ __forceinline__ void mm_warp(const MmSeg& sg, const int (&nr)[R], con
 #if DF_MM_INT8
 // ---- int8 activations (dp4a) -------------------------------------------------------------
 //
-// The weights of the target's projections in Q4_0, Q4_1 and Q8_0 multiply x quantized to int8
-// per row and 32-value block (quant_q8_f32 in ops.cu: codes, and per block the scale d and
-// ds = d * Σ codes; the CPU's definition; codes in quarter order). The lanes walk the groups
-// exactly as mm_warp, with the same weight loads (MmPart); a lane's quarter (8 values) is two
-// words of 4 signed bytes, and its dot with its 8 codes (one 8-byte load) an exact integer D
-// (two dp4a). Per output, lane l accumulates
-// acc = fma(dw * dx, D, acc) for its quarters in group order (Q4_1: the lane of quarter 0
-// then adds fma(m, ds, acc)); then the xor butterfly. As in mm_warp, the order depends on K
-// and the format only: every M, MT and R gives the same bits.
+// The target projections in Q4_0, Q4_1 and Q8_0 that take int8 activations (Int8Policy,
+// cuda/device.rs) are stored packed (see above) and multiply x quantized to int8 per row and
+// 32-value block (quant_q8_f32 in ops.cu: codes, and per block the scale d and ds = d * Σ
+// codes; the CPU's definition). Lane l of a warp takes groups l, l + 32, ... of its rows: per
+// group one or two 16-byte loads of weight codes, two of x codes per row of x, and an exact
+// integer dot D (8 dp4a for a whole group). Per output, the lane accumulates
+// acc = fma(dw * dx, D, acc) for its groups in increasing order (Q4_1: then fma(m, ds, acc)),
+// then the xor butterfly: the order depends on K and the format only, so every M, MT and R
+// gives the same bits, and so do decode, verify and CUDA-core prefill rows.
 template <int DT>
 struct MmQ;
 
+// Q4_0: code byte j holds value j (low nibble) and j + 16 (high); weights q - 8.
 template <>
 struct MmQ<DT_Q4_0> {
-    // q - 8 per nibble, as signed bytes (the per-byte subtraction wraps to two's complement).
-    static __device__ __forceinline__ void words(const MmPart<DT_Q4_0>& w, int* lo, int* hi) {
-        *lo = (int)__vsub4(DF_LO_NIBBLES(w.q), 0x08080808u);
-        *hi = (int)__vsub4(DF_HI_NIBBLES(w.q), 0x08080808u);
+    static constexpr int CB = 16;  // code bytes per group
+    static constexpr int SB = 2;   // scale bytes per group
+    static __device__ __forceinline__ int dot(const uint4* c, const int4& xl, const int4& xh) {
+        const u32 w[4] = {c[0].x, c[0].y, c[0].z, c[0].w};
+        const int xa[4] = {xl.x, xl.y, xl.z, xl.w};
+        const int xb[4] = {xh.x, xh.y, xh.z, xh.w};
+        int d = 0;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            d = __dp4a((int)__vsub4(DF_LO_NIBBLES(w[k]), 0x08080808u), xa[k], d);
+            d = __dp4a((int)__vsub4(DF_HI_NIBBLES(w[k]), 0x08080808u), xb[k], d);
+        }
+        return d;
     }
-    static __device__ __forceinline__ float scale(const MmPart<DT_Q4_0>& w) { return f16_to_f32(w.d); }
-    static __device__ __forceinline__ float minimum(const MmPart<DT_Q4_0>&) { return 0.0f; }
 };
 
+// Q4_1: as Q4_0 with unsigned weights q (the minimum enters through ds).
 template <>
 struct MmQ<DT_Q4_1> {
-    static __device__ __forceinline__ void words(const MmPart<DT_Q4_1>& w, int* lo, int* hi) {
-        *lo = (int)DF_LO_NIBBLES(w.q);
-        *hi = (int)DF_HI_NIBBLES(w.q);
-    }
-    static __device__ __forceinline__ float scale(const MmPart<DT_Q4_1>& w) {
-        return f16_to_f32((u16)(w.dm & 0xffffu));
-    }
-    static __device__ __forceinline__ float minimum(const MmPart<DT_Q4_1>& w) {
-        return f16_to_f32((u16)(w.dm >> 16));
+    static constexpr int CB = 16;
+    static constexpr int SB = 4;
+    static __device__ __forceinline__ int dot(const uint4* c, const int4& xl, const int4& xh) {
+        const u32 w[4] = {c[0].x, c[0].y, c[0].z, c[0].w};
+        const int xa[4] = {xl.x, xl.y, xl.z, xl.w};
+        const int xb[4] = {xh.x, xh.y, xh.z, xh.w};
+        int d = 0;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            d = __dp4a((int)DF_LO_NIBBLES(w[k]), xa[k], d);
+            d = __dp4a((int)DF_HI_NIBBLES(w[k]), xb[k], d);
+        }
+        return d;
     }
 };
 
+// Q8_0: 32 signed code bytes in value order.
 template <>
 struct MmQ<DT_Q8_0> {
-    static __device__ __forceinline__ void words(const MmPart<DT_Q8_0>& w, int* lo, int* hi) {
-        *lo = (int)w.lo;
-        *hi = (int)w.hi;
+    static constexpr int CB = 32;
+    static constexpr int SB = 2;
+    static __device__ __forceinline__ int dot(const uint4* c, const int4& xl, const int4& xh) {
+        int d = __dp4a((int)c[0].x, xl.x, 0);
+        d = __dp4a((int)c[0].y, xl.y, d);
+        d = __dp4a((int)c[0].z, xl.z, d);
+        d = __dp4a((int)c[0].w, xl.w, d);
+        d = __dp4a((int)c[1].x, xh.x, d);
+        d = __dp4a((int)c[1].y, xh.y, d);
+        d = __dp4a((int)c[1].z, xh.z, d);
+        return __dp4a((int)c[1].w, xh.w, d);
     }
-    static __device__ __forceinline__ float scale(const MmPart<DT_Q8_0>& w) { return f16_to_f32(w.d); }
-    static __device__ __forceinline__ float minimum(const MmPart<DT_Q8_0>&) { return 0.0f; }
 };
 
-// The 8 codes of quarter s of group g (stored in quarter order by quant_q8_f32: one 8-byte
-// load; word x pairs with the weights' low word, y with the high) and the block's (d, ds), for
-// MT rows of x (rows past ml re-read row 0).
-template <int MT>
-__device__ __forceinline__ void mmq_load_x(const signed char* __restrict__ xq, const float2* __restrict__ xs, int K,
-                                           int m0, int ml, int g, int s, int2* c, float2* sc) {
-#pragma unroll
-    for (int m = 0; m < MT; m++) {
-        const size_t r = (size_t)(m0 + (m < ml ? m : 0));
-        c[m] = __ldg((const int2*)(xq + r * K + (size_t)g * GROUP + 8 * s));
-        sc[m] = __ldg(xs + r * (K / GROUP) + g);
-    }
-}
-
-// mm_warp for int8 x (see above).
+// mm_warp for int8 x and packed weights (see above).
 template <int DT, int MT, int R, int EPI>
 __device__ __forceinline__ void mmq_warp(const MmSeg& sg, const int (&nr)[R], const MmParams& p, int m0, int seg,
                                          int pair) {
     constexpr int W = EPI == EPI_SWIGLU ? 2 : 1;
+    constexpr int CB = MmQ<DT>::CB;
+    constexpr int SB = MmQ<DT>::SB;
+    constexpr int NC = CB / 16;  // 16-byte code loads per group
     const signed char* __restrict__ xq = (const signed char*)p.x;
     const float2* __restrict__ xs = (const float2*)p.xs;
     const int K = p.k;
     const int lane = threadIdx.x & 31;
-    const int j = lane >> 2;
-    const int s = lane & 3;
     const int groups = K / GROUP;
     const int ml = min(MT, p.m - m0);
     const u8* rows[R][W];
     mm_weight_rows<R, W>(sg, nr, rows);
 
-    constexpr int P = MT <= 2 ? 4 : (MT <= 4 ? 2 : 1);
+    // Groups per lane whose weights are in flight together; with two or more rows of x the
+    // x codes of a group are loaded with its weights, else after.
+    constexpr int P = MT <= 2 ? 2 : 1;
+    constexpr bool XH = MT >= 2 && MT <= 4;
     RopeLane rl = {1.0f, 0.0f, nullptr};
     if (EPI == EPI_ROPE && lane < ml) rl = rope_lane(p, seg, pair, m0 + lane);
     df_kernel_begin();
     float acc[R][W][MT];
     mm_zero(acc);
-    const bool adds_min = DT == DT_Q4_1 && s == 0;
-    for (int g0 = j; g0 < groups; g0 += 8 * P) {
-        MmPart<DT> part[P][R][W];
-        int2 c[P][MT];
-        float2 sc[P][MT];
+    for (int g0 = lane; g0 < groups; g0 += 32 * P) {
+        uint4 c[P][R][W][NC];
+        u32 sw[P][R][W];
+        constexpr int XP = XH ? MT : 1;
+        int4 xl[P][XP], xh[P][XP];
+        float2 sx[P][XP];
 #pragma unroll
         for (int q = 0; q < P; q++) {
-            const int g = g0 + 8 * q;
-            if (g < groups) {
-#pragma unroll
-                for (int r = 0; r < R; r++)
-#pragma unroll
-                    for (int v = 0; v < W; v++) part[q][r][v].load(rows[r][v], g, s);
-                mmq_load_x<MT>(xq, xs, K, m0, ml, g, s, c[q], sc[q]);
-            }
-        }
-#pragma unroll
-        for (int q = 0; q < P; q++) {
-            const int g = g0 + 8 * q;
+            const int g = g0 + 32 * q;
             if (g < groups) {
 #pragma unroll
                 for (int r = 0; r < R; r++)
 #pragma unroll
                     for (int v = 0; v < W; v++) {
-                        int lo, hi;
-                        MmQ<DT>::words(part[q][r][v], &lo, &hi);
-                        const float dw = MmQ<DT>::scale(part[q][r][v]);
-                        const float mw = MmQ<DT>::minimum(part[q][r][v]);
+                        const u8* row = rows[r][v];
 #pragma unroll
-                        for (int m = 0; m < MT; m++) {
-                            if (m < ml) {
-                                const int d = __dp4a(hi, c[q][m].y, __dp4a(lo, c[q][m].x, 0));
-                                float a = __fmaf_rn(__fmul_rn(dw, sc[q][m].x), (float)d, acc[r][v][m]);
-                                if (adds_min) a = __fmaf_rn(mw, sc[q][m].y, a);
-                                acc[r][v][m] = a;
-                            }
-                        }
+                        for (int i = 0; i < NC; i++) c[q][r][v][i] = __ldg((const uint4*)(row + (size_t)g * CB) + i);
+                        const u8* sp = row + (size_t)groups * CB + (size_t)g * SB;
+                        sw[q][r][v] = SB == 4 ? __ldg((const unsigned int*)sp) : (u32)__ldg((const unsigned short*)sp);
                     }
+                if (XH) {
+#pragma unroll
+                    for (int m = 0; m < XP; m++) {
+                        const size_t xr = (size_t)(m0 + (m < ml ? m : 0));
+                        const int4* x4 = (const int4*)(xq + xr * K + (size_t)g * GROUP);
+                        xl[q][m] = __ldg(x4);
+                        xh[q][m] = __ldg(x4 + 1);
+                        sx[q][m] = __ldg(xs + xr * groups + g);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < P; q++) {
+            const int g = g0 + 32 * q;
+            if (g < groups) {
+#pragma unroll
+                for (int m = 0; m < MT; m++) {
+                    if (m < ml) {
+                        int4 a, b;
+                        float2 sc;
+                        if (XH) {
+                            a = xl[q][m % XP];
+                            b = xh[q][m % XP];
+                            sc = sx[q][m % XP];
+                        } else {
+                            const size_t xr = (size_t)(m0 + m);
+                            const int4* x4 = (const int4*)(xq + xr * K + (size_t)g * GROUP);
+                            a = __ldg(x4);
+                            b = __ldg(x4 + 1);
+                            sc = __ldg(xs + xr * groups + g);
+                        }
+#pragma unroll
+                        for (int r = 0; r < R; r++)
+#pragma unroll
+                            for (int v = 0; v < W; v++) {
+                                const int d = MmQ<DT>::dot(c[q][r][v], a, b);
+                                const float dw = f16_to_f32((u16)(sw[q][r][v] & 0xffffu));
+                                float t = __fmaf_rn(__fmul_rn(dw, sc.x), (float)d, acc[r][v][m]);
+                                if (DT == DT_Q4_1) t = __fmaf_rn(f16_to_f32((u16)(sw[q][r][v] >> 16)), sc.y, t);
+                                acc[r][v][m] = t;
+                            }
+                    }
+                }
             }
         }
     }
@@ -693,11 +762,7 @@ __device__ __forceinline__ void mm_body(const MmParams& p) {
     EPIS(SUFFIX, DT, 8, 4, 2)          \
     EPIS(SUFFIX, DT, 16, 4, 2)
 #define MM_KERNELS(SUFFIX, DT) MM_TILES_OF(MM_EPIS, SUFFIX, DT)
-#if DF_MM_INT8
 #define MMQ_KERNELS(SUFFIX, DT) MM_TILES_OF(MMQ_EPIS, SUFFIX, DT)
-#else
-#define MMQ_KERNELS(SUFFIX, DT)
-#endif
 
 // Kernel names: mmtc_<format>_<epilogue> (prompt rows on tensor cores, matmul_tc.cu).
 #define MMTC_KERNEL(SUFFIX, DT, EPI, ENAME)                                            \
@@ -717,6 +782,28 @@ __device__ __forceinline__ void mm_body(const MmParams& p) {
 // out[t] = row ids[t] of the table (or row row0 + t when ids is null), as f32; cols must be a
 // whole number of groups. Block per output row, threads over groups. Bit-identical to
 // quant::dequantize_row (same decoder).
+// Group g of a row as 32 f32 values: stored layouts through decode_group (common.cu), the
+// packed layouts (DT >= DT_PACKED) through their quarter loaders and the same decoders.
+template <int DT>
+__device__ __forceinline__ void decode_group_any(const u8* row, int g, int groups, float* wv) {
+    if constexpr (DT >= DT_PACKED) {
+#pragma unroll
+        for (int s = 0; s < 4; s++) {
+            MmPart<DT> part;
+            part.load(row, g, s, groups);
+            float w[8];
+            part.decode(w);
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                wv[MmPart<DT>::xa(s) + k] = w[k];
+                wv[MmPart<DT>::xb(s) + k] = w[4 + k];
+            }
+        }
+    } else {
+        decode_group<DT>(row, g, wv);
+    }
+}
+
 template <int DT>
 __device__ __forceinline__ void dequant_body(const u8* __restrict__ table, i64 row_bytes, int cols,
                                              const u32* __restrict__ ids, int row0, int T,
@@ -728,7 +815,7 @@ __device__ __forceinline__ void dequant_body(const u8* __restrict__ table, i64 r
     float* o = out + (size_t)t * cols;
     for (int g = threadIdx.x; g < cols / GROUP; g += blockDim.x) {
         float wv[GROUP];
-        decode_group<DT>(row, g, wv);
+        decode_group_any<DT>(row, g, cols / GROUP, wv);
         float4* o4 = (float4*)(o + (size_t)g * GROUP);
         if ((((size_t)o) & 15) == 0) {
 #pragma unroll
@@ -749,10 +836,21 @@ __device__ __forceinline__ void dequant_body(const u8* __restrict__ table, i64 r
 
 // Instantiations. The Rust side compiles this file once per format, with DF_MM_DTYPE and
 // DF_MM_SUFFIX set to that format's number and name (from the format table, dtype.rs).
-#define DF_FORMAT(SUFFIX, DT) \
-    MM_KERNELS(SUFFIX, DT)    \
-    MMQ_KERNELS(SUFFIX, DT)   \
-    MMTC_KERNELS(SUFFIX, DT)  \
-    DQ_KERNEL(SUFFIX, DT)
+// Formats with int8 kernels (DF_MM_INT8) also get the kernels of their packed layout: the int8
+// products (mmq_<format>_...), tensor-core prefill (mmtc_<format>p_...) and the dequantizer
+// (dequant_<format>p).
+#if DF_MM_INT8
+#define DF_PACKED_FORMAT(SUFFIX, DT)              \
+    MMQ_KERNELS(SUFFIX, DT)                       \
+    MMTC_KERNELS(SUFFIX##p, DT + DT_PACKED)       \
+    DQ_KERNEL(SUFFIX##p, DT + DT_PACKED)
+#else
+#define DF_PACKED_FORMAT(SUFFIX, DT)
+#endif
+#define DF_FORMAT(SUFFIX, DT)     \
+    MM_KERNELS(SUFFIX, DT)        \
+    MMTC_KERNELS(SUFFIX, DT)      \
+    DQ_KERNEL(SUFFIX, DT)         \
+    DF_PACKED_FORMAT(SUFFIX, DT)
 #define DF_FORMAT_OF(SUFFIX, DT) DF_FORMAT(SUFFIX, DT)
 DF_FORMAT_OF(DF_MM_SUFFIX, DF_MM_DTYPE)

@@ -109,7 +109,7 @@ __device__ __forceinline__ void tc_load(TcStage<DT, W>& st, const float* __restr
         const int g = k0 / GROUP + tc_w_grp(tid, i);
         if (g < groups) {
 #pragma unroll
-            for (int v = 0; v < W; v++) st.w[i][v].load(wrow[i][v], g, tc_w_qtr(tid, i));
+            for (int v = 0; v < W; v++) st.w[i][v].load(wrow[i][v], g, tc_w_qtr(tid, i), groups);
         }
     }
 }

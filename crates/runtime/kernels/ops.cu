@@ -119,11 +119,7 @@ extern "C" __global__ void dequant_float_any(const u8* table, i64 row_bytes, int
 // matmul.cu), as the CPU defines it (cpu/int8/quantize.rs), bit for bit: amax = max |x_j|
 // (compared as bits), d = amax / 127, q_j = clamp(rint(x_j * (127 / amax)), -127, 127)
 // (inverse 0 when amax = 0), and per block (d, d * Σ q_j). One warp per block, lane j holds x_j.
-// The codes are stored in the order the kernels' quarter groups read them (8 bytes each):
-// natural for Q8_0 (`nibbles` 0); for the nibble formats (`nibbles` 1) quarter s is values
-// 4s..4s+3 then 16+4s..16+4s+3, the low and high nibbles of its 4 weight bytes.
-extern "C" __global__ void quant_q8_f32(const float* x, i64 blocks, int nibbles, signed char* codes,
-                                        float2* scales) {
+extern "C" __global__ void quant_q8_f32(const float* x, i64 blocks, signed char* codes, float2* scales) {
     df_kernel_begin();
     const int lane = threadIdx.x & 31;
     const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
@@ -136,8 +132,7 @@ extern "C" __global__ void quant_q8_f32(const float* x, i64 blocks, int nibbles,
         const float d = __fdiv_rn(amax, 127.0f);
         const float inv = amax > 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
         const int q = (int)fminf(fmaxf(rintf(__fmul_rn(v, inv)), -127.0f), 127.0f);
-        const int at = nibbles ? 8 * ((lane & 15) >> 2) + 4 * (lane >> 4) + (lane & 3) : lane;
-        codes[b * GROUP + at] = (signed char)q;
+        codes[b * GROUP + lane] = (signed char)q;
         int sum = q;
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);

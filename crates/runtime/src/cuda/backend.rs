@@ -12,6 +12,7 @@ use super::gdn::CudaGdn;
 use super::graph::Graphs;
 use super::int8::int8_format;
 use super::kv::CudaKv;
+use super::pack;
 use super::profile::{KernelClassTime, Profiler};
 use super::tensor::{CudaMeta, CudaStep, CudaTensor, CudaWeight};
 use crate::backend::{
@@ -404,8 +405,7 @@ impl CudaBackend {
         let first = &prods[0];
         let kernels = self.dev.loaded(first.w.dtype);
         let f = if first.w.int8 {
-            let nibbles = first.w.dtype != DType::Q8_0;
-            (p.x, p.xs) = self.quantize_x(p.x, p.m as usize, p.k as usize, nibbles);
+            (p.x, p.xs) = self.quantize_x(p.x, p.m as usize, p.k as usize);
             &kernels.mmq[ti][epi as usize]
         } else {
             &kernels.mm[ti][epi as usize]
@@ -424,9 +424,8 @@ impl CudaBackend {
     }
 
     /// Quantizes `m` rows of `k` values at `x` to int8 per 32-value block (`quant_q8_f32`)
-    /// into the scratch buffer, the codes in the quarter order of a nibble format's kernels
-    /// (`nibbles`) or of Q8_0's; returns the addresses of the codes and of the (d, ds) pairs.
-    fn quantize_x(&self, x: u64, m: usize, k: usize, nibbles: bool) -> (u64, u64) {
+    /// into the scratch buffer; returns the addresses of the codes and of the (d, ds) pairs.
+    fn quantize_x(&self, x: u64, m: usize, k: usize) -> (u64, u64) {
         let blocks = m * k / GROUP;
         // Codes, padded to 16 bytes, then two f32 per block.
         let codes = (m * k).next_multiple_of(16);
@@ -448,7 +447,6 @@ impl CudaBackend {
             &[
                 Arg::Ptr(x),
                 long(blocks),
-                Arg::I32(i32::from(nibbles)),
                 Arg::Ptr(base),
                 Arg::Ptr(base + codes as u64),
             ],
@@ -507,7 +505,12 @@ impl CudaBackend {
             return;
         }
         let first = &prods[0];
-        let f = &self.dev.loaded(first.w.dtype).mmtc[epi as usize];
+        let kernels = self.dev.loaded(first.w.dtype);
+        let f = if first.w.int8 {
+            &kernels.mmtc_packed[epi as usize]
+        } else {
+            &kernels.mmtc[epi as usize]
+        };
         self.dev.launch_with(
             f,
             &format!("matmul_tc[{}]", first.w.name),
@@ -628,7 +631,11 @@ impl CudaBackend {
         }
         let ids_arg = Arg::Ptr(ids.unwrap_or(0));
         if w.cols.is_multiple_of(32) {
-            let f = &self.dev.loaded(w.dtype).dequant;
+            let kernels = self.dev.loaded(w.dtype);
+            let f = match &kernels.dequant_packed {
+                Some(f) if w.int8 => f,
+                _ => &kernels.dequant,
+            };
             let threads = (w.cols / 32).clamp(32, 256).next_multiple_of(32) as u32;
             self.dev.launch(
                 f,
@@ -791,7 +798,19 @@ impl Backend for CudaBackend {
     fn upload_weight(&self, w: &HostWeight, role: WeightRole) -> Result<CudaWeight, RuntimeError> {
         self.dev.bind();
         self.dev.format(w.dtype).map_err(RuntimeError::Device)?;
-        let bytes = w.bytes.as_slice();
+        // The CPU's rule (cpu::policy::select), so both backends take one numeric path.
+        let int8 = self.dev.int8.takes(w.dtype, w.cols)
+            && role == WeightRole::Projection
+            && int8_format(w.dtype)
+            && w.rows >= PANEL
+            && w.cols.is_multiple_of(GROUP);
+        // Int8-path weights are stored packed (cuda/pack.rs), the others as read.
+        let packed = int8
+            .then(|| pack::pack(w).zip(pack::row_bytes(w.dtype, w.cols)))
+            .flatten();
+        let row_bytes = packed.as_ref().map_or(w.row_bytes(), |p| p.1);
+        let packed = packed.map(|p| p.0);
+        let bytes = packed.as_deref().unwrap_or(w.bytes.as_slice());
         let buf = self.dev.uninit::<u8>(bytes.len());
         self.dev.htod(bytes, self.ptr(&buf));
         Ok(CudaWeight {
@@ -799,14 +818,9 @@ impl Backend for CudaBackend {
             dtype: w.dtype,
             rows: w.rows,
             cols: w.cols,
-            row_bytes: w.row_bytes(),
+            row_bytes,
             buf,
-            // The CPU's rule (cpu::policy::select), so both backends take one numeric path.
-            int8: self.dev.int8.takes(w.dtype, w.cols)
-                && role == WeightRole::Projection
-                && int8_format(w.dtype)
-                && w.rows >= PANEL
-                && w.cols.is_multiple_of(GROUP),
+            int8: packed.is_some(),
         })
     }
 

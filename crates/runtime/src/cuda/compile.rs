@@ -154,6 +154,8 @@ pub fn format_defines() -> String {
             f.block_bytes
         ));
     }
+    // Format numbers of the packed layouts of int8-path weights (DT_<NAME> + DT_PACKED).
+    s.push_str(&format!("#define DT_PACKED {}\n", super::pack::DT_PACKED));
     s
 }
 

@@ -218,11 +218,14 @@ pub(crate) struct Kernels {
 pub(crate) struct FormatKernels {
     /// `mm[tile index][epilogue index]` for the tiles of `MM_TILES`.
     pub mm: Vec<Vec<CudaFunction>>,
-    /// `mmq[tile index][epilogue index]`: the int8-activation kernels (empty for formats
-    /// without them, see [`int8_format`]).
+    /// `mmq[tile index][epilogue index]`: the int8-activation kernels, on the packed layout
+    /// (empty for formats without them, see [`int8_format`]).
     pub mmq: Vec<Vec<CudaFunction>>,
     /// `mmtc[epilogue index]`: the tensor-core kernels of prompt rows (matmul_tc.cu).
     pub mmtc: Vec<CudaFunction>,
+    /// The tensor-core kernels and the dequantizer of the packed layout (int8 formats).
+    pub mmtc_packed: Vec<CudaFunction>,
+    pub dequant_packed: Option<CudaFunction>,
     pub dequant: CudaFunction,
 }
 
@@ -572,10 +575,21 @@ impl Device {
             .iter()
             .map(|e| get(&format!("mmtc_{sfx}_{}", e.name())))
             .collect::<Result<_, _>>()?;
+        let (mmtc_packed, dequant_packed) = if int8_format(d) {
+            let tc = Epilogue::TENSOR
+                .iter()
+                .map(|e| get(&format!("mmtc_{sfx}p_{}", e.name())))
+                .collect::<Result<_, _>>()?;
+            (tc, Some(get(&format!("dequant_{sfx}p"))?))
+        } else {
+            (Vec::new(), None)
+        };
         Ok(FormatKernels {
             mm,
             mmq,
             mmtc,
+            mmtc_packed,
+            dequant_packed,
             dequant: get(&format!("dequant_{sfx}"))?,
         })
     }

@@ -77,6 +77,7 @@ mod gdn;
 mod graph;
 mod int8;
 pub mod kv;
+pub mod pack;
 mod profile;
 mod qkv_rope;
 mod rope_kv;
