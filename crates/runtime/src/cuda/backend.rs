@@ -6,8 +6,8 @@ use std::sync::{Arc, Mutex};
 
 use super::device::{
     ck, ensure, int, long, Arg, CudaOptions, Device, Epilogue, PrefillGemm, ATT_GM, ATT_MAX_GHD,
-    ATT_MAX_SPLITS, ATT_PER, ATT_THREADS, MM_SEGS, MM_TILES, MM_WARPS, QT_BM, QT_BN, QT_WARPS,
-    TC_BM, TC_BN, TC_THREADS,
+    ATT_MAX_SPLITS, ATT_PER, ATT_THREADS, MM_SEGS, MM_TILES, MM_WARPS, QT_BM, QT_WARPS, TC_BM,
+    TC_BN, TC_THREADS,
 };
 use super::gdn::CudaGdn;
 use super::graph::Graphs;
@@ -401,7 +401,7 @@ impl CudaBackend {
         let ti = self.mm_tile(m);
         let mma = first.w.int8 && m >= self.dev.int8_mma_min_m;
         let per_block = if mma {
-            QT_BN
+            epi.qt_outputs()
         } else {
             MM_WARPS * MM_TILES[ti].r_of(epi)
         };

@@ -131,9 +131,9 @@ pub(crate) const TC_BN: usize = 32;
 pub(crate) const TC_THREADS: u32 = 128;
 /// Warps per matmul block (MM_WARPS in matmul.cu).
 pub(crate) const MM_WARPS: usize = 4;
-/// Outputs (weight rows) and rows of x per block of the int8 tensor-core kernels, and warps
-/// per block (QT_BN, QT_BM, QT_WARPS in matmul_qtc.cu).
-pub(crate) const QT_BN: usize = 8;
+/// Column tiles of 8 outputs, rows of x and warps per block of the int8 tensor-core kernels
+/// (QT_NT, QT_BM, QT_WARPS in matmul_qtc.cu).
+pub(crate) const QT_NT: usize = 4;
 pub(crate) const QT_BM: usize = 16;
 pub(crate) const QT_WARPS: usize = 8;
 /// The fewest rows of x that take the int8 tensor-core kernels by default
@@ -172,6 +172,17 @@ impl Epilogue {
             Epilogue::Add => "add",
             Epilogue::Swiglu => "swiglu",
             Epilogue::Rope => "rope",
+        }
+    }
+}
+
+impl Epilogue {
+    /// Outputs (weight rows; rope: two per rotary pair) per block of the int8 tensor-core
+    /// kernels: `QT_NT` column tiles of 8, half as many for SwiGLU (two weights each).
+    pub fn qt_outputs(self) -> usize {
+        match self {
+            Epilogue::Swiglu => 8 * QT_NT / 2,
+            _ => 8 * QT_NT,
         }
     }
 }
