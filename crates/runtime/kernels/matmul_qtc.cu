@@ -25,11 +25,6 @@
 // ((v_w + v_w+16) + (v_w+8 + v_w+24)); shared memory then holds 8 sums per output, and one
 // thread per output finishes the tree (+4, +2, +1).
 //
-// Loads. A warp walks its groups in steps of two (QtStage): the next step's weight codes and
-// scales are in flight while the current step's MMAs and float steps run; x (an L2 hit) is
-// loaded at the start of its step. Each column's scale is loaded once, by the lanes holding
-// its B fragment, and reaches the lanes of its outputs by a shuffle.
-//
 // Fragments (PTX ISA, "Matrix Fragments for mma.m16n8k32", .s8), g = lane >> 2, t = lane & 3:
 //   A (16 x 32, x rows by k):     a0 = (g, 4t..4t+3)   a1 = (g + 8, 4t..)
 //                                 a2 = (g, 16+4t..)    a3 = (g + 8, 16+4t..)
@@ -88,42 +83,13 @@ __device__ __forceinline__ float qt_tree(const float* s, int stride) {
     return __fadd_rn(v[0], v[1]);
 }
 
-// One step of a warp: two of its lane classes (j = 2h, 2h + 1) in one chunk of 32 groups
-// (groups gb + 16h and gb + 16h + 8). The weights of the next step are loaded while this one
-// computes: per group, column tile and weight, the B fragment and the raw scale word of
-// column g (its scales reach the threads of columns 2t, 2t + 1 by shuffles).
-template <int DT, int NT, int W>
-struct QtStage {
-    u32 b[2][NT][W][2];
-    u32 s[2][NT][W];
-
-    __device__ __forceinline__ void load(const u8* const (&wv)[2], const size_t (&brow)[NT], int gb, int h,
-                                         int groups, int t) {
-        constexpr int CB = MmQ<DT>::CB;
-        constexpr int SB = MmQ<DT>::SB;
-#pragma unroll
-        for (int jj = 0; jj < 2; jj++) {
-            const int gi = gb + 16 * h + 8 * jj;
-            if (gi < groups) {
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                    for (int v = 0; v < W; v++) {
-                        const u8* row = wv[v] + brow[nt];
-                        qt_b<DT>(row, gi, t, b[jj][nt][v]);
-                        const u8* sp = row + (size_t)groups * CB + (size_t)gi * SB;
-                        s[jj][nt][v] = SB == 4 ? __ldg((const unsigned int*)sp) : (u32)__ldg((const unsigned short*)sp);
-                    }
-            }
-        }
-    }
-};
-
 template <int DT, int EPI>
 __device__ __forceinline__ void mmqt_body(const MmParams& p) {
     constexpr int W = EPI == EPI_SWIGLU ? 2 : 1;
     constexpr int NT = QT_NT / W;
     constexpr int BN = 8 * NT;
+    constexpr int CB = MmQ<DT>::CB;
+    constexpr int SB = MmQ<DT>::SB;
     // The warps' sums: red[warp][v][m][column].
     __shared__ float red[QT_WARPS][W][QT_BM][BN];
 
@@ -157,10 +123,15 @@ __device__ __forceinline__ void mmqt_body(const MmParams& p) {
         }
         return (size_t)min(n, sg.n - 1) * sg.row_bytes;
     };
-    // Per column tile: the B row (column g), as an offset into the weights.
-    size_t brow[NT];
+    // Per column tile: the B row (column g) and the scale rows of this thread's outputs
+    // (columns 2t, 2t + 1), as offsets into the weights.
+    size_t brow[NT], srow[NT][2];
 #pragma unroll
-    for (int nt = 0; nt < NT; nt++) brow[nt] = col_row(8 * nt + g);
+    for (int nt = 0; nt < NT; nt++) {
+        brow[nt] = col_row(8 * nt + g);
+        srow[nt][0] = col_row(8 * nt + 2 * t) + (size_t)groups * CB;
+        srow[nt][1] = col_row(8 * nt + 2 * t + 1) + (size_t)groups * CB;
+    }
     const u8* const wv[2] = {(const u8*)sg.w, (const u8*)sg.w2};
     // x rows of this thread's A fragments and outputs (g, g + 8); rows past M re-read row m0.
     const signed char* __restrict__ xq = (const signed char*)p.x;
@@ -178,66 +149,55 @@ __device__ __forceinline__ void mmqt_body(const MmParams& p) {
 #pragma unroll
                 for (int e = 0; e < 4; e++) acc[j][nt][v][e] = 0.0f;
 
-    // The weights are the host's: the first step's are loaded before the wait.
-    QtStage<DT, NT, W> st[2];
-    st[0].load(wv, brow, warp, 0, groups, t);
     df_kernel_begin();
     for (int gb = warp; gb < groups; gb += 32) {
+        // Every load of the four groups first, then their MMAs and float steps in order.
+        u32 a[4][4], b[4][NT][W][2], sw[4][NT][2][W];
+        float2 sx[4][2];
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
-            // This step's x, then the next step's weights, then this step's MMAs and float
-            // steps in group order.
-            u32 a[2][4];
-            float2 sx[2][2];
+        for (int j = 0; j < 4; j++) {
+            const int gi = gb + 8 * j;
+            if (gi < groups) {
 #pragma unroll
-            for (int jj = 0; jj < 2; jj++) {
-                const int gi = gb + 16 * h + 8 * jj;
-                if (gi < groups) {
-#pragma unroll
-                    for (int r = 0; r < 2; r++) {
-                        const signed char* xg = xq + xr[r] * K + (size_t)gi * GROUP;
-                        a[jj][r] = __ldg((const unsigned int*)(xg + 4 * t));
-                        a[jj][2 + r] = __ldg((const unsigned int*)(xg + 16 + 4 * t));
-                        sx[jj][r] = __ldg(xs + xr[r] * groups + gi);
-                    }
+                for (int h = 0; h < 2; h++) {
+                    const signed char* xg = xq + xr[h] * K + (size_t)gi * GROUP;
+                    a[j][h] = __ldg((const unsigned int*)(xg + 4 * t));
+                    a[j][2 + h] = __ldg((const unsigned int*)(xg + 16 + 4 * t));
+                    sx[j][h] = __ldg(xs + xr[h] * groups + gi);
                 }
-            }
-            if (h == 0) {
-                st[1].load(wv, brow, gb, 1, groups, t);
-            } else {
-                st[0].load(wv, brow, gb + 32, 0, groups, t);
-            }
-            const QtStage<DT, NT, W>& cur = st[h];
 #pragma unroll
-            for (int jj = 0; jj < 2; jj++) {
-                if (gb + 16 * h + 8 * jj < groups) {
+                for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-                    for (int nt = 0; nt < NT; nt++)
+                    for (int v = 0; v < W; v++) {
+                        qt_b<DT>(wv[v] + brow[nt], gi, t, b[j][nt][v]);
 #pragma unroll
-                        for (int v = 0; v < W; v++) {
-                            int d[4];
-                            mma_s8(d, a[jj], cur.b[jj][nt][v][0], cur.b[jj][nt][v][1]);
-                            // The scales of columns 2t and 2t + 1, from lanes 8t and 8t + 4.
-                            const u32 sw = cur.s[jj][nt][v];
-                            const float dw = f16_to_f32((u16)(sw & 0xffffu));
-                            const float dwc[2] = {__shfl_sync(DF_FULL_MASK, dw, 8 * t),
-                                                  __shfl_sync(DF_FULL_MASK, dw, 8 * t + 4)};
-                            float mwc[2] = {0.0f, 0.0f};
-                            if (DT == DT_Q4_1) {
-                                const float mw = f16_to_f32((u16)(sw >> 16));
-                                mwc[0] = __shfl_sync(DF_FULL_MASK, mw, 8 * t);
-                                mwc[1] = __shfl_sync(DF_FULL_MASK, mw, 8 * t + 4);
-                            }
-                            float* ac = acc[2 * h + jj][nt][v];
-#pragma unroll
-                            for (int e = 0; e < 4; e++) {
-                                const float2 sc = sx[jj][e >> 1];
-                                float r = __fmaf_rn(__fmul_rn(dwc[e & 1], sc.x), (float)d[e], ac[e]);
-                                if (DT == DT_Q4_1) r = __fmaf_rn(mwc[e & 1], sc.y, r);
-                                ac[e] = r;
-                            }
+                        for (int h = 0; h < 2; h++) {
+                            const u8* sp = wv[v] + srow[nt][h] + (size_t)gi * SB;
+                            sw[j][nt][h][v] =
+                                SB == 4 ? __ldg((const unsigned int*)sp) : (u32)__ldg((const unsigned short*)sp);
                         }
-                }
+                    }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            if (gb + 8 * j < groups) {
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                    for (int v = 0; v < W; v++) {
+                        int d[4];
+                        mma_s8(d, a[j], b[j][nt][v][0], b[j][nt][v][1]);
+#pragma unroll
+                        for (int e = 0; e < 4; e++) {
+                            const float2 sc = sx[j][e >> 1];
+                            const u32 s = sw[j][nt][e & 1][v];
+                            const float dw = f16_to_f32((u16)(s & 0xffffu));
+                            float r = __fmaf_rn(__fmul_rn(dw, sc.x), (float)d[e], acc[j][nt][v][e]);
+                            if (DT == DT_Q4_1) r = __fmaf_rn(f16_to_f32((u16)(s >> 16)), sc.y, r);
+                            acc[j][nt][v][e] = r;
+                        }
+                    }
             }
         }
     }
