@@ -1,4 +1,4 @@
-// dflash-rs CUDA kernels: int8-activation products of 2..16 rows (verify, batched decode) on
+// dflash-rs CUDA kernels: int8-activation products of several rows (verify, batched decode) on
 // integer tensor cores, with the bits of the dp4a kernels (mmq_warp).
 //
 // Pasted into matmul.cu after mmq_warp (inside DF_MM_INT8), whose packed weight layout, int8

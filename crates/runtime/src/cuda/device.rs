@@ -137,8 +137,10 @@ pub(crate) const QT_NT: usize = 4;
 pub(crate) const QT_BM: usize = 16;
 pub(crate) const QT_WARPS: usize = 8;
 /// The fewest rows of x that take the int8 tensor-core kernels by default
-/// (`DFLASH_CUDA_INT8_MMA`).
-pub(crate) const INT8_MMA_MIN_M: usize = 2;
+/// (`DFLASH_CUDA_INT8_MMA`). Their time hardly grows with M, the dp4a kernels' does; on the
+/// H200 (Qwen3-4B shapes, docs/benchmarks/2026-12-01-h200-int8-mma.md) dp4a is as fast or
+/// faster up to 8 rows (one tile of 8), the tensor cores faster from 9 (two tiles of 8).
+pub(crate) const INT8_MMA_MIN_M: usize = 9;
 /// Products one matmul launch can hold (MM_SEGS in matmul.cu).
 pub(crate) const MM_SEGS: usize = 3;
 
@@ -240,7 +242,7 @@ pub(crate) struct FormatKernels {
     /// `mmq[tile index][epilogue index]`: the int8-activation kernels, on the packed layout
     /// (empty for formats without them, see [`int8_format`]).
     pub mmq: Vec<Vec<CudaFunction>>,
-    /// `mmqt[epilogue index]`: the int8-activation kernels of 2..16 rows on integer tensor
+    /// `mmqt[epilogue index]`: the int8-activation kernels of several rows on integer tensor
     /// cores, with the bits of `mmq` (matmul_qtc.cu; empty as `mmq` is).
     pub mmqt: Vec<CudaFunction>,
     /// `mmtc[epilogue index]`: the tensor-core kernels of prompt rows (matmul_tc.cu).

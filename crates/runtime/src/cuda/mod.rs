@@ -15,7 +15,7 @@
 //!   int8-quantized activations instead, as the CPU does ([`Int8Policy`]: by default Q4_0 and
 //!   Q4_1 with K >= 2048): x is quantized per 32-value block exactly as on the CPU (same codes and
 //!   scales), then `mmq_*` kernels take exact integer dot products (dp4a) per 32-value group;
-//!   from 2 rows of x (verify, batched decode) `mmqt_*` take the same integer sums on tensor
+//!   from 9 rows of x (a verify block of 16, batched decode) `mmqt_*` take the same integer sums on tensor
 //!   cores (`mma.m16n8k32.s8`) and add them in the dp4a kernels' float order, so the bits
 //!   are the same for every M.
 //! - **Batch invariance.** Every op computes each token on its own with an order that does
@@ -67,7 +67,7 @@
 //! `cublas` or `cublas:<min rows>`); `DFLASH_CUDA_FUSE_ROPE=0` (RoPE and the KV write as their
 //! own launch, not in the q/k/v products' epilogue); `DFLASH_CUDA_INT8` (`auto` default, `1`,
 //! `0`: which target projections take int8 activations, [`Int8Policy`]);
-//! `DFLASH_CUDA_INT8_MMA` (`auto` default = from 2 rows of x, a row count, or `0`: when int8
+//! `DFLASH_CUDA_INT8_MMA` (`auto` default = from 9 rows of x, a row count, or `0`: when int8
 //! products run on integer tensor cores, same bits); `DFLASH_CUDA_ARCH`
 //! (compile for another
 //! `sm_XY`);
