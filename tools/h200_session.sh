@@ -9,8 +9,8 @@
 #   run  carry [".gpu/common", ".gpu/C"]  command "bash .gpu/common/h200_session.sh C"
 #
 # A: unpacks the binaries, starts a llama.cpp CUDA build (Feb-2025 source, sm_90) in the
-#    background, runs the CUDA op tests (cuda_ops, cuda_fused), the device token-choice test
-#    (cuda_token_choice) and the kernel microbench.
+#    background, runs the CUDA op tests (H200_TESTS, default: every CUDA test binary), then
+#    (unless H200_PROFILE=0) ncu on three kernels, the kernel microbench and memcheck.
 # B: assembles and checks the default model; CPU-vs-GPU greedy parity on 24 MT-Bench
 #    prompts; `dflash bench` plain decoding (kernel split by class) at prompts 128 and 512.
 # C: the shipped drafter: DFlash parity on the GPU (B = 1 and B = 4); dflash bench AR vs
@@ -94,10 +94,11 @@ EOF
             > build.log 2>&1 && cmake --build build -j 14 --target llama-bench llama-batched-bench \
             >> build.log 2>&1; echo \$? > build.done" > /dev/null 2>&1 < /dev/null &
     fi
-    for t in cuda_ops cuda_fused cuda_token_choice cuda_gdn_ops cuda_qwen35; do
+    for t in ${H200_TESTS:-cuda_ops cuda_fused cuda_token_choice cuda_gdn_ops cuda_qwen35}; do
         say "$t"
         timeout 300 "$W/$t" --test-threads=1 2>&1 | tee "$out/$t.log" | grep -E "^test |test result|panicked|skipped|error" | head -60
     done
+    [ "${H200_PROFILE:-1}" = 1 ] || return 0
     if command -v ncu > /dev/null; then
         say "ncu: the M=16 576x576 product, the 4B gate/up product at M=1, attention at context 128"
         for spec in "smollm2 q4_1 matmul regex:mmq_q4_1_16_" "qwen3-4b q4_0 matmul regex:mmq_q4_0_1_" \

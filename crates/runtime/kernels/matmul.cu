@@ -538,7 +538,9 @@ __device__ __forceinline__ void mm_warp(const MmSeg& sg, const int (&nr)[R], con
 // integer dot D (8 dp4a for a whole group). Per output, the lane accumulates
 // acc = fma(dw * dx, D, acc) for its groups in increasing order (Q4_1: then fma(m, ds, acc)),
 // then the xor butterfly: the order depends on K and the format only, so every M, MT and R
-// gives the same bits, and so do decode, verify and CUDA-core prefill rows.
+// gives the same bits, and so do decode, verify and CUDA-core prefill rows. From 9 rows of
+// x the host takes the integer tensor-core kernels of matmul_qtc.cu instead, which keep this
+// order exactly.
 template <int DT>
 struct MmQ;
 
@@ -692,6 +694,9 @@ __device__ __forceinline__ void mmq_warp(const MmSeg& sg, const int (&nr)[R], co
     }
     mm_finish<MT, R, W, EPI>(acc, sg, nr, p, m0, seg, ml, rl);
 }
+
+// 2..16 rows of int8 x on integer tensor cores, same bits: mmqt_body.
+#include "matmul_qtc.cu"
 #endif
 
 // One warp per unit (R weight rows, or a rotary pair) of the segment its block belongs to;
@@ -763,6 +768,18 @@ __device__ __forceinline__ void mm_body(const MmParams& p) {
     EPIS(SUFFIX, DT, 16, 4, 2)
 #define MM_KERNELS(SUFFIX, DT) MM_TILES_OF(MM_EPIS, SUFFIX, DT)
 #define MMQ_KERNELS(SUFFIX, DT) MM_TILES_OF(MMQ_EPIS, SUFFIX, DT)
+
+// Kernel names: mmqt_<format>_<epilogue> (int8 x on integer tensor cores, matmul_qtc.cu).
+#define MMQT_KERNEL(SUFFIX, DT, EPI, ENAME)                                                  \
+    extern "C" __global__ void __launch_bounds__(QT_WARPS * 32)                              \
+        mmqt_##SUFFIX##_##ENAME(const MmParams p) {                                          \
+        mmqt_body<DT, EPI>(p); /* waits for the previous kernel itself */                    \
+    }
+#define MMQT_KERNELS(SUFFIX, DT)                 \
+    MMQT_KERNEL(SUFFIX, DT, EPI_STORE, store)    \
+    MMQT_KERNEL(SUFFIX, DT, EPI_ADD, add)        \
+    MMQT_KERNEL(SUFFIX, DT, EPI_SWIGLU, swiglu)  \
+    MMQT_KERNEL(SUFFIX, DT, EPI_ROPE, rope)
 
 // Kernel names: mmtc_<format>_<epilogue> (prompt rows on tensor cores, matmul_tc.cu).
 #define MMTC_KERNEL(SUFFIX, DT, EPI, ENAME)                                            \
@@ -837,11 +854,12 @@ __device__ __forceinline__ void dequant_body(const u8* __restrict__ table, i64 r
 // Instantiations. The Rust side compiles this file once per format, with DF_MM_DTYPE and
 // DF_MM_SUFFIX set to that format's number and name (from the format table, dtype.rs).
 // Formats with int8 kernels (DF_MM_INT8) also get the kernels of their packed layout: the int8
-// products (mmq_<format>_...), tensor-core prefill (mmtc_<format>p_...) and the dequantizer
+// products (mmq_<format>_..., and mmqt_<format>_... on integer tensor cores), tensor-core prefill (mmtc_<format>p_...) and the dequantizer
 // (dequant_<format>p).
 #if DF_MM_INT8
 #define DF_PACKED_FORMAT(SUFFIX, DT)              \
     MMQ_KERNELS(SUFFIX, DT)                       \
+    MMQT_KERNELS(SUFFIX, DT)                      \
     MMTC_KERNELS(SUFFIX##p, DT + DT_PACKED)       \
     DQ_KERNEL(SUFFIX##p, DT + DT_PACKED)
 #else

@@ -6,7 +6,8 @@ use std::sync::{Arc, Mutex};
 
 use super::device::{
     ck, ensure, int, long, Arg, CudaOptions, Device, Epilogue, PrefillGemm, ATT_GM, ATT_MAX_GHD,
-    ATT_MAX_SPLITS, ATT_PER, ATT_THREADS, MM_SEGS, MM_TILES, MM_WARPS, TC_BM, TC_BN, TC_THREADS,
+    ATT_MAX_SPLITS, ATT_PER, ATT_THREADS, MM_SEGS, MM_TILES, MM_WARPS, QT_BM, QT_WARPS, TC_BM,
+    TC_BN, TC_THREADS,
 };
 use super::gdn::CudaGdn;
 use super::graph::Graphs;
@@ -360,16 +361,7 @@ impl CudaBackend {
         if tensor {
             return self.mm_tensor(x_ptr, m, k, prods, epi, rows.start);
         }
-        let ti = self.mm_tile(m);
-        let (mut p, blocks) = self.mm_params(
-            x_ptr,
-            m,
-            k,
-            prods,
-            rows.start,
-            MM_WARPS * MM_TILES[ti].r_of(epi),
-        );
-        self.mm_core_launch(prods, epi, ti, &mut p, blocks);
+        self.mm_core(x_ptr, m, k, prods, epi, rows.start, RopeEpi::default());
     }
 
     /// The CUDA-core tile (index into `MM_TILES`) for `m` rows of x: the smallest tile
@@ -389,37 +381,59 @@ impl CudaBackend {
             .expect("tiles cover 1..=16")
     }
 
-    /// Launches the CUDA-core kernel of tile `ti` and `epi` over `blocks` blocks with `p`;
-    /// for int8 weights, x is quantized first (`quantize_x`) and `p` pointed at its codes.
-    pub(super) fn mm_core_launch(
+    /// The products of `m` rows of x at `x_ptr` (row `row0` of the outputs) on the CUDA-core
+    /// kernels, or for int8 weights and at least `int8_mma_min_m` rows on the integer
+    /// tensor-core kernels (same bits); int8 weights quantize x first (`quantize_x`). `rope`
+    /// holds the rope epilogue's fields.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn mm_core(
         &self,
+        x_ptr: u64,
+        m: usize,
+        k: usize,
         prods: &[Product<'_>],
         epi: Epilogue,
-        ti: usize,
-        p: &mut MmParams,
-        blocks: usize,
+        row0: usize,
+        rope: RopeEpi,
     ) {
+        let first = &prods[0];
+        let kernels = self.dev.loaded(first.w.dtype);
+        let ti = self.mm_tile(m);
+        let mma = first.w.int8 && m >= self.dev.int8_mma_min_m;
+        let per_block = if mma {
+            epi.qt_outputs()
+        } else {
+            MM_WARPS * MM_TILES[ti].r_of(epi)
+        };
+        let (mut p, blocks) = self.mm_params(x_ptr, m, k, prods, row0, per_block);
         if blocks == 0 {
             return;
         }
-        let first = &prods[0];
-        let kernels = self.dev.loaded(first.w.dtype);
-        let f = if first.w.int8 {
-            (p.x, p.xs) = self.quantize_x(p.x, p.m as usize, p.k as usize);
-            &kernels.mmq[ti][epi as usize]
+        p.rope = rope;
+        if first.w.int8 {
+            (p.x, p.xs) = self.quantize_x(p.x, m, k);
+        }
+        let (f, rows_per_block, threads) = if mma {
+            (&kernels.mmqt[epi as usize], QT_BM, QT_WARPS * 32)
+        } else if first.w.int8 {
+            (
+                &kernels.mmq[ti][epi as usize],
+                MM_TILES[ti].mt,
+                MM_WARPS * 32,
+            )
         } else {
-            &kernels.mm[ti][epi as usize]
+            (
+                &kernels.mm[ti][epi as usize],
+                MM_TILES[ti].mt,
+                MM_WARPS * 32,
+            )
         };
         self.dev.launch_with(
             f,
             &format!("matmul[{}]", first.w.name),
-            (
-                blocks as u32,
-                (p.m as usize).div_ceil(MM_TILES[ti].mt) as u32,
-                1,
-            ),
-            ((MM_WARPS * 32) as u32, 1, 1),
-            p,
+            (blocks as u32, m.div_ceil(rows_per_block) as u32, 1),
+            (threads as u32, 1, 1),
+            &p,
         );
     }
 
@@ -829,7 +843,10 @@ impl Backend for CudaBackend {
             WeightPath {
                 format: w.dtype,
                 activations: Activations::Int8,
-                kernel: "cuda dp4a".into(),
+                kernel: match self.dev.int8_mma_min_m {
+                    usize::MAX => "cuda dp4a".into(),
+                    m => format!("cuda dp4a; int8 mma from M = {m}"),
+                },
             }
         } else {
             WeightPath {

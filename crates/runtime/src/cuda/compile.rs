@@ -30,9 +30,18 @@ use crate::dtype::{DType, FORMATS};
 
 const COMMON: &str = include_str!("../../kernels/common.cu");
 const INCLUDE_COMMON: &str = "#include \"common.cu\"";
-/// The tensor-core products of prompt rows, pasted into matmul.cu where it includes them.
-const MATMUL_TC: &str = include_str!("../../kernels/matmul_tc.cu");
-const INCLUDE_MATMUL_TC: &str = "#include \"matmul_tc.cu\"";
+/// Parts of matmul.cu kept in their own files, pasted where it includes them: the
+/// tensor-core products of prompt rows, and the int8 products of verify rows on integer
+/// tensor cores.
+const MATMUL_PARTS: [(&str, &str); 2] = [
+    ("matmul_tc.cu", include_str!("../../kernels/matmul_tc.cu")),
+    ("matmul_qtc.cu", include_str!("../../kernels/matmul_qtc.cu")),
+];
+
+/// The `#include` line of a pasted part.
+fn include_line(file: &str) -> String {
+    format!("#include \"{file}\"")
+}
 
 /// A compiled unit: `ops.cu`, `attention.cu`, `sample.cu`, or `matmul.cu` for one format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -86,8 +95,8 @@ impl Module {
     }
 
     /// The complete source handed to NVRTC: the format constants of the table
-    /// ([`format_defines`]), then the file with `common.cu` (and, in matmul.cu,
-    /// `matmul_tc.cu`) pasted in (and, for matmul, the format to instantiate defined first).
+    /// ([`format_defines`]), then the file with `common.cu` (and, in matmul.cu, its
+    /// `MATMUL_PARTS`) pasted in (and, for matmul, the format to instantiate defined first).
     pub fn source(self) -> String {
         let raw = self.text();
         let common = kernel_file("common.cu", COMMON);
@@ -106,10 +115,13 @@ impl Module {
             ));
         }
         for line in raw.lines() {
+            let part = MATMUL_PARTS
+                .iter()
+                .find(|(file, _)| line.trim() == include_line(file));
             if line.trim() == INCLUDE_COMMON {
                 body.push_str(&common);
-            } else if line.trim() == INCLUDE_MATMUL_TC {
-                body.push_str(&kernel_file("matmul_tc.cu", MATMUL_TC));
+            } else if let Some(&(file, text)) = part {
+                body.push_str(&kernel_file(file, text));
             } else {
                 body.push_str(line);
             }
@@ -559,9 +571,12 @@ mod tests {
             assert_eq!(s.matches("#define DT_Q6K 7\n").count(), 1);
             assert_eq!(s.matches("#define DT_Q4_1_BYTES 20\n").count(), 1);
             assert!(s.contains("decode_group"));
-            assert!(!s.lines().any(|l| l.trim() == INCLUDE_MATMUL_TC));
+            for (file, _) in MATMUL_PARTS {
+                assert!(!s.lines().any(|l| l.trim() == include_line(file)));
+            }
             if let Module::Matmul(d) = m {
                 assert!(s.contains("mmtc_body"));
+                assert!(s.contains("mmqt_body"));
                 let int8 = matches!(d, DType::Q4_0 | DType::Q4_1 | DType::Q8_0);
                 assert!(s.contains(&format!(
                     "#define DF_MM_DTYPE {}\n#define DF_MM_SUFFIX {}\n#define DF_MM_INT8 {}\n",
@@ -579,7 +594,8 @@ mod tests {
     /// kernel body. The one exception is the matmul kernels (`mm_body`), whose warps first
     /// read what only the host writes (parameters, weights, the step's token metadata and the
     /// KV row table, copied before the step) and then wait: `mm_body` waits on both of its
-    /// paths (a warp without rows, and `mm_warp` / `mmq_warp` before its first read of x).
+    /// paths (a warp without rows, and `mm_warp` / `mmq_warp` before its first read of x), and
+    /// so does `mmqt_body` (matmul_qtc.cu), which has no early exit.
     #[test]
     fn every_kernel_begins_by_waiting_for_the_previous_one() {
         let mut kernels = 0;
@@ -596,7 +612,8 @@ mod tests {
                     .next()
                     .unwrap_or("")
                     .trim_matches(|c: char| c.is_whitespace() || c == '\\');
-                let waits_in_body = matches!(m, Module::Matmul(_)) && first.starts_with("mm_body<");
+                let waits_in_body = matches!(m, Module::Matmul(_))
+                    && (first.starts_with("mm_body<") || first.starts_with("mmqt_body<"));
                 assert!(
                     first == "df_kernel_begin()" || waits_in_body,
                     "{}.cu: a kernel does not start with df_kernel_begin(): {}",
@@ -619,6 +636,15 @@ mod tests {
         assert!(
             body.contains("df_kernel_begin();\n        return;"),
             "a warp without rows leaves mm_body without waiting"
+        );
+        let qt = MATMUL_PARTS[1].1;
+        let qt = &qt[qt.find("void mmqt_body(").expect("mmqt_body")..];
+        let wait = qt.find("df_kernel_begin();").expect("mmqt_body waits");
+        let first_x = qt.find("__ldg(xs").expect("mmqt_body reads x");
+        assert!(wait < first_x, "mmqt_body reads x before it waits");
+        assert!(
+            !qt[..wait].contains("return;"),
+            "mmqt_body leaves without waiting"
         );
     }
 

@@ -131,6 +131,16 @@ pub(crate) const TC_BN: usize = 32;
 pub(crate) const TC_THREADS: u32 = 128;
 /// Warps per matmul block (MM_WARPS in matmul.cu).
 pub(crate) const MM_WARPS: usize = 4;
+/// Column tiles of 8 outputs, rows of x and warps per block of the int8 tensor-core kernels
+/// (QT_NT, QT_BM, QT_WARPS in matmul_qtc.cu).
+pub(crate) const QT_NT: usize = 4;
+pub(crate) const QT_BM: usize = 16;
+pub(crate) const QT_WARPS: usize = 8;
+/// The fewest rows of x that take the int8 tensor-core kernels by default
+/// (`DFLASH_CUDA_INT8_MMA`). Their time hardly grows with M, the dp4a kernels' does; on the
+/// H200 (Qwen3-4B shapes, docs/benchmarks/2026-12-01-h200-int8-mma.md) dp4a is as fast or
+/// faster up to 8 rows (one tile of 8), the tensor cores faster from 9 (two tiles of 8).
+pub(crate) const INT8_MMA_MIN_M: usize = 9;
 /// Products one matmul launch can hold (MM_SEGS in matmul.cu).
 pub(crate) const MM_SEGS: usize = 3;
 
@@ -164,6 +174,17 @@ impl Epilogue {
             Epilogue::Add => "add",
             Epilogue::Swiglu => "swiglu",
             Epilogue::Rope => "rope",
+        }
+    }
+}
+
+impl Epilogue {
+    /// Outputs (weight rows; rope: two per rotary pair) per block of the int8 tensor-core
+    /// kernels: `QT_NT` column tiles of 8, half as many for SwiGLU (two weights each).
+    pub fn qt_outputs(self) -> usize {
+        match self {
+            Epilogue::Swiglu => 8 * QT_NT / 2,
+            _ => 8 * QT_NT,
         }
     }
 }
@@ -221,6 +242,9 @@ pub(crate) struct FormatKernels {
     /// `mmq[tile index][epilogue index]`: the int8-activation kernels, on the packed layout
     /// (empty for formats without them, see [`int8_format`]).
     pub mmq: Vec<Vec<CudaFunction>>,
+    /// `mmqt[epilogue index]`: the int8-activation kernels of several rows on integer tensor
+    /// cores, with the bits of `mmq` (matmul_qtc.cu; empty as `mmq` is).
+    pub mmqt: Vec<CudaFunction>,
     /// `mmtc[epilogue index]`: the tensor-core kernels of prompt rows (matmul_tc.cu).
     pub mmtc: Vec<CudaFunction>,
     /// The tensor-core kernels and the dequantizer of the packed layout (int8 formats).
@@ -316,6 +340,10 @@ pub(crate) struct Device {
     pub fuse_rope: bool,
     /// Which of the target's projections multiply int8-quantized activations (`DFLASH_CUDA_INT8`).
     pub int8: Int8Policy,
+    /// Int8-activation products of at least this many rows of x run on integer tensor cores
+    /// (`mmqt_*`, same bits as `mmq_*`): `DFLASH_CUDA_INT8_MMA` = `auto` ([`INT8_MMA_MIN_M`]),
+    /// a number, or `0` (never; also below sm_80).
+    pub int8_mma_min_m: usize,
     pub name: String,
     pub compute_capability: (i32, i32),
     pub target: Target,
@@ -452,6 +480,22 @@ impl Device {
             }
         };
 
+        let int8_mma_min_m = match std::env::var("DFLASH_CUDA_INT8_MMA").as_deref() {
+            Err(_) | Ok("") | Ok("auto") => INT8_MMA_MIN_M,
+            Ok("0") | Ok("off") => usize::MAX,
+            Ok(v) => v.trim().parse::<usize>().map_err(|_| {
+                dev_err(format!(
+                    "DFLASH_CUDA_INT8_MMA={v:?}: expected auto, 0 or the fewest rows (1, 2, ...)"
+                ))
+            })?,
+        };
+        // Integer m16n8k32 MMA needs sm_80, in the chip and in the compiled target.
+        let int8_mma_min_m = if cc.0 < 8 || arch < 80 {
+            usize::MAX
+        } else {
+            int8_mma_min_m
+        };
+
         let blas = match opts.prefill_gemm {
             PrefillGemm::Kernel | PrefillGemm::Tensor => None,
             PrefillGemm::Cublas { .. } => {
@@ -481,6 +525,7 @@ impl Device {
             pdl,
             fuse_rope,
             int8: opts.int8,
+            int8_mma_min_m,
             name,
             compute_capability: cc,
             target,
@@ -571,6 +616,14 @@ impl Device {
         } else {
             Vec::new()
         };
+        let mmqt = if int8_format(d) {
+            Epilogue::ALL
+                .iter()
+                .map(|e| get(&format!("mmqt_{sfx}_{}", e.name())))
+                .collect::<Result<_, _>>()?
+        } else {
+            Vec::new()
+        };
         let mmtc = Epilogue::TENSOR
             .iter()
             .map(|e| get(&format!("mmtc_{sfx}_{}", e.name())))
@@ -587,6 +640,7 @@ impl Device {
         Ok(FormatKernels {
             mm,
             mmq,
+            mmqt,
             mmtc,
             mmtc_packed,
             dequant_packed,

@@ -14,7 +14,10 @@
 //!   (close to the CPU, not equal). The target's Q4_0/Q4_1/Q8_0 projections may multiply
 //!   int8-quantized activations instead, as the CPU does ([`Int8Policy`]: by default Q4_0 and
 //!   Q4_1 with K >= 2048): x is quantized per 32-value block exactly as on the CPU (same codes and
-//!   scales), then `mmq_*` kernels take exact integer dot products (dp4a) per quarter group.
+//!   scales), then `mmq_*` kernels take exact integer dot products (dp4a) per 32-value group;
+//!   from 9 rows of x (a verify block of 16, batched decode) `mmqt_*` take the same integer sums on tensor
+//!   cores (`mma.m16n8k32.s8`) and add them in the dp4a kernels' float order, so the bits
+//!   are the same for every M.
 //! - **Batch invariance.** Every op computes each token on its own with an order that does
 //!   not depend on the batch: a matmul output is owned by one warp whose lanes walk fixed
 //!   32-value groups, for any number of rows of x (M = 1 decode, M = 2..16 verify, and
@@ -63,7 +66,9 @@
 //! `DFLASH_CUDA_DEVICE` (ordinal, default 0); `DFLASH_CUDA_GEMM` (`tensor` default, `kernel`,
 //! `cublas` or `cublas:<min rows>`); `DFLASH_CUDA_FUSE_ROPE=0` (RoPE and the KV write as their
 //! own launch, not in the q/k/v products' epilogue); `DFLASH_CUDA_INT8` (`auto` default, `1`,
-//! `0`: which target projections take int8 activations, [`Int8Policy`]); `DFLASH_CUDA_ARCH`
+//! `0`: which target projections take int8 activations, [`Int8Policy`]);
+//! `DFLASH_CUDA_INT8_MMA` (`auto` default = from 9 rows of x, a row count, or `0`: when int8
+//! products run on integer tensor cores, same bits); `DFLASH_CUDA_ARCH`
 //! (compile for another
 //! `sm_XY`);
 //! `DFLASH_CUDA_MM_TILE` (force one matmul tile, for debugging); `DFLASH_CUDA_INCLUDE`,

@@ -4,8 +4,8 @@
 //! default model is ~240 short dependent launches; this takes 30 of them away, and the cos/sin
 //! and KV-slot lookups run before the kernel waits for the one before it.
 
-use super::backend::{rope_style_code, CudaBackend, MmParams, RopeEpi};
-use super::device::{Epilogue, MM_WARPS};
+use super::backend::{rope_style_code, CudaBackend, RopeEpi};
+use super::device::Epilogue;
 use super::kv::CudaKv;
 use super::tensor::{CudaMeta, CudaTensor, CudaWeight};
 use crate::backend::{Rope, RowSpan};
@@ -62,11 +62,7 @@ impl CudaBackend {
         Self::check_rope_kv(ws[0].rows, kv, layer, meta, half, rope.head_dim);
         let [q, k, v] = outs;
         let prods = self.store_products(x, &ws, &mut [q, k, v]);
-        let (m, cols) = (x.rows, x.cols);
-        let ti = self.mm_tile(m);
-        let (mut p, blocks): (MmParams, usize) =
-            self.mm_params(self.tptr(x), m, cols, &prods, 0, MM_WARPS * PAIR);
-        p.rope = RopeEpi {
+        let rope = RopeEpi {
             meta: self.meta_ptr(meta),
             inv_freq: self.tptr(rope.inv_freq),
             kv_rows: self.ptr(kv.table.as_ref().expect("rows reserved")),
@@ -77,6 +73,14 @@ impl CudaBackend {
             kv_dim: kv.kv_dim as i32,
             pad: 0,
         };
-        self.mm_core_launch(&prods, Epilogue::Rope, ti, &mut p, blocks);
+        self.mm_core(
+            self.tptr(x),
+            x.rows,
+            x.cols,
+            &prods,
+            Epilogue::Rope,
+            0,
+            rope,
+        );
     }
 }
