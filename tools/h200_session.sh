@@ -15,7 +15,8 @@
 #    prompts; `dflash bench` plain decoding (kernel split by class) at prompts 128 and 512.
 # C: the shipped drafter: DFlash parity on the GPU (B = 1 and B = 4); dflash bench AR vs
 #    DFlash and B = 4; llama-bench beside dflash bench, alternating; the Qwen3-4B-shaped
-#    synthetic target; a compute-sanitizer pass over the fused-op tests.
+#    synthetic target (H200_Q4B_ROUNDS rounds, default 2); its matmul microbench (unless
+#    H200_PROFILE=0).
 # Logs and results go to $OUT (the device tool brings them back).
 set -uo pipefail
 
@@ -174,13 +175,14 @@ stage_c() {
     fi
     say "Qwen3-4B-shaped synthetic target (Q4_0)"
     "$W/synthetic_model" --shape qwen3-4b --dtype q4_0 --out "$W/q4b.gguf"
-    for r in 1 2; do
+    for r in $(seq "${H200_Q4B_ROUNDS:-2}"); do
         for int8 in 1 0; do
             DFLASH_CUDA_INT8=$int8 timeout 200 "$W/dflash" bench -m "$W/q4b.gguf" --device cuda --no-draft \
                 -p 128 -n 64 -r 3 > "$out/bench_q4b_${r}_int8_$int8.json" 2> "$out/bench_q4b_${r}_int8_$int8.err"
             echo "round $r DFLASH_CUDA_INT8=$int8: $(tail -n 1 "$out/bench_q4b_${r}_int8_$int8.err")"
         done
     done
+    [ "${H200_PROFILE:-1}" = 1 ] || return 0
     for int8 in 1 0; do
         DFLASH_CUDA_INT8=$int8 timeout 200 "$W/cuda_microbench" --shapes qwen3-4b --formats q4_0 --only matmul \
             --reps 20 | tee "$out/microbench_q4b_int8_$int8.md"
