@@ -82,6 +82,8 @@ stage_a() {
     if [ -f "$root/.gpu/A/llama_src.tgz" ]; then
         say "llama.cpp build (background)"
         mkdir -p "$W/llama" && tar -C "$W/llama" -xzf "$root/.gpu/A/llama_src.tgz"
+        # Only the benchmark tools are archived: the top-level CMakeLists still adds pocs/.
+        [ -d "$W/llama/pocs" ] || { mkdir -p "$W/llama/pocs" && : > "$W/llama/pocs/CMakeLists.txt"; }
         cat > "$W/llama/examples/CMakeLists.txt" <<'EOF'
 find_package(Threads REQUIRED)
 llama_add_compile_flags()
