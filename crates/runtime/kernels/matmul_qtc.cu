@@ -12,16 +12,16 @@
 // (warp_sum). Here `mma.sync.m16n8k32.s32.s8.s8.s32` computes the same D_g for 16 rows of x
 // by 8 weight rows at once: integer sums are exact in any order, so D_g is equal. Each warp
 // then plays 4 of the 32 lanes ("lane classes"): for class l it walks groups l, l + 32,
-// ... in increasing order with the same two float operations, and the 32 class sums meet in
-// shared memory, where one thread per output adds them in the butterfly's tree. The result
-// depends on K and the format only, as mmq_warp's, so a verify row equals its decode row.
+// ... in increasing order with the same two float operations; the class sums are added in
+// the butterfly's tree (below). The result depends on K and the format only, as mmq_warp's,
+// so a verify row equals its decode row.
 //
-// Tiles. A block (QT_WARPS = 8 warps) computes QT_BM = 16 rows of x (blockIdx.y) by 8 · QT_NT
-// outputs (SwiGLU 8 · QT_NT / 2): QT_NT column tiles of 8 (4; SwiGLU 2, with two MMAs per group, gate and up), which
-// share each A fragment (x is read once per 32 or 16 outputs, not per 8). Outputs are weight
+// Tiles. A block (QT_WARPS = 8 warps) computes QT_BM = 16 rows of x (blockIdx.y) by QT_NT = 4
+// column tiles of 8 outputs (SwiGLU: 2 tiles, each with two MMAs per group, gate and up),
+// which share each A fragment (x is read once per 32 outputs, not per 8). Outputs are weight
 // rows (store, add), gate/up row pairs (swiglu) or, for the rope epilogue, rotary pairs
 // (columns 2i and 2i + 1 are rows ia and ib of pair i). Warp w plays lane classes w, w + 8,
-// w + 16 and w + 24, so it can take the butterfly's first two levels itself
+// w + 16 and w + 24, so it takes the butterfly's first two levels itself
 // ((v_w + v_w+16) + (v_w+8 + v_w+24)); shared memory then holds 8 sums per output, and one
 // thread per output finishes the tree (+4, +2, +1).
 //
