@@ -9,7 +9,7 @@ use cudarc::driver::sys as cu;
 use cudarc::driver::{result as drv, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr};
 
 use super::compile::{self, Image, Module, Target};
-use super::int8::{int8_format, Int8Policy};
+use super::int8::{int8_format, int8_mma_min_rows, Int8Policy};
 use super::profile::Profiler;
 use crate::dtype::DType;
 use crate::error::RuntimeError;
@@ -136,11 +136,6 @@ pub(crate) const MM_WARPS: usize = 4;
 pub(crate) const QT_NT: usize = 4;
 pub(crate) const QT_BM: usize = 16;
 pub(crate) const QT_WARPS: usize = 8;
-/// The fewest rows of x that take the int8 tensor-core kernels by default
-/// (`DFLASH_CUDA_INT8_MMA`). Their time hardly grows with M, the dp4a kernels' does; on the
-/// H200 (Qwen3-4B shapes, docs/benchmarks/2026-12-01-h200-int8-mma.md) dp4a is as fast or
-/// faster up to 8 rows (one tile of 8), the tensor cores faster from 9 (two tiles of 8).
-pub(crate) const INT8_MMA_MIN_M: usize = 9;
 /// Products one matmul launch can hold (MM_SEGS in matmul.cu).
 pub(crate) const MM_SEGS: usize = 3;
 
@@ -341,7 +336,7 @@ pub(crate) struct Device {
     /// Which of the target's projections multiply int8-quantized activations (`DFLASH_CUDA_INT8`).
     pub int8: Int8Policy,
     /// Int8-activation products of at least this many rows of x run on integer tensor cores
-    /// (`mmqt_*`, same bits as `mmq_*`): `DFLASH_CUDA_INT8_MMA` = `auto` ([`INT8_MMA_MIN_M`]),
+    /// (`mmqt_*`, same bits as `mmq_*`): `DFLASH_CUDA_INT8_MMA` = `auto` (`int8::INT8_MMA_MIN_M`),
     /// a number, or `0` (never; also below sm_80).
     pub int8_mma_min_m: usize,
     pub name: String,
@@ -480,15 +475,9 @@ impl Device {
             }
         };
 
-        let int8_mma_min_m = match std::env::var("DFLASH_CUDA_INT8_MMA").as_deref() {
-            Err(_) | Ok("") | Ok("auto") => INT8_MMA_MIN_M,
-            Ok("0") | Ok("off") => usize::MAX,
-            Ok(v) => v.trim().parse::<usize>().map_err(|_| {
-                dev_err(format!(
-                    "DFLASH_CUDA_INT8_MMA={v:?}: expected auto, 0 or the fewest rows (1, 2, ...)"
-                ))
-            })?,
-        };
+        let int8_mma_min_m =
+            int8_mma_min_rows(std::env::var("DFLASH_CUDA_INT8_MMA").ok().as_deref())
+                .map_err(dev_err)?;
         // Integer m16n8k32 MMA needs sm_80, in the chip and in the compiled target.
         let int8_mma_min_m = if cc.0 < 8 || arch < 80 {
             usize::MAX

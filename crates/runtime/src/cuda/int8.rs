@@ -51,6 +51,25 @@ impl std::str::FromStr for Int8Policy {
     }
 }
 
+/// The fewest rows of x that take the int8 tensor-core kernels by default
+/// (`DFLASH_CUDA_INT8_MMA`). Their time hardly grows with M, the dp4a kernels' does; on the
+/// H200 (Qwen3-4B shapes, docs/benchmarks/2026-12-01-h200-int8-mma.md) dp4a is as fast or
+/// faster up to 8 rows (one tile of 8), the tensor cores faster from 9 (two tiles of 8).
+pub const INT8_MMA_MIN_M: usize = 9;
+
+/// The fewest rows of x whose int8 products run on integer tensor cores, from the value of
+/// `DFLASH_CUDA_INT8_MMA` (unset, empty or `auto`: [`INT8_MMA_MIN_M`]; `0` or `off`: never, as
+/// `usize::MAX`; else a row count of at least 1).
+pub fn int8_mma_min_rows(v: Option<&str>) -> Result<usize, String> {
+    match v.map(str::trim) {
+        None | Some("") | Some("auto") => Ok(INT8_MMA_MIN_M),
+        Some("0") | Some("off") => Ok(usize::MAX),
+        Some(s) => s.parse::<usize>().map_err(|_| {
+            format!("DFLASH_CUDA_INT8_MMA={s:?}: expected auto, 0 or the fewest rows (1, 2, ...)")
+        }),
+    }
+}
+
 /// Whether format `d` has int8-activation kernels (`mmq_*`, built with `DF_MM_INT8`): the
 /// formats of the CPU's int8 kernels.
 pub(crate) fn int8_format(d: DType) -> bool {
@@ -87,6 +106,20 @@ mod tests {
             assert!(!Int8Policy::Off.takes(DType::Q4_0, k));
         }
         assert_eq!(CudaOptions::default().int8, Int8Policy::Auto);
+    }
+
+    #[test]
+    fn int8_mma_rows_parse() {
+        assert_eq!(int8_mma_min_rows(None), Ok(INT8_MMA_MIN_M));
+        assert_eq!(int8_mma_min_rows(Some("auto")), Ok(INT8_MMA_MIN_M));
+        assert_eq!(int8_mma_min_rows(Some(" 0 ")), Ok(usize::MAX));
+        assert_eq!(int8_mma_min_rows(Some("off")), Ok(usize::MAX));
+        assert_eq!(int8_mma_min_rows(Some("1")), Ok(1));
+        assert_eq!(int8_mma_min_rows(Some("16")), Ok(16));
+        for bad in ["-1", "two", "1.5"] {
+            let e = int8_mma_min_rows(Some(bad)).unwrap_err();
+            assert!(e.contains("DFLASH_CUDA_INT8_MMA"), "{e}");
+        }
     }
 
     #[test]
