@@ -353,7 +353,20 @@ __device__ __forceinline__ float swiglu(float g, float u) {
     return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, e)), u);
 }
 
-// Prompt (prefill) rows on tensor cores: mmtc_body, reusing MmPart and swiglu above.
+// The store, add and SwiGLU epilogues of one output o from its sum s (SwiGLU: s of the gate
+// row, u of the up row), for every product kernel.
+template <int EPI>
+__device__ __forceinline__ void mm_epilogue(float* o, float s, float u) {
+    if (EPI == EPI_STORE) {
+        *o = s;
+    } else if (EPI == EPI_ADD) {
+        *o = __fadd_rn(*o, s);
+    } else {
+        *o = swiglu(s, u);
+    }
+}
+
+// Prompt (prefill) rows on tensor cores: mmtc_body, reusing MmPart, swiglu and mm_epilogue above.
 #include "matmul_tc.cu"
 
 // What lane m of a rope-epilogue warp needs for token m0 + m, found before the wait (the
@@ -442,14 +455,7 @@ __device__ __forceinline__ void mm_finish(float (&acc)[R][W][MT], const MmSeg& s
 #pragma unroll
             for (int v = 0; v < W; v++) sum[v] = warp_sum(acc[r][v][m]);
             if (lane == 0 && n < sg.n && m < ml) {
-                float* o = out + (size_t)(m0 + m) * sg.n + n;
-                if (EPI == EPI_STORE) {
-                    *o = sum[0];
-                } else if (EPI == EPI_ADD) {
-                    *o = __fadd_rn(*o, sum[0]);
-                } else {
-                    *o = swiglu(sum[0], sum[W - 1]);
-                }
+                mm_epilogue<EPI>(out + (size_t)(m0 + m) * sg.n + n, sum[0], sum[W - 1]);
             }
         }
     }
@@ -544,41 +550,52 @@ __device__ __forceinline__ void mm_warp(const MmSeg& sg, const int (&nr)[R], con
 template <int DT>
 struct MmQ;
 
-// Q4_0: code byte j holds value j (low nibble) and j + 16 (high); weights q - 8.
+// A packed Q4 code word: byte j holds value j (low nibble) and j + 16 (high). The two nibble
+// halves as bytes, and for Q4_0 (OFFSET8) as the signed weights q - 8.
+template <bool OFFSET8>
+__device__ __forceinline__ void q4_split(u32 w, u32* lo, u32* hi) {
+    *lo = DF_LO_NIBBLES(w);
+    *hi = DF_HI_NIBBLES(w);
+    if (OFFSET8) {
+        *lo = __vsub4(*lo, 0x08080808u);
+        *hi = __vsub4(*hi, 0x08080808u);
+    }
+}
+
+// The exact integer dot of a packed Q4 group (16 code bytes) with its 32 x codes: 8 dp4a.
+template <bool OFFSET8>
+__device__ __forceinline__ int q4_dot(const uint4* c, const int4& xl, const int4& xh) {
+    const u32 w[4] = {c[0].x, c[0].y, c[0].z, c[0].w};
+    const int xa[4] = {xl.x, xl.y, xl.z, xl.w};
+    const int xb[4] = {xh.x, xh.y, xh.z, xh.w};
+    int d = 0;
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        u32 lo, hi;
+        q4_split<OFFSET8>(w[k], &lo, &hi);
+        d = __dp4a((int)lo, xa[k], d);
+        d = __dp4a((int)hi, xb[k], d);
+    }
+    return d;
+}
+
+// Q4_0: weights q - 8.
 template <>
 struct MmQ<DT_Q4_0> {
     static constexpr int CB = 16;  // code bytes per group
     static constexpr int SB = 2;   // scale bytes per group
     static __device__ __forceinline__ int dot(const uint4* c, const int4& xl, const int4& xh) {
-        const u32 w[4] = {c[0].x, c[0].y, c[0].z, c[0].w};
-        const int xa[4] = {xl.x, xl.y, xl.z, xl.w};
-        const int xb[4] = {xh.x, xh.y, xh.z, xh.w};
-        int d = 0;
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            d = __dp4a((int)__vsub4(DF_LO_NIBBLES(w[k]), 0x08080808u), xa[k], d);
-            d = __dp4a((int)__vsub4(DF_HI_NIBBLES(w[k]), 0x08080808u), xb[k], d);
-        }
-        return d;
+        return q4_dot<true>(c, xl, xh);
     }
 };
 
-// Q4_1: as Q4_0 with unsigned weights q (the minimum enters through ds).
+// Q4_1: unsigned weights q (the minimum enters through ds).
 template <>
 struct MmQ<DT_Q4_1> {
     static constexpr int CB = 16;
     static constexpr int SB = 4;
     static __device__ __forceinline__ int dot(const uint4* c, const int4& xl, const int4& xh) {
-        const u32 w[4] = {c[0].x, c[0].y, c[0].z, c[0].w};
-        const int xa[4] = {xl.x, xl.y, xl.z, xl.w};
-        const int xb[4] = {xh.x, xh.y, xh.z, xh.w};
-        int d = 0;
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            d = __dp4a((int)DF_LO_NIBBLES(w[k]), xa[k], d);
-            d = __dp4a((int)DF_HI_NIBBLES(w[k]), xb[k], d);
-        }
-        return d;
+        return q4_dot<false>(c, xl, xh);
     }
 };
 

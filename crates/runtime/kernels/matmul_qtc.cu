@@ -63,12 +63,7 @@ __device__ __forceinline__ void qt_b(const u8* row, int g, int t, u32* b) {
         b[1] = __ldg((const unsigned int*)(c + 16 + 4 * t));
     } else {
         const u32 w = __ldg((const unsigned int*)(row + (size_t)g * 16 + 4 * t));
-        b[0] = DF_LO_NIBBLES(w);
-        b[1] = DF_HI_NIBBLES(w);
-        if (DT == DT_Q4_0) {
-            b[0] = __vsub4(b[0], 0x08080808u);
-            b[1] = __vsub4(b[1], 0x08080808u);
-        }
+        q4_split<DT == DT_Q4_0>(w, &b[0], &b[1]);
     }
 }
 
@@ -250,15 +245,8 @@ __device__ __forceinline__ void mmqt_body(const MmParams& p) {
         const int c = o % BN;
         const int n = c0 + c;
         if (m < ml && n < sg.n) {
-            const float s0 = qt_tree(&red[0][0][m][c], WS);
-            float* dst = out + (size_t)(m0 + m) * sg.n + n;
-            if (EPI == EPI_STORE) {
-                *dst = s0;
-            } else if (EPI == EPI_ADD) {
-                *dst = __fadd_rn(*dst, s0);
-            } else {
-                *dst = swiglu(s0, qt_tree(&red[0][W - 1][m][c], WS));
-            }
+            const float up = W == 2 ? qt_tree(&red[0][W - 1][m][c], WS) : 0.0f;
+            mm_epilogue<EPI>(out + (size_t)(m0 + m) * sg.n + n, qt_tree(&red[0][0][m][c], WS), up);
         }
     }
 }

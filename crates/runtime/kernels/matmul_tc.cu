@@ -234,15 +234,7 @@ __device__ __forceinline__ void mmtc_body(const MmParams& p) {
                 const int m = m0 + wm + 16 * i + g + (e >> 1) * 8;
                 const int n = n0 + wn + 8 * j + 2 * t + (e & 1);
                 if (m < M && n < sg.n) {
-                    float* o = out + (size_t)m * sg.n + n;
-                    const float s = acc[0][i][j][e];
-                    if (EPI == EPI_STORE) {
-                        *o = s;
-                    } else if (EPI == EPI_ADD) {
-                        *o = __fadd_rn(*o, s);
-                    } else {
-                        *o = swiglu(s, acc[W - 1][i][j][e]);
-                    }
+                    mm_epilogue<EPI>(out + (size_t)m * sg.n + n, acc[0][i][j][e], acc[W - 1][i][j][e]);
                 }
             }
 }
