@@ -19,7 +19,8 @@
 // The warps' states are merged in warp order and the split's (m, l, acc) is written out.
 //
 // attention_merge: a block per (token, query head) combines the token's splits in split
-// order: m* = max m_s, f_s = exp(m_s - m*), out = (sum acc_s f_s) / (sum l_s f_s).
+// order: m* = max m_s, f_s = exp(m_s - m*), out = (sum acc_s f_s) / (sum l_s f_s); and, when
+// asked, quantizes out to int8 for the output projection (q8_block), saving its quantizer.
 
 #define ATT_WARPS 4
 #define ATT_MAX_SPLITS 16
@@ -39,6 +40,8 @@ struct AttParams {
     int kv_dim;
     float scale;
     int pad;
+    u64 qc;  // when set (head_dim % 32 == 0): out quantized for int8 products, codes [T, n_heads * head_dim]
+    u64 qs;  // and their (d, ds) pairs [T, n_heads * head_dim / 32] (q8_block)
 };
 
 // Splits of a token with `len` visible keys, and tiles per split.
@@ -284,5 +287,12 @@ extern "C" __global__ void attention_merge(const AttParams p) {
         }
     }
     const float inv = gl > 0.0f ? __fdiv_rn(1.0f, gl) : 0.0f;
-    if (d < hd) ((float*)p.out)[(size_t)t * p.n_heads * hd + (size_t)h * hd + d] = __fmul_rn(o, inv);
+    if (d < hd) {
+        const float y = __fmul_rn(o, inv);
+        const size_t i = (size_t)t * p.n_heads * hd + (size_t)h * hd + d;
+        ((float*)p.out)[i] = y;
+        // Warp w holds block i / 32 of the row in its lanes (head_dim % 32 == 0 when qc is set,
+        // so whole warps take this branch).
+        if (p.qc) q8_block(y, lane, (signed char*)p.qc + i, (float2*)p.qs + i / GROUP);
+    }
 }

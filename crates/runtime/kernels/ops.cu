@@ -116,27 +116,13 @@ extern "C" __global__ void dequant_float_any(const u8* table, i64 row_bytes, int
 // ---- int8 activations ----------------------------------------------------------------------
 //
 // x [blocks * 32] f32 to int8 codes per 32-value block for the int8 matmul kernels (mmq_* in
-// matmul.cu), as the CPU defines it (cpu/int8/quantize.rs), bit for bit: amax = max |x_j|
-// (compared as bits), d = amax / 127, q_j = clamp(rint(x_j * (127 / amax)), -127, 127)
-// (inverse 0 when amax = 0), and per block (d, d * Σ q_j). One warp per block, lane j holds x_j.
+// matmul.cu): q8_block (common.cu) per block, one warp per block.
 extern "C" __global__ void quant_q8_f32(const float* x, i64 blocks, signed char* codes, float2* scales) {
     df_kernel_begin();
     const int lane = threadIdx.x & 31;
     const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
     for (i64 b = blockIdx.x * (i64)(blockDim.x >> 5) + (threadIdx.x >> 5); b < blocks; b += warps) {
-        const float v = x[b * GROUP + lane];
-        u32 a = __float_as_uint(v) & 0x7fffffffu;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) a = max(a, __shfl_xor_sync(0xffffffffu, a, o));
-        const float amax = __uint_as_float(a);
-        const float d = __fdiv_rn(amax, 127.0f);
-        const float inv = amax > 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
-        const int q = (int)fminf(fmaxf(rintf(__fmul_rn(v, inv)), -127.0f), 127.0f);
-        codes[b * GROUP + lane] = (signed char)q;
-        int sum = q;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-        if (lane == 0) scales[b] = make_float2(d, __fmul_rn(d, (float)sum));
+        q8_block(x[b * GROUP + lane], lane, codes + b * GROUP + lane, scales + b);
     }
 }
 
@@ -151,7 +137,10 @@ extern "C" __global__ void quant_q8_f32(const float* x, i64 blocks, signed char*
 // the first warp make the sixteen partials from the staged copy, the shuffle-down tree is that
 // halving, and every thread scales the values it holds. Longer groups stream x twice. Either
 // way the result is bit-identical to the CPU backend's. In place when x == out (the group is
-// read completely before any of it is written).
+// read completely before any of it is written). With qc set (dim a multiple of 32 and at most
+// NORM_STAGE: the host checks), the normalised values are also quantized for int8 products
+// (q8_block, the quantizer's bits): codes at qc[group * dim + i], pairs at qs[group * dim / 32
+// + block], so the product that follows needs no quantizer launch.
 #define NORM_THREADS 128
 #define NORM_STAGE 4096
 #define NORM_PER (NORM_STAGE / NORM_THREADS)
@@ -170,7 +159,8 @@ __device__ __forceinline__ float norm_weight(float w, int zero_centred) {
 }
 
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)
-    rms_norm_f32(const float* x, float* out, const float* w, i64 groups, int dim, float eps, int zero_centred) {
+    rms_norm_f32(const float* x, float* out, const float* w, i64 groups, int dim, float eps, int zero_centred,
+                 signed char* qc, float2* qs) {
     df_kernel_begin();
     __shared__ float s_inv;
     __shared__ float s_x[NORM_STAGE];
@@ -207,7 +197,13 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 #pragma unroll
         for (int u = 0; u < NORM_PER; u++) {
             const int i = threadIdx.x + NORM_THREADS * u;
-            if (i < dim) os[i] = __fmul_rn(norm_weight(wv[u], zero_centred), __fmul_rn(xv[u], inv));
+            if (i < dim) {
+                const float y = __fmul_rn(norm_weight(wv[u], zero_centred), __fmul_rn(xv[u], inv));
+                os[i] = y;
+                // Warp w holds value j of block w + 4u in lane j; dim % 32 == 0 when qc is set,
+                // so the whole warp takes this branch together.
+                if (qc) q8_block(y, threadIdx.x & 31, qc + grp * (i64)dim + i, qs + grp * (i64)(dim / GROUP) + i / GROUP);
+            }
         }
         return;
     }

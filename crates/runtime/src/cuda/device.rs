@@ -10,6 +10,7 @@ use cudarc::driver::{result as drv, CudaContext, CudaFunction, CudaSlice, CudaSt
 
 use super::compile::{self, Image, Module, Target};
 use super::int8::{int8_format, int8_mma_min_rows, Int8Policy};
+use super::int8_x::FreshX;
 use super::profile::Profiler;
 use crate::dtype::DType;
 use crate::error::RuntimeError;
@@ -129,6 +130,9 @@ pub(crate) const MM_TILES: [MmTile; 5] = [
 pub(crate) const TC_BM: usize = 64;
 pub(crate) const TC_BN: usize = 32;
 pub(crate) const TC_THREADS: u32 = 128;
+/// The longest row the RMS norm holds in shared memory (NORM_STAGE in ops.cu): only such
+/// rows can be written as int8 x by the norm too.
+pub(crate) const NORM_STAGE: usize = 4096;
 /// Warps per matmul block (MM_WARPS in matmul.cu).
 pub(crate) const MM_WARPS: usize = 4;
 /// Column tiles of 8 outputs, rows of x and warps per block of the int8 tensor-core kernels
@@ -354,6 +358,11 @@ pub(crate) struct Device {
     pub profiler: Mutex<Option<Profiler>>,
     /// Buffers of the token-choice ops.
     pub sample: Mutex<super::sample::SampleScratch>,
+    /// The int8 copy of x the last launch wrote for the product after it (cuda/int8_x.rs).
+    pub fresh_x: FreshX,
+    /// Inner dimensions of the uploaded int8-activation weights: the RMS norm and the
+    /// attention merge write an int8 copy of an output this wide.
+    int8_k: Mutex<Vec<usize>>,
 }
 
 impl Device {
@@ -530,6 +539,8 @@ impl Device {
             epoch: AtomicU64::new(0),
             profiler: Mutex::new(None),
             sample: Mutex::new(Default::default()),
+            fresh_x: FreshX::default(),
+            int8_k: Mutex::new(Vec::new()),
         })
     }
 
@@ -637,6 +648,20 @@ impl Device {
         })
     }
 
+    /// Notes an uploaded int8-activation weight with `k` inputs.
+    pub fn note_int8_k(&self, k: usize) {
+        let mut ks = self.int8_k.lock().expect("int8 k lock");
+        if !ks.contains(&k) {
+            ks.push(k);
+        }
+    }
+
+    /// Whether some int8-activation weight has `k` inputs (so an int8 copy of an output `k`
+    /// wide may be read).
+    pub fn int8_k(&self, k: usize) -> bool {
+        self.int8_k.lock().expect("int8 k lock").contains(&k)
+    }
+
     /// Makes the context current on the calling thread.
     pub fn bind(&self) {
         ck(
@@ -716,6 +741,7 @@ impl Device {
         smem: u32,
         params: &mut [*mut c_void],
     ) {
+        self.fresh_x.forget();
         assert!(
             grid.0 > 0 && grid.1 > 0 && grid.2 > 0,
             "empty grid for {name}"
@@ -786,6 +812,7 @@ impl Device {
         if src.is_empty() {
             return;
         }
+        self.fresh_x.forget();
         // SAFETY: `dst` is a live buffer of at least `src.len()` elements (callers ensure it).
         ck(
             unsafe { drv::memcpy_htod_async(dst, src, self.stream.cu_stream()) },
@@ -811,6 +838,7 @@ impl Device {
         &self,
         n: usize,
     ) -> CudaSlice<T> {
+        self.fresh_x.forget();
         ck(self.stream.alloc_zeros::<T>(n.max(1)), "allocation")
     }
 
