@@ -615,7 +615,9 @@ fn int8_x_from_norm_and_attention_equals_the_quantizer() {
         for m in [1usize, 3, 16] {
             let what = format!("{dtype} M={m}");
             let x = random_vec(m * k, -3.0, 3.0, seed + m as u64);
-            let (mut h, mut a, mut b) = (g.tensor(0, 0), g.tensor(0, 0), g.tensor(0, 0));
+            // Outputs at their size up front: an allocation (a zeroing copy) would forget the
+            // int8 copy too.
+            let (mut h, mut a, mut b) = (g.tensor(m, k), g.tensor(m, 197), g.tensor(m, 61));
 
             // Norm, then two products of its output.
             g.set_profiling(true);

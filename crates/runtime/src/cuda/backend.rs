@@ -6,8 +6,8 @@ use std::sync::{Arc, Mutex};
 
 use super::device::{
     ck, ensure, int, long, Arg, CudaOptions, Device, Epilogue, PrefillGemm, ATT_GM, ATT_MAX_GHD,
-    ATT_MAX_SPLITS, ATT_PER, ATT_THREADS, MM_SEGS, MM_TILES, MM_WARPS, NORM_STAGE, QT_BM, QT_WARPS,
-    TC_BM, TC_BN, TC_THREADS,
+    ATT_MAX_SPLITS, ATT_PER, ATT_THREADS, MM_SEGS, MM_TILES, MM_WARPS, NORM_Q_THREADS, NORM_STAGE,
+    NORM_THREADS, QT_BM, QT_WARPS, TC_BM, TC_BN, TC_THREADS,
 };
 use super::gdn::CudaGdn;
 use super::graph::Graphs;
@@ -1201,32 +1201,33 @@ impl Backend for CudaBackend {
             .then(|| self.int8_copy_for(groups, dim))
             .flatten();
         let (qc, qs) = copy.unwrap_or((0, 0));
-        // A block per group (NORM_THREADS in ops.cu).
-        self.dev.launch(
-            &self.dev.k.rms_norm,
-            "rms_norm",
-            (groups as u32, 1, 1),
-            (128, 1, 1),
-            0,
-            &[
-                Arg::Ptr(src),
-                Arg::Ptr(dst),
-                Arg::Ptr(self.tptr(weight)),
-                long(groups),
-                int(dim),
-                Arg::F32(eps),
-                int(zero_centred as usize),
-                Arg::Ptr(qc),
-                Arg::Ptr(qs),
-            ],
-        );
-        if copy.is_some() {
+        let args = [
+            Arg::Ptr(src),
+            Arg::Ptr(dst),
+            Arg::Ptr(self.tptr(weight)),
+            long(groups),
+            int(dim),
+            Arg::F32(eps),
+            int(zero_centred as usize),
+            Arg::Ptr(qc),
+            Arg::Ptr(qs),
+        ];
+        // A block per group (NORM_THREADS, NORM_Q_THREADS in ops.cu); the plain norm takes
+        // the first seven arguments.
+        let (f, name, threads, n) = match copy {
+            Some(_) => (&self.dev.k.rms_norm_q8, "rms_norm q8", NORM_Q_THREADS, 9),
+            None => (&self.dev.k.rms_norm, "rms_norm", NORM_THREADS, 7),
+        };
+        let grid = (groups as u32, 1, 1);
+        self.dev
+            .launch(f, name, grid, (threads, 1, 1), 0, &args[..n]);
+        if let Some((codes, pairs)) = copy {
             self.dev.fresh_x.note(QuantizedX {
                 x: dst,
                 rows: groups,
                 k: dim,
-                codes: qc,
-                pairs: qs,
+                codes,
+                pairs,
             });
         }
     }
