@@ -143,12 +143,14 @@ extern "C" __global__ void quant_q8_f32(const float* x, i64 blocks, signed char*
 // quantizer's bits: codes at qc[row * dim + i], pairs at qs[row * dim / 32 + block]), so the
 // product that follows needs no quantizer launch. Rows of at most NORM_STAGE values, a multiple
 // of 32 (the host checks). It runs NORM_Q_THREADS threads, so that each warp quantizes at most
-// four blocks: a decode step normalises one row, whose quantization would otherwise be a chain
-// of up to 32 blocks per warp. The values and the sum of squares do not depend on the thread
-// count (the partials are made from the staged copy), so both kernels give the same bits.
+// 16 blocks (a decode step normalises one row: a chain of up to 32 blocks per warp at 128
+// threads) while a prompt's rows still fit one wave. The values and the sum of squares do not
+// depend on the thread count (the partials are made from the staged copy), so both kernels
+// give the same bits.
 #define NORM_THREADS 128
 #define NORM_STAGE 4096
-#define NORM_Q_THREADS 1024
+#define NORM_PER (NORM_STAGE / NORM_THREADS)
+#define NORM_Q_THREADS 256
 
 // 1 / sqrt(ss / dim + eps) from the sixteen partials held by lanes 0..15 (lane 0 returns it).
 __device__ __forceinline__ float norm_inv(float acc, int dim, float eps) {
@@ -163,9 +165,9 @@ __device__ __forceinline__ float norm_weight(float w, int zero_centred) {
     return zero_centred ? __fadd_rn(1.0f, w) : w;
 }
 
-// A row of dim <= NORM_STAGE values (see above) normalised by T threads; Q: also quantized.
-template <int T, bool Q>
-__device__ __forceinline__ void rms_norm_staged(const float* xs, float* os, const float* w, int dim, float eps,
+// A row of dim <= NORM_STAGE values (see above) normalised by T threads and quantized.
+template <int T>
+__device__ __forceinline__ void rms_norm_staged_q8(const float* xs, float* os, const float* w, int dim, float eps,
                                                 int zero_centred, signed char* qc, float2* qs) {
     constexpr int PER = NORM_STAGE / T;
     __shared__ float s_inv;
@@ -198,12 +200,12 @@ __device__ __forceinline__ void rms_norm_staged(const float* xs, float* os, cons
 #pragma unroll
     for (int u = 0; u < PER; u++) {
         const int i = threadIdx.x + T * u;
-        // With Q, dim % 32 == 0: whole warps take or skip this branch (warp w holds block
+        // dim % 32 == 0: whole warps take or skip this branch (warp w holds block
         // w + (T / 32) u, value j in lane j).
         if (i < dim) {
             const float y = __fmul_rn(norm_weight(wv[u], zero_centred), __fmul_rn(xv[u], inv));
             os[i] = y;
-            if (Q) q8_block(y, threadIdx.x & 31, qc + i, qs + i / GROUP);
+            q8_block(y, threadIdx.x & 31, qc + i, qs + i / GROUP);
         }
     }
 }
@@ -212,12 +214,42 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     rms_norm_f32(const float* x, float* out, const float* w, i64 groups, int dim, float eps, int zero_centred) {
     df_kernel_begin();
     __shared__ float s_inv;
+    __shared__ float s_x[NORM_STAGE];
     const i64 grp = blockIdx.x;
     if (grp >= groups) return;
     const float* xs = x + grp * (i64)dim;
     float* os = out + grp * (i64)dim;
     if (dim <= NORM_STAGE) {
-        rms_norm_staged<NORM_THREADS, false>(xs, os, w, dim, eps, zero_centred, nullptr, nullptr);
+        float xv[NORM_PER], wv[NORM_PER];
+#pragma unroll
+        for (int u = 0; u < NORM_PER; u++) {
+            const int i = threadIdx.x + NORM_THREADS * u;
+            xv[u] = i < dim ? xs[i] : 0.0f;
+            wv[u] = i < dim ? w[i] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < NORM_PER; u++) {
+            const int i = threadIdx.x + NORM_THREADS * u;
+            if (i < dim) s_x[i] = xv[u];
+        }
+        __syncthreads();
+        if (threadIdx.x < 32) {
+            const int lane = threadIdx.x;
+            float acc = 0.0f;
+            if (lane < 16) {
+#pragma unroll 8
+                for (int i = lane; i < dim; i += 16) acc = __fadd_rn(acc, __fmul_rn(s_x[i], s_x[i]));
+            }
+            const float inv = norm_inv(acc, dim, eps);
+            if (lane == 0) s_inv = inv;
+        }
+        __syncthreads();
+        const float inv = s_inv;
+#pragma unroll
+        for (int u = 0; u < NORM_PER; u++) {
+            const int i = threadIdx.x + NORM_THREADS * u;
+            if (i < dim) os[i] = __fmul_rn(norm_weight(wv[u], zero_centred), __fmul_rn(xv[u], inv));
+        }
         return;
     }
     if (threadIdx.x < 32) {
@@ -264,7 +296,7 @@ extern "C" __global__ void __launch_bounds__(NORM_Q_THREADS)
     df_kernel_begin();
     const i64 row = blockIdx.x;
     if (row >= groups) return;
-    rms_norm_staged<NORM_Q_THREADS, true>(x + row * dim, out + row * dim, w, dim, eps, zero_centred, qc + row * dim,
+    rms_norm_staged_q8<NORM_Q_THREADS>(x + row * dim, out + row * dim, w, dim, eps, zero_centred, qc + row * dim,
                                           qs + row * (dim / GROUP));
 }
 

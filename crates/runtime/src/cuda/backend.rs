@@ -836,7 +836,7 @@ impl Backend for CudaBackend {
         self.dev.bind();
         self.dev.format(w.dtype).map_err(RuntimeError::Device)?;
         // The CPU's rule (cpu::policy::select), so both backends take one numeric path.
-        let int8 = self.dev.int8.takes(w.dtype, w.cols)
+        let int8 = self.dev.int8.takes(w.dtype)
             && role == WeightRole::Projection
             && int8_format(w.dtype)
             && w.rows >= PANEL
@@ -1378,8 +1378,12 @@ impl Backend for CudaBackend {
             .then(|| self.int8_copy_for(t, k))
             .flatten();
         (p.qc, p.qs) = copy.unwrap_or((0, 0));
+        let merge = match copy {
+            Some(_) => &self.dev.k.attention_merge_q8,
+            None => &self.dev.k.attention_merge,
+        };
         self.dev.launch_with(
-            &self.dev.k.attention_merge,
+            merge,
             "attention merge",
             (t as u32, n_heads as u32, 1),
             (head_dim.next_multiple_of(32) as u32, 1, 1),

@@ -136,7 +136,7 @@ pub(crate) const NORM_STAGE: usize = 4096;
 /// Threads per block of the RMS norm (NORM_THREADS in ops.cu) and of the norm that also
 /// quantizes its rows (NORM_Q_THREADS).
 pub(crate) const NORM_THREADS: u32 = 128;
-pub(crate) const NORM_Q_THREADS: u32 = 1024;
+pub(crate) const NORM_Q_THREADS: u32 = 256;
 /// Warps per matmul block (MM_WARPS in matmul.cu).
 pub(crate) const MM_WARPS: usize = 4;
 /// Column tiles of 8 outputs, rows of x and warps per block of the int8 tensor-core kernels
@@ -236,6 +236,7 @@ pub(crate) struct Kernels {
     /// `attention_split[per index][gm index]` (None where GM * 32 * PER > ATT_MAX_GHD).
     pub attention_split: Vec<Vec<Option<CudaFunction>>>,
     pub attention_merge: CudaFunction,
+    pub attention_merge_q8: CudaFunction,
     pub sample: super::sample::SampleKernels,
 }
 
@@ -967,6 +968,7 @@ fn load_kernels_for(ctx: &Arc<CudaContext>, target: Target) -> Result<Kernels, S
         kv_copy: get(Module::Ops, "kv_copy_f32")?,
         attention_split,
         attention_merge: get(Module::Attention, "attention_merge")?,
+        attention_merge_q8: get(Module::Attention, "attention_merge_q8")?,
         sample: super::sample::SampleKernels::load(|name| get(Module::Sample, name))?,
     })
 }
