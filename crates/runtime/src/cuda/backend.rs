@@ -487,7 +487,7 @@ impl CudaBackend {
     /// Where a kernel writing `rows` rows of `k` values should also write their int8 copy
     /// (codes, pairs), when an int8 product of that width may read them next.
     fn int8_copy_for(&self, rows: usize, k: usize) -> Option<(u64, u64)> {
-        (rows > 0 && k.is_multiple_of(GROUP) && self.dev.int8_k(k))
+        (self.dev.int8_handoff && rows > 0 && k.is_multiple_of(GROUP) && self.dev.int8_k(k))
             .then(|| self.int8_x_buffer(rows, k))
     }
 
@@ -836,7 +836,7 @@ impl Backend for CudaBackend {
         self.dev.bind();
         self.dev.format(w.dtype).map_err(RuntimeError::Device)?;
         // The CPU's rule (cpu::policy::select), so both backends take one numeric path.
-        let int8 = self.dev.int8.takes(w.dtype)
+        let int8 = self.dev.int8.takes(w.dtype, w.cols)
             && role == WeightRole::Projection
             && int8_format(w.dtype)
             && w.rows >= PANEL

@@ -318,6 +318,16 @@ pub(crate) fn ensure<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZero
     dptr(stream, slot.as_ref().expect("just set"))
 }
 
+/// A switch that is on unless the environment variable `name` is `0` (unset, empty or `1`:
+/// on; anything else is an error naming the variable).
+fn switch_on(name: &str) -> Result<bool, String> {
+    match std::env::var(name).as_deref().map(str::trim) {
+        Err(_) | Ok("1") | Ok("") => Ok(true),
+        Ok("0") => Ok(false),
+        Ok(v) => Err(format!("{name}={v:?}: expected 0 or 1")),
+    }
+}
+
 /// The raw device address of a buffer.
 pub(crate) fn dptr<T>(stream: &CudaStream, s: &CudaSlice<T>) -> u64 {
     let (p, _sync) = s.device_ptr(stream);
@@ -345,6 +355,10 @@ pub(crate) struct Device {
     pub fuse_rope: bool,
     /// Which of the target's projections multiply int8-quantized activations (`DFLASH_CUDA_INT8`).
     pub int8: Int8Policy,
+    /// The RMS norm and the attention merge write the int8 copy of their output for the int8
+    /// product after them (cuda/int8_x.rs), unless `DFLASH_CUDA_INT8_HANDOFF=0` (then every
+    /// int8 product launches the quantizer; the bits are the same either way).
+    pub int8_handoff: bool,
     /// Int8-activation products of at least this many rows of x run on integer tensor cores
     /// (`mmqt_*`, same bits as `mmq_*`): `DFLASH_CUDA_INT8_MMA` = `auto` (`int8::INT8_MMA_MIN_M`),
     /// a number, or `0` (never; also below sm_80).
@@ -480,15 +494,8 @@ impl Device {
             Ok(v) => return Err(dev_err(format!("DFLASH_CUDA_PDL={v:?}: expected 0 or 1"))),
         };
 
-        let fuse_rope = match std::env::var("DFLASH_CUDA_FUSE_ROPE").as_deref() {
-            Err(_) | Ok("1") | Ok("") => true,
-            Ok("0") => false,
-            Ok(v) => {
-                return Err(dev_err(format!(
-                    "DFLASH_CUDA_FUSE_ROPE={v:?}: expected 0 or 1"
-                )))
-            }
-        };
+        let fuse_rope = switch_on("DFLASH_CUDA_FUSE_ROPE").map_err(dev_err)?;
+        let int8_handoff = switch_on("DFLASH_CUDA_INT8_HANDOFF").map_err(dev_err)?;
 
         let int8_mma_min_m =
             int8_mma_min_rows(std::env::var("DFLASH_CUDA_INT8_MMA").ok().as_deref())
@@ -530,6 +537,7 @@ impl Device {
             fuse_rope,
             int8: opts.int8,
             int8_mma_min_m,
+            int8_handoff,
             name,
             compute_capability: cc,
             target,

@@ -12,24 +12,27 @@ use crate::dtype::DType;
 pub enum Int8Policy {
     /// None: f32 activations everywhere.
     Off,
-    /// Q4_0 and Q4_1 projections. (Q8_0 stays on f32: on the Qwen3-4B shapes its int8 M = 1
-    /// products are slower for three of six shapes.) On the H200, with the norm and the
-    /// attention merge handing their int8 output to the products (cuda/int8_x.rs), int8 is
-    /// the faster path on both measured targets: the default model's shapes (K 576, 1536)
-    /// decode at 1,447-1,465 tok/s against 1,331-1,392 on f32 and verify 16 tokens in 1.20
-    /// against 1.64 ms; Qwen3-4B's (K 2560, 9728) cut a 16-token verify from 4.6 to 3.0 decode
-    /// steps (docs/benchmarks/2026-12-01-h200-int8-activations.md, 2026-12-02-h200-int8-handoff.md).
+    /// Q4_0 and Q4_1 projections with at least [`INT8_MIN_K`] inputs: where the cheaper
+    /// products outweigh the quantizer's extra launch per product. (Q8_0 stays on f32: on the
+    /// Qwen3-4B shapes its int8 M = 1 products are slower for three of six shapes.)
     Auto,
     /// Every eligible projection.
     All,
 }
 
+/// The smallest inner dimension `Int8Policy::Auto` gives int8 activations. Measured on the
+/// H200 (docs/benchmarks/2026-12-01-h200-int8-activations.md): on the Qwen3-4B shapes (K 2560
+/// and 9728, Q4_0) int8 cuts a 16-token verify from 4.6 to 3.4 decode steps and decode gains
+/// 2-3%; on the default model's (K 576 and 1536) the 120 quantizer launches per token cost 9%
+/// of decode speed.
+pub const INT8_MIN_K: usize = 2048;
+
 impl Int8Policy {
-    /// Whether an eligible projection stored as `dtype` takes int8 activations.
-    pub fn takes(self, dtype: DType) -> bool {
+    /// Whether an eligible projection stored as `dtype` with `k` inputs takes int8 activations.
+    pub fn takes(self, dtype: DType, k: usize) -> bool {
         match self {
             Int8Policy::Off => false,
-            Int8Policy::Auto => dtype != DType::Q8_0,
+            Int8Policy::Auto => k >= INT8_MIN_K && dtype != DType::Q8_0,
             Int8Policy::All => true,
         }
     }
@@ -79,7 +82,7 @@ mod tests {
     use crate::cuda::CudaOptions;
 
     #[test]
-    fn int8_policy_parses_and_gates_by_format() {
+    fn int8_policy_parses_and_gates_by_inner_dimension() {
         assert_eq!("".parse(), Ok(Int8Policy::Auto));
         assert_eq!("auto".parse(), Ok(Int8Policy::Auto));
         assert_eq!("1".parse(), Ok(Int8Policy::All));
@@ -89,14 +92,19 @@ mod tests {
             bad.contains("DFLASH_CUDA_INT8") && bad.contains("auto, 1 or 0"),
             "{bad}"
         );
-        // Q4_0 and Q4_1 take int8 by default (the default model's and Qwen3-4B's projections);
-        // Q8_0 only when asked.
-        for d in [DType::Q4_0, DType::Q4_1] {
-            assert!(Int8Policy::Auto.takes(d));
-            assert!(!Int8Policy::Off.takes(d));
+        // The default model's projections (K 576, 1536) stay on f32; Qwen3-4B's (2560, 9728)
+        // take int8.
+        for k in [576, 1536] {
+            assert!(!Int8Policy::Auto.takes(DType::Q4_1, k));
+            assert!(Int8Policy::All.takes(DType::Q4_1, k));
         }
-        assert!(!Int8Policy::Auto.takes(DType::Q8_0));
-        assert!(Int8Policy::All.takes(DType::Q8_0));
+        for k in [2560, 9728] {
+            assert!(Int8Policy::Auto.takes(DType::Q4_0, k));
+            assert!(Int8Policy::Auto.takes(DType::Q4_1, k));
+            assert!(!Int8Policy::Auto.takes(DType::Q8_0, k));
+            assert!(Int8Policy::All.takes(DType::Q8_0, k));
+            assert!(!Int8Policy::Off.takes(DType::Q4_0, k));
+        }
         assert_eq!(CudaOptions::default().int8, Int8Policy::Auto);
     }
 

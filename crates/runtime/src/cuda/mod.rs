@@ -93,7 +93,7 @@ mod tensor;
 pub use backend::CudaBackend;
 pub use device::{CudaOptions, PrefillGemm};
 pub use gdn::CudaGdn;
-pub use int8::Int8Policy;
+pub use int8::{Int8Policy, INT8_MIN_K};
 pub use kv::CudaKv;
 pub use profile::KernelClassTime;
 pub use tensor::{CudaMeta, CudaStep, CudaTensor, CudaWeight};
