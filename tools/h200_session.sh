@@ -73,6 +73,8 @@ export DFLASH_CACHE_DIR="$W/cache" RUST_BACKTRACE=1
 MODEL="$W/SmolLM2-135M-Instruct.Q4_1.gguf"
 SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 say() { echo "== $(date +%T) $*"; }
+# The result lines of a `dflash bench` log (its weight table comes last).
+results() { grep -E '\| (tg|AR |B=1)|verify of|kernel time' "$1" | grep -vE '^\| (target|draft) ' | tr '\n' ' '; echo; }
 
 stage_a() {
     say "machine"
@@ -139,7 +141,7 @@ stage_b() {
             say "dflash bench plain, prompt $p, DFLASH_CUDA_INT8=$int8"
             DFLASH_CUDA_INT8=$int8 timeout 200 "$W/dflash" bench -m "$MODEL" --device cuda --no-draft \
                 -p $p -n 128 -r 5 > "$out/bench_plain_p${p}_int8_$int8.json" 2> "$out/bench_plain_p${p}_int8_$int8.err"
-            tail -n 4 "$out/bench_plain_p${p}_int8_$int8.err"
+            results "$out/bench_plain_p${p}_int8_$int8.err"
         done
     done
     say "llama.cpp build: $(cat "$W/llama/build.done" 2>/dev/null || echo running)"
@@ -156,11 +158,11 @@ stage_c() {
     for bs in 16 4; do
         timeout 200 "$W/dflash" bench -m "$MODEL" --device cuda --draft "$W/drafter" --block-size $bs \
             -n 128 -r 3 > "$out/bench_dflash_b$bs.json" 2> "$out/bench_dflash_b$bs.err"
-        tail -n 3 "$out/bench_dflash_b$bs.err"
+        results "$out/bench_dflash_b$bs.err"
     done
     timeout 200 "$W/dflash" bench -m "$MODEL" --device cuda --draft "$W/drafter" --block-size 16 \
         -n 128 -r 3 --batch 4 > "$out/bench_b4.json" 2> "$out/bench_b4.err"
-    tail -n 3 "$out/bench_b4.err"
+    results "$out/bench_b4.err"
     if [ "$(cat "$W/llama/build.done" 2>/dev/null)" = "0" ]; then
         for r in 1 2 3; do
             say "round $r: llama-bench, then dflash bench (prompt 512, 128 new tokens)"
@@ -169,7 +171,7 @@ stage_c() {
             for int8 in 1 0; do
                 DFLASH_CUDA_INT8=$int8 "$W/dflash" bench -m "$MODEL" --device cuda --no-draft -p 512 -n 128 \
                     -r 3 > "$out/bench_alt_${r}_int8_$int8.json" 2> "$out/bench_alt_${r}_int8_$int8.err"
-                echo "DFLASH_CUDA_INT8=$int8: $(tail -n 1 "$out/bench_alt_${r}_int8_$int8.err")"
+                echo "DFLASH_CUDA_INT8=$int8: $(results "$out/bench_alt_${r}_int8_$int8.err")"
             done
         done
     else
@@ -181,7 +183,7 @@ stage_c() {
         for int8 in 1 0; do
             DFLASH_CUDA_INT8=$int8 timeout 200 "$W/dflash" bench -m "$W/q4b.gguf" --device cuda --no-draft \
                 -p 128 -n 64 -r 3 > "$out/bench_q4b_${r}_int8_$int8.json" 2> "$out/bench_q4b_${r}_int8_$int8.err"
-            echo "round $r DFLASH_CUDA_INT8=$int8: $(tail -n 1 "$out/bench_q4b_${r}_int8_$int8.err")"
+            echo "round $r DFLASH_CUDA_INT8=$int8: $(results "$out/bench_q4b_${r}_int8_$int8.err")"
         done
     done
     [ "${H200_PROFILE:-1}" = 1 ] || return 0

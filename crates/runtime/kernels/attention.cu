@@ -20,6 +20,8 @@
 //
 // attention_merge: a block per (token, query head) combines the token's splits in split
 // order: m* = max m_s, f_s = exp(m_s - m*), out = (sum acc_s f_s) / (sum l_s f_s).
+// attention_merge_q8 also quantizes out to int8 for the output projection (q8_block), saving
+// its quantizer launch.
 
 #define ATT_WARPS 4
 #define ATT_MAX_SPLITS 16
@@ -39,6 +41,8 @@ struct AttParams {
     int kv_dim;
     float scale;
     int pad;
+    u64 qc;  // attention_merge_q8 (head_dim % 32 == 0): out quantized, codes [T, n_heads * head_dim]
+    u64 qs;  // and their (d, ds) pairs [T, n_heads * head_dim / 32] (q8_block)
 };
 
 // Splits of a token with `len` visible keys, and tiles per split.
@@ -249,8 +253,9 @@ ATT_KERNEL(8, 1) ATT_KERNEL(8, 2) ATT_KERNEL(8, 3) ATT_KERNEL(8, 4)
 // multiple of 32). Lane s of each warp holds split s's (m, l) and computes its factor
 // f_s = exp(m_s - m*) once; the splits are then combined in split order from shuffled
 // factors (the same operations and order as one thread evaluating every factor).
-extern "C" __global__ void attention_merge(const AttParams p) {
-    df_kernel_begin();
+// Q: out is also quantized for an int8 output projection (attention_merge_q8).
+template <bool Q>
+__device__ __forceinline__ void attention_merge_body(const AttParams& p) {
     const int t = blockIdx.x;
     const int h = blockIdx.y;
     const int d = threadIdx.x;
@@ -284,5 +289,22 @@ extern "C" __global__ void attention_merge(const AttParams p) {
         }
     }
     const float inv = gl > 0.0f ? __fdiv_rn(1.0f, gl) : 0.0f;
-    if (d < hd) ((float*)p.out)[(size_t)t * p.n_heads * hd + (size_t)h * hd + d] = __fmul_rn(o, inv);
+    if (d < hd) {
+        const float y = __fmul_rn(o, inv);
+        const size_t i = (size_t)t * p.n_heads * hd + (size_t)h * hd + d;
+        ((float*)p.out)[i] = y;
+        // Warp w holds block i / 32 of the row in its lanes (head_dim % 32 == 0 with Q, so
+        // whole warps take this branch).
+        if (Q) q8_block(y, lane, (signed char*)p.qc + i, (float2*)p.qs + i / GROUP);
+    }
+}
+
+extern "C" __global__ void attention_merge(const AttParams p) {
+    df_kernel_begin();
+    attention_merge_body<false>(p);
+}
+
+extern "C" __global__ void attention_merge_q8(const AttParams p) {
+    df_kernel_begin();
+    attention_merge_body<true>(p);
 }

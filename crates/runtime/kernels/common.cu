@@ -327,3 +327,35 @@ __device__ __forceinline__ float warp_max(float v) {
     }
     return v;
 }
+
+// ---- int8 activations ----------------------------------------------------------------------
+//
+// One 32-value block of x quantized to int8 as the CPU defines it (cpu/int8/quantize.rs), bit
+// for bit: amax = max |x_j| (compared as bits), d = amax / 127, q_j = clamp(rint(x_j * (127 /
+// amax)), -127, 127) (inverse 0 when amax = 0), and per block (d, d * Σ q_j). Called by a whole
+// warp, lane j holding x_j: lane j writes code j to `code`, lane 0 the block's pair to `scale`.
+// Every kernel that writes int8 x (quant_q8_f32, and the RMS norm and attention merge when they
+// also hand their output to int8 products) goes through here, so all give the same bits; max
+// and an integer sum are exact in any order.
+__device__ __forceinline__ void q8_block(float v, int lane, signed char* code, float2* scale) {
+    u32 a = __float_as_uint(v) & 0x7fffffffu;
+#if __CUDA_ARCH__ >= 800
+    a = __reduce_max_sync(DF_FULL_MASK, a);
+#else
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) a = max(a, __shfl_xor_sync(DF_FULL_MASK, a, o));
+#endif
+    const float amax = __uint_as_float(a);
+    const float d = __fdiv_rn(amax, 127.0f);
+    const float inv = amax > 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
+    const int q = (int)fminf(fmaxf(rintf(__fmul_rn(v, inv)), -127.0f), 127.0f);
+    *code = (signed char)q;
+#if __CUDA_ARCH__ >= 800
+    const int sum = __reduce_add_sync(DF_FULL_MASK, q);
+#else
+    int sum = q;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(DF_FULL_MASK, sum, o);
+#endif
+    if (lane == 0) *scale = make_float2(d, __fmul_rn(d, (float)sum));
+}

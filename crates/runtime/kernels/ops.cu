@@ -116,27 +116,13 @@ extern "C" __global__ void dequant_float_any(const u8* table, i64 row_bytes, int
 // ---- int8 activations ----------------------------------------------------------------------
 //
 // x [blocks * 32] f32 to int8 codes per 32-value block for the int8 matmul kernels (mmq_* in
-// matmul.cu), as the CPU defines it (cpu/int8/quantize.rs), bit for bit: amax = max |x_j|
-// (compared as bits), d = amax / 127, q_j = clamp(rint(x_j * (127 / amax)), -127, 127)
-// (inverse 0 when amax = 0), and per block (d, d * Σ q_j). One warp per block, lane j holds x_j.
+// matmul.cu): q8_block (common.cu) per block, one warp per block.
 extern "C" __global__ void quant_q8_f32(const float* x, i64 blocks, signed char* codes, float2* scales) {
     df_kernel_begin();
     const int lane = threadIdx.x & 31;
     const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
     for (i64 b = blockIdx.x * (i64)(blockDim.x >> 5) + (threadIdx.x >> 5); b < blocks; b += warps) {
-        const float v = x[b * GROUP + lane];
-        u32 a = __float_as_uint(v) & 0x7fffffffu;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) a = max(a, __shfl_xor_sync(0xffffffffu, a, o));
-        const float amax = __uint_as_float(a);
-        const float d = __fdiv_rn(amax, 127.0f);
-        const float inv = amax > 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
-        const int q = (int)fminf(fmaxf(rintf(__fmul_rn(v, inv)), -127.0f), 127.0f);
-        codes[b * GROUP + lane] = (signed char)q;
-        int sum = q;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-        if (lane == 0) scales[b] = make_float2(d, __fmul_rn(d, (float)sum));
+        q8_block(x[b * GROUP + lane], lane, codes + b * GROUP + lane, scales + b);
     }
 }
 
@@ -152,9 +138,19 @@ extern "C" __global__ void quant_q8_f32(const float* x, i64 blocks, signed char*
 // halving, and every thread scales the values it holds. Longer groups stream x twice. Either
 // way the result is bit-identical to the CPU backend's. In place when x == out (the group is
 // read completely before any of it is written).
+//
+// rms_norm_q8_f32 also quantizes each row it normalises for int8 products (q8_block, the
+// quantizer's bits: codes at qc[row * dim + i], pairs at qs[row * dim / 32 + block]), so the
+// product that follows needs no quantizer launch. Rows of at most NORM_STAGE values, a multiple
+// of 32 (the host checks). It runs NORM_Q_THREADS threads, so that each warp quantizes at most
+// 16 blocks (a decode step normalises one row: a chain of up to 32 blocks per warp at 128
+// threads) while a prompt's rows still fit one wave. The values and the sum of squares do not
+// depend on the thread count (the partials are made from the staged copy), so both kernels
+// give the same bits.
 #define NORM_THREADS 128
 #define NORM_STAGE 4096
 #define NORM_PER (NORM_STAGE / NORM_THREADS)
+#define NORM_Q_THREADS 256
 
 // 1 / sqrt(ss / dim + eps) from the sixteen partials held by lanes 0..15 (lane 0 returns it).
 __device__ __forceinline__ float norm_inv(float acc, int dim, float eps) {
@@ -167,6 +163,51 @@ __device__ __forceinline__ float norm_inv(float acc, int dim, float eps) {
 
 __device__ __forceinline__ float norm_weight(float w, int zero_centred) {
     return zero_centred ? __fadd_rn(1.0f, w) : w;
+}
+
+// A row of dim <= NORM_STAGE values (see above) normalised by T threads and quantized.
+template <int T>
+__device__ __forceinline__ void rms_norm_staged_q8(const float* xs, float* os, const float* w, int dim, float eps,
+                                                int zero_centred, signed char* qc, float2* qs) {
+    constexpr int PER = NORM_STAGE / T;
+    __shared__ float s_inv;
+    __shared__ float s_x[NORM_STAGE];
+    float xv[PER], wv[PER];
+#pragma unroll
+    for (int u = 0; u < PER; u++) {
+        const int i = threadIdx.x + T * u;
+        xv[u] = i < dim ? xs[i] : 0.0f;
+        wv[u] = i < dim ? w[i] : 0.0f;
+    }
+#pragma unroll
+    for (int u = 0; u < PER; u++) {
+        const int i = threadIdx.x + T * u;
+        if (i < dim) s_x[i] = xv[u];
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        float acc = 0.0f;
+        if (lane < 16) {
+#pragma unroll 8
+            for (int i = lane; i < dim; i += 16) acc = __fadd_rn(acc, __fmul_rn(s_x[i], s_x[i]));
+        }
+        const float inv = norm_inv(acc, dim, eps);
+        if (lane == 0) s_inv = inv;
+    }
+    __syncthreads();
+    const float inv = s_inv;
+#pragma unroll
+    for (int u = 0; u < PER; u++) {
+        const int i = threadIdx.x + T * u;
+        // dim % 32 == 0: whole warps take or skip this branch (warp w holds block
+        // w + (T / 32) u, value j in lane j).
+        if (i < dim) {
+            const float y = __fmul_rn(norm_weight(wv[u], zero_centred), __fmul_rn(xv[u], inv));
+            os[i] = y;
+            q8_block(y, threadIdx.x & 31, qc + i, qs + i / GROUP);
+        }
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)
@@ -247,6 +288,16 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
             if (i < dim) os[i] = __fmul_rn(norm_weight(wv[u], zero_centred), __fmul_rn(xv[u], inv));
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(NORM_Q_THREADS)
+    rms_norm_q8_f32(const float* x, float* out, const float* w, i64 groups, int dim, float eps, int zero_centred,
+                    signed char* qc, float2* qs) {
+    df_kernel_begin();
+    const i64 row = blockIdx.x;
+    if (row >= groups) return;
+    rms_norm_staged_q8<NORM_Q_THREADS>(x + row * dim, out + row * dim, w, dim, eps, zero_centred, qc + row * dim,
+                                          qs + row * (dim / GROUP));
 }
 
 // ---- RoPE (the arithmetic is in common.cu) ----------------------------------------------

@@ -3,7 +3,8 @@
 //! epilogue included), the small-M matmul tiles against each other for every
 //! M = 1..20 (one reduction order: bit for bit), split attention across split boundaries, and
 //! a step replayed from a CUDA graph against the same step run eagerly; rows gathered into an
-//! offset of a larger tensor.
+//! offset of a larger tensor; the int8 x the norm and the attention merge hand to the next
+//! product against the quantizer's.
 //!
 //! Every test prints "skipped: no CUDA device (<reason>)" and returns when there is none.
 #![cfg(feature = "cuda")]
@@ -13,7 +14,7 @@ mod common;
 use common::{bits, gpu, random_vec, random_weight};
 
 use dflash_runtime::backend::{AttnShape, GraphKey, QkNorm, Rope, RopeStyle, RowSpan};
-use dflash_runtime::cuda::CudaBackend;
+use dflash_runtime::cuda::{CudaBackend, CudaOptions, Int8Policy, KernelClassTime};
 use dflash_runtime::{Backend, DType, TokenMeta, WeightRole};
 use rand::{Rng, SeedableRng};
 
@@ -541,5 +542,121 @@ fn graph_replays_equal_eager_steps() {
     }
     if !g.graphs_enabled() {
         println!("note: DFLASH_CUDA_GRAPHS=0: the graph path ran eagerly");
+    }
+}
+
+/// Launches of kernel class `class` in a profile.
+fn launches(profile: &[KernelClassTime], class: &str) -> usize {
+    profile
+        .iter()
+        .filter(|c| c.class == class)
+        .map(|c| c.launches)
+        .sum()
+}
+
+/// The RMS norm and the attention merge write the int8 copy of their output for the int8
+/// products that follow (no quantizer launch), with the quantizer's bits; a launch that writes
+/// x in between makes the next product quantize x again.
+#[test]
+fn int8_x_from_norm_and_attention_equals_the_quantizer() {
+    if gpu().is_none() {
+        return;
+    }
+    // A backend of its own, so that the launch counts are this test's alone.
+    let opts = CudaOptions {
+        int8: Int8Policy::All,
+        ..CudaOptions::from_env().unwrap()
+    };
+    let g = &CudaBackend::with_options(opts).unwrap();
+    // The default model's attention: 9 heads of 64 over 3 KV heads, K = 576.
+    let (n_heads, n_kv_heads, head_dim) = (9usize, 3usize, 64usize);
+    let (k, kv_dim) = (n_heads * head_dim, n_kv_heads * head_dim);
+    let shape = AttnShape {
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        scale: 0.125,
+    };
+    let ctx = 70;
+    let mut kv = g.kv_new(1, kv_dim);
+    g.kv_reserve(&mut kv, 0, ctx, 0);
+    let all: Vec<TokenMeta> = (0..ctx as u32).map(|p| TokenMeta::causal(0, p)).collect();
+    g.kv_write(
+        &mut kv,
+        0,
+        &g.upload(&random_vec(ctx * kv_dim, -1.0, 1.0, 61), ctx, kv_dim),
+        &g.upload(&random_vec(ctx * kv_dim, -1.0, 1.0, 62), ctx, kv_dim),
+        &g.upload_meta(&all),
+    );
+    let norm_w = g.upload(&random_vec(k, 0.5, 1.5, 63), 1, k);
+    for (di, dtype) in [DType::Q4_0, DType::Q4_1, DType::Q8_0]
+        .into_iter()
+        .enumerate()
+    {
+        let seed = 70 + 10 * di as u64;
+        let w = g
+            .upload_weight(&random_weight(dtype, 197, k, seed), WeightRole::Projection)
+            .unwrap();
+        let w2 = g
+            .upload_weight(
+                &random_weight(dtype, 61, k, seed + 1),
+                WeightRole::Projection,
+            )
+            .unwrap();
+        // The products of x from the host (an upload: the quantizer runs).
+        let reference = |x: &[f32], m: usize| -> Vec<u32> {
+            let xg = g.upload(x, m, k);
+            let (mut a, mut b) = (g.tensor(0, 0), g.tensor(0, 0));
+            g.matmul(&xg, &w, &mut a);
+            g.matmul(&xg, &w2, &mut b);
+            bits(&[g.to_host(&a), g.to_host(&b)].concat())
+        };
+        // 1 row (decode), 3 (dp4a tiles), 16 (integer tensor cores).
+        for m in [1usize, 3, 16] {
+            let what = format!("{dtype} M={m}");
+            let x = random_vec(m * k, -3.0, 3.0, seed + m as u64);
+            // Outputs at their size up front: an allocation (a zeroing copy) would forget the
+            // int8 copy too.
+            let (mut h, mut a, mut b) = (g.tensor(m, k), g.tensor(m, 197), g.tensor(m, 61));
+
+            // Norm, then two products of its output.
+            g.set_profiling(true);
+            g.rms_norm(&mut g.upload(&x, m, k), &norm_w, 1e-5, false, Some(&mut h));
+            g.matmul(&h, &w, &mut a);
+            g.matmul(&h, &w2, &mut b);
+            let profile = g.take_profile();
+            g.set_profiling(false);
+            assert_eq!(launches(&profile, "quant_q8"), 0, "{what}: {profile:?}");
+            assert_eq!(launches(&profile, "matmul"), 2, "{what}: {profile:?}");
+            let got = bits(&[g.to_host(&a), g.to_host(&b)].concat());
+            assert_eq!(got, reference(&g.to_host(&h), m), "{what}: after the norm");
+
+            // A launch that writes x between the norm and the product.
+            g.rms_norm(&mut g.upload(&x, m, k), &norm_w, 1e-5, false, Some(&mut h));
+            g.scale(&mut h, 0.75);
+            g.set_profiling(true);
+            g.matmul(&h, &w, &mut a);
+            let profile = g.take_profile();
+            g.set_profiling(false);
+            assert_eq!(launches(&profile, "quant_q8"), 1, "{what}: {profile:?}");
+            let got = bits(&g.to_host(&a));
+            let want = reference(&g.to_host(&h), m);
+            assert_eq!(got, want[..m * 197], "{what}: after a write into x");
+
+            // Attention of m tokens at the end of the context, then two products.
+            let meta: Vec<TokenMeta> = (ctx - m..ctx)
+                .map(|p| TokenMeta::causal(0, p as u32))
+                .collect();
+            let q = g.upload(&random_vec(m * k, -2.0, 2.0, seed + 7), m, k);
+            g.set_profiling(true);
+            g.attention(&q, &kv, 0, &g.upload_meta(&meta), shape, &mut h);
+            g.matmul(&h, &w, &mut a);
+            g.matmul(&h, &w2, &mut b);
+            let profile = g.take_profile();
+            g.set_profiling(false);
+            assert_eq!(launches(&profile, "quant_q8"), 0, "{what}: {profile:?}");
+            let got = bits(&[g.to_host(&a), g.to_host(&b)].concat());
+            assert_eq!(got, reference(&g.to_host(&h), m), "{what}: after attention");
+        }
     }
 }

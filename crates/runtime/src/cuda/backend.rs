@@ -6,12 +6,13 @@ use std::sync::{Arc, Mutex};
 
 use super::device::{
     ck, ensure, int, long, Arg, CudaOptions, Device, Epilogue, PrefillGemm, ATT_GM, ATT_MAX_GHD,
-    ATT_MAX_SPLITS, ATT_PER, ATT_THREADS, MM_SEGS, MM_TILES, MM_WARPS, QT_BM, QT_WARPS, TC_BM,
-    TC_BN, TC_THREADS,
+    ATT_MAX_SPLITS, ATT_PER, ATT_THREADS, MM_SEGS, MM_TILES, MM_WARPS, NORM_Q_THREADS, NORM_STAGE,
+    NORM_THREADS, QT_BM, QT_WARPS, TC_BM, TC_BN, TC_THREADS,
 };
 use super::gdn::CudaGdn;
 use super::graph::Graphs;
 use super::int8::int8_format;
+use super::int8_x::{int8_x_bytes, QuantizedX};
 use super::kv::CudaKv;
 use super::pack;
 use super::profile::{KernelClassTime, Profiler};
@@ -106,6 +107,9 @@ struct AttParams {
     kv_dim: i32,
     scale: f32,
     pad: i32,
+    /// The merge's int8 copy of out (codes, pairs), or zeros.
+    qc: u64,
+    qs: u64,
 }
 
 /// A weight (and, for SwiGLU, its partner) and the output of one fused product.
@@ -177,6 +181,7 @@ impl CudaBackend {
         let n = bytes / 4;
         let (src, mut dst) = (self.dev.zeros::<f32>(n), self.dev.zeros::<f32>(n));
         let mut copy = || {
+            self.dev.fresh_x.forget();
             ck(
                 self.dev.stream.memcpy_dtod(&src, &mut dst),
                 "device-to-device copy",
@@ -410,8 +415,15 @@ impl CudaBackend {
             return;
         }
         p.rope = rope;
+        // The int8 copy of x the kernel before wrote (the RMS norm, the attention merge), else
+        // the quantizer's.
+        let fresh = self.dev.fresh_x.get();
+        let handed = fresh.and_then(|q| q.rows_at(p.x, m, k));
         if first.w.int8 {
-            (p.x, p.xs) = self.quantize_x(p.x, m, k);
+            (p.x, p.xs) = match handed {
+                Some(c) => c,
+                None => self.quantize_x(p.x, m, k),
+            };
         }
         let (f, rows_per_block, threads) = if mma {
             (&kernels.mmqt[epi as usize], QT_BM, QT_WARPS * 32)
@@ -435,22 +447,22 @@ impl CudaBackend {
             (threads as u32, 1, 1),
             &p,
         );
+        // x is unchanged unless an output overlaps it: the copy serves the next product too.
+        if let Some(q) = fresh.filter(|_| handed.is_some()) {
+            let writes_x = prods
+                .iter()
+                .any(|pr| q.overlaps(pr.out, (4 * m * pr.w.rows) as u64));
+            if !writes_x {
+                self.dev.fresh_x.note(q);
+            }
+        }
     }
 
     /// Quantizes `m` rows of `k` values at `x` to int8 per 32-value block (`quant_q8_f32`)
     /// into the scratch buffer; returns the addresses of the codes and of the (d, ds) pairs.
     fn quantize_x(&self, x: u64, m: usize, k: usize) -> (u64, u64) {
         let blocks = m * k / GROUP;
-        // Codes, padded to 16 bytes, then two f32 per block.
-        let codes = (m * k).next_multiple_of(16);
-        let mut s = self.dev.scratch.lock().expect("scratch lock");
-        let base = ensure(
-            &self.dev.stream,
-            &self.dev.epoch,
-            &mut s.xq,
-            codes + 8 * blocks,
-        );
-        drop(s);
+        let (base, pairs) = self.int8_x_buffer(m, k);
         let warps = (QUANT_THREADS / 32) as usize;
         self.dev.launch(
             &self.dev.k.quant_q8,
@@ -458,14 +470,25 @@ impl CudaBackend {
             (blocks.div_ceil(warps).clamp(1, 4096) as u32, 1, 1),
             (QUANT_THREADS, 1, 1),
             0,
-            &[
-                Arg::Ptr(x),
-                long(blocks),
-                Arg::Ptr(base),
-                Arg::Ptr(base + codes as u64),
-            ],
+            &[Arg::Ptr(x), long(blocks), Arg::Ptr(base), Arg::Ptr(pairs)],
         );
-        (base, base + codes as u64)
+        (base, pairs)
+    }
+
+    /// The scratch buffer for an int8 copy of `m` rows of `k` values (cuda/int8_x.rs): the
+    /// addresses of its codes and of its (d, ds) pairs.
+    fn int8_x_buffer(&self, m: usize, k: usize) -> (u64, u64) {
+        let (pairs, bytes) = int8_x_bytes(m, k);
+        let mut s = self.dev.scratch.lock().expect("scratch lock");
+        let base = ensure(&self.dev.stream, &self.dev.epoch, &mut s.xq, bytes);
+        (base, base + pairs as u64)
+    }
+
+    /// Where a kernel writing `rows` rows of `k` values should also write their int8 copy
+    /// (codes, pairs), when an int8 product of that width may read them next.
+    fn int8_copy_for(&self, rows: usize, k: usize) -> Option<(u64, u64)> {
+        (self.dev.int8_handoff && rows > 0 && k.is_multiple_of(GROUP) && self.dev.int8_k(k))
+            .then(|| self.int8_x_buffer(rows, k))
     }
 
     /// The launch parameters of products over `m` rows of x at `x_ptr` (row `row0` of the
@@ -822,6 +845,9 @@ impl Backend for CudaBackend {
         let packed = int8
             .then(|| pack::pack(w).zip(pack::row_bytes(w.dtype, w.cols)))
             .flatten();
+        if packed.is_some() {
+            self.dev.note_int8_k(w.cols);
+        }
         let row_bytes = packed.as_ref().map_or(w.row_bytes(), |p| p.1);
         let packed = packed.map(|p| p.0);
         let bytes = packed.as_deref().unwrap_or(w.bytes.as_slice());
@@ -1170,23 +1196,40 @@ impl Backend for CudaBackend {
         if groups == 0 {
             return;
         }
-        // A block per group (NORM_THREADS in ops.cu).
-        self.dev.launch(
-            &self.dev.k.rms_norm,
-            "rms_norm",
-            (groups as u32, 1, 1),
-            (128, 1, 1),
-            0,
-            &[
-                Arg::Ptr(src),
-                Arg::Ptr(dst),
-                Arg::Ptr(self.tptr(weight)),
-                long(groups),
-                int(dim),
-                Arg::F32(eps),
-                int(zero_centred as usize),
-            ],
-        );
+        // Whole rows of up to NORM_STAGE values (ops.cu) can also be written as int8 x.
+        let copy = (dim == x.cols && dim <= NORM_STAGE)
+            .then(|| self.int8_copy_for(groups, dim))
+            .flatten();
+        let (qc, qs) = copy.unwrap_or((0, 0));
+        let args = [
+            Arg::Ptr(src),
+            Arg::Ptr(dst),
+            Arg::Ptr(self.tptr(weight)),
+            long(groups),
+            int(dim),
+            Arg::F32(eps),
+            int(zero_centred as usize),
+            Arg::Ptr(qc),
+            Arg::Ptr(qs),
+        ];
+        // A block per group (NORM_THREADS, NORM_Q_THREADS in ops.cu); the plain norm takes
+        // the first seven arguments.
+        let (f, name, threads, n) = match copy {
+            Some(_) => (&self.dev.k.rms_norm_q8, "rms_norm q8", NORM_Q_THREADS, 9),
+            None => (&self.dev.k.rms_norm, "rms_norm", NORM_THREADS, 7),
+        };
+        let grid = (groups as u32, 1, 1);
+        self.dev
+            .launch(f, name, grid, (threads, 1, 1), 0, &args[..n]);
+        if let Some((codes, pairs)) = copy {
+            self.dev.fresh_x.note(QuantizedX {
+                x: dst,
+                rows: groups,
+                k: dim,
+                codes,
+                pairs,
+            });
+        }
     }
 
     fn rope(
@@ -1301,7 +1344,7 @@ impl Backend for CudaBackend {
                 t * n_heads * ATT_MAX_SPLITS * (head_dim + 2),
             )
         };
-        let p = AttParams {
+        let mut p = AttParams {
             q: self.tptr(q),
             meta: self.meta_ptr(meta),
             rows: self.ptr(kv.table.as_ref().expect("rows reserved")),
@@ -1315,6 +1358,8 @@ impl Backend for CudaBackend {
             kv_dim: kv.kv_dim as i32,
             scale,
             pad: 0,
+            qc: 0,
+            qs: 0,
         };
         // Splits past a token's key count leave at once; the grid does not depend on the
         // context length, so a captured step stays valid as the context grows.
@@ -1325,13 +1370,34 @@ impl Backend for CudaBackend {
             (ATT_THREADS, 1, 1),
             &p,
         );
+        // The merge also writes the int8 copy of out for an int8 output projection (whole
+        // blocks of 32 values within each head).
+        let k = n_heads * head_dim;
+        let copy = head_dim
+            .is_multiple_of(GROUP)
+            .then(|| self.int8_copy_for(t, k))
+            .flatten();
+        (p.qc, p.qs) = copy.unwrap_or((0, 0));
+        let merge = match copy {
+            Some(_) => &self.dev.k.attention_merge_q8,
+            None => &self.dev.k.attention_merge,
+        };
         self.dev.launch_with(
-            &self.dev.k.attention_merge,
+            merge,
             "attention merge",
             (t as u32, n_heads as u32, 1),
             (head_dim.next_multiple_of(32) as u32, 1, 1),
             &p,
         );
+        if let Some((codes, pairs)) = copy {
+            self.dev.fresh_x.note(QuantizedX {
+                x: p.out,
+                rows: t,
+                k,
+                codes,
+                pairs,
+            });
+        }
     }
 
     fn silu_mul(&self, gate: &mut CudaTensor, up: &CudaTensor) {
@@ -1525,6 +1591,7 @@ impl Backend for CudaBackend {
         host[4 * t..5 * t].copy_from_slice(ids);
         host[5 * t..need].copy_from_slice(sel);
         let dst = self.ptr(step.meta.buf.as_ref().expect("allocated above"));
+        self.dev.fresh_x.forget();
         // SAFETY: the device buffer holds `cap >= need` values; the staging buffer is pinned
         // and not written again before `copied` completes.
         ck(

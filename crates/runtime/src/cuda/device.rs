@@ -10,6 +10,7 @@ use cudarc::driver::{result as drv, CudaContext, CudaFunction, CudaSlice, CudaSt
 
 use super::compile::{self, Image, Module, Target};
 use super::int8::{int8_format, int8_mma_min_rows, Int8Policy};
+use super::int8_x::FreshX;
 use super::profile::Profiler;
 use crate::dtype::DType;
 use crate::error::RuntimeError;
@@ -129,6 +130,13 @@ pub(crate) const MM_TILES: [MmTile; 5] = [
 pub(crate) const TC_BM: usize = 64;
 pub(crate) const TC_BN: usize = 32;
 pub(crate) const TC_THREADS: u32 = 128;
+/// The longest row the RMS norm holds in shared memory (NORM_STAGE in ops.cu): only such
+/// rows can be written as int8 x by the norm too.
+pub(crate) const NORM_STAGE: usize = 4096;
+/// Threads per block of the RMS norm (NORM_THREADS in ops.cu) and of the norm that also
+/// quantizes its rows (NORM_Q_THREADS).
+pub(crate) const NORM_THREADS: u32 = 128;
+pub(crate) const NORM_Q_THREADS: u32 = 256;
 /// Warps per matmul block (MM_WARPS in matmul.cu).
 pub(crate) const MM_WARPS: usize = 4;
 /// Column tiles of 8 outputs, rows of x and warps per block of the int8 tensor-core kernels
@@ -219,6 +227,7 @@ pub(crate) struct Kernels {
     pub gather_rows: CudaFunction,
     pub copy_columns: CudaFunction,
     pub rms_norm: CudaFunction,
+    pub rms_norm_q8: CudaFunction,
     pub rope: CudaFunction,
     pub rope_kv: CudaFunction,
     pub qk_norm_rope_kv: CudaFunction,
@@ -227,6 +236,7 @@ pub(crate) struct Kernels {
     /// `attention_split[per index][gm index]` (None where GM * 32 * PER > ATT_MAX_GHD).
     pub attention_split: Vec<Vec<Option<CudaFunction>>>,
     pub attention_merge: CudaFunction,
+    pub attention_merge_q8: CudaFunction,
     pub sample: super::sample::SampleKernels,
 }
 
@@ -308,6 +318,16 @@ pub(crate) fn ensure<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZero
     dptr(stream, slot.as_ref().expect("just set"))
 }
 
+/// A switch that is on unless the environment variable `name` is `0` (unset, empty or `1`:
+/// on; anything else is an error naming the variable).
+fn switch_on(name: &str) -> Result<bool, String> {
+    match std::env::var(name).as_deref().map(str::trim) {
+        Err(_) | Ok("1") | Ok("") => Ok(true),
+        Ok("0") => Ok(false),
+        Ok(v) => Err(format!("{name}={v:?}: expected 0 or 1")),
+    }
+}
+
 /// The raw device address of a buffer.
 pub(crate) fn dptr<T>(stream: &CudaStream, s: &CudaSlice<T>) -> u64 {
     let (p, _sync) = s.device_ptr(stream);
@@ -335,6 +355,10 @@ pub(crate) struct Device {
     pub fuse_rope: bool,
     /// Which of the target's projections multiply int8-quantized activations (`DFLASH_CUDA_INT8`).
     pub int8: Int8Policy,
+    /// The RMS norm and the attention merge write the int8 copy of their output for the int8
+    /// product after them (cuda/int8_x.rs), unless `DFLASH_CUDA_INT8_HANDOFF=0` (then every
+    /// int8 product launches the quantizer; the bits are the same either way).
+    pub int8_handoff: bool,
     /// Int8-activation products of at least this many rows of x run on integer tensor cores
     /// (`mmqt_*`, same bits as `mmq_*`): `DFLASH_CUDA_INT8_MMA` = `auto` (`int8::INT8_MMA_MIN_M`),
     /// a number, or `0` (never; also below sm_80).
@@ -354,6 +378,11 @@ pub(crate) struct Device {
     pub profiler: Mutex<Option<Profiler>>,
     /// Buffers of the token-choice ops.
     pub sample: Mutex<super::sample::SampleScratch>,
+    /// The int8 copy of x the last launch wrote for the product after it (cuda/int8_x.rs).
+    pub fresh_x: FreshX,
+    /// Inner dimensions of the uploaded int8-activation weights: the RMS norm and the
+    /// attention merge write an int8 copy of an output this wide.
+    int8_k: Mutex<Vec<usize>>,
 }
 
 impl Device {
@@ -465,15 +494,8 @@ impl Device {
             Ok(v) => return Err(dev_err(format!("DFLASH_CUDA_PDL={v:?}: expected 0 or 1"))),
         };
 
-        let fuse_rope = match std::env::var("DFLASH_CUDA_FUSE_ROPE").as_deref() {
-            Err(_) | Ok("1") | Ok("") => true,
-            Ok("0") => false,
-            Ok(v) => {
-                return Err(dev_err(format!(
-                    "DFLASH_CUDA_FUSE_ROPE={v:?}: expected 0 or 1"
-                )))
-            }
-        };
+        let fuse_rope = switch_on("DFLASH_CUDA_FUSE_ROPE").map_err(dev_err)?;
+        let int8_handoff = switch_on("DFLASH_CUDA_INT8_HANDOFF").map_err(dev_err)?;
 
         let int8_mma_min_m =
             int8_mma_min_rows(std::env::var("DFLASH_CUDA_INT8_MMA").ok().as_deref())
@@ -515,6 +537,7 @@ impl Device {
             fuse_rope,
             int8: opts.int8,
             int8_mma_min_m,
+            int8_handoff,
             name,
             compute_capability: cc,
             target,
@@ -530,6 +553,8 @@ impl Device {
             epoch: AtomicU64::new(0),
             profiler: Mutex::new(None),
             sample: Mutex::new(Default::default()),
+            fresh_x: FreshX::default(),
+            int8_k: Mutex::new(Vec::new()),
         })
     }
 
@@ -637,6 +662,20 @@ impl Device {
         })
     }
 
+    /// Notes an uploaded int8-activation weight with `k` inputs.
+    pub fn note_int8_k(&self, k: usize) {
+        let mut ks = self.int8_k.lock().expect("int8 k lock");
+        if !ks.contains(&k) {
+            ks.push(k);
+        }
+    }
+
+    /// Whether some int8-activation weight has `k` inputs (so an int8 copy of an output `k`
+    /// wide may be read).
+    pub fn int8_k(&self, k: usize) -> bool {
+        self.int8_k.lock().expect("int8 k lock").contains(&k)
+    }
+
     /// Makes the context current on the calling thread.
     pub fn bind(&self) {
         ck(
@@ -716,6 +755,7 @@ impl Device {
         smem: u32,
         params: &mut [*mut c_void],
     ) {
+        self.fresh_x.forget();
         assert!(
             grid.0 > 0 && grid.1 > 0 && grid.2 > 0,
             "empty grid for {name}"
@@ -786,6 +826,7 @@ impl Device {
         if src.is_empty() {
             return;
         }
+        self.fresh_x.forget();
         // SAFETY: `dst` is a live buffer of at least `src.len()` elements (callers ensure it).
         ck(
             unsafe { drv::memcpy_htod_async(dst, src, self.stream.cu_stream()) },
@@ -811,6 +852,7 @@ impl Device {
         &self,
         n: usize,
     ) -> CudaSlice<T> {
+        self.fresh_x.forget();
         ck(self.stream.alloc_zeros::<T>(n.max(1)), "allocation")
     }
 
@@ -926,6 +968,7 @@ fn load_kernels_for(ctx: &Arc<CudaContext>, target: Target) -> Result<Kernels, S
         gather_rows: get(Module::Ops, "gather_rows_f32")?,
         copy_columns: get(Module::Ops, "copy_columns_f32")?,
         rms_norm: get(Module::Ops, "rms_norm_f32")?,
+        rms_norm_q8: get(Module::Ops, "rms_norm_q8_f32")?,
         rope: get(Module::Ops, "rope_f32")?,
         rope_kv: get(Module::Ops, "rope_kv_f32")?,
         qk_norm_rope_kv: get(Module::Ops, "qk_norm_rope_kv_f32")?,
@@ -933,6 +976,7 @@ fn load_kernels_for(ctx: &Arc<CudaContext>, target: Target) -> Result<Kernels, S
         kv_copy: get(Module::Ops, "kv_copy_f32")?,
         attention_split,
         attention_merge: get(Module::Attention, "attention_merge")?,
+        attention_merge_q8: get(Module::Attention, "attention_merge_q8")?,
         sample: super::sample::SampleKernels::load(|name| get(Module::Sample, name))?,
     })
 }

@@ -62,6 +62,13 @@ impl Graphs {
 
     /// Runs `f` for `key`: eagerly, by capture then replay, or by replay (see the module docs).
     pub fn run(&mut self, dev: &Device, key: GraphKey, f: &mut dyn FnMut()) {
+        // A replay runs no host code: no int8 copy of x is known before or after it.
+        dev.fresh_x.forget();
+        self.run_step(dev, key, f);
+        dev.fresh_x.forget();
+    }
+
+    fn run_step(&mut self, dev: &Device, key: GraphKey, f: &mut dyn FnMut()) {
         let epoch = dev.epoch.load(Ordering::Relaxed);
         if epoch != self.epoch || self.entries.len() >= MAX_GRAPHS {
             self.entries.clear();

@@ -12,8 +12,7 @@ use crate::dtype::DType;
 pub enum Int8Policy {
     /// None: f32 activations everywhere.
     Off,
-    /// Q4_0 and Q4_1 projections with at least [`INT8_MIN_K`] inputs: where the cheaper
-    /// products outweigh the quantizer's extra launch per product. (Q8_0 stays on f32: on the
+    /// Q4_0 and Q4_1 projections with at least [`INT8_MIN_K`] inputs. (Q8_0 stays on f32: on the
     /// Qwen3-4B shapes its int8 M = 1 products are slower for three of six shapes.)
     Auto,
     /// Every eligible projection.
@@ -21,10 +20,11 @@ pub enum Int8Policy {
 }
 
 /// The smallest inner dimension `Int8Policy::Auto` gives int8 activations. Measured on the
-/// H200 (docs/benchmarks/2026-12-01-h200-int8-activations.md): on the Qwen3-4B shapes (K 2560
-/// and 9728, Q4_0) int8 cuts a 16-token verify from 4.6 to 3.4 decode steps and decode gains
-/// 2-3%; on the default model's (K 576 and 1536) the 120 quantizer launches per token cost 9%
-/// of decode speed.
+/// H200 (docs/benchmarks/2026-12-01-h200-int8-activations.md, 2026-12-02-h200-int8-handoff.md):
+/// on the Qwen3-4B shapes (K 2560 and 9728, Q4_0) int8 cuts a 16-token verify from 4.6 to 2.9
+/// decode steps and decode is faster; on the default model's (K 576 and 1536) int8 decodes as
+/// fast as f32 once the norm and the attention merge hand int8 x on, but its greedy tokens part
+/// from the CPU's int8 tokens more than the f32 path's part from the CPU's f32 tokens.
 pub const INT8_MIN_K: usize = 2048;
 
 impl Int8Policy {

@@ -81,6 +81,7 @@ mod device;
 mod gdn;
 mod graph;
 mod int8;
+mod int8_x;
 pub mod kv;
 pub mod pack;
 mod profile;
