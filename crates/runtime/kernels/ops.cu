@@ -142,15 +142,17 @@ extern "C" __global__ void quant_q8_f32(const float* x, i64 blocks, signed char*
 // rms_norm_q8_f32 also quantizes each row it normalises for int8 products (q8_block, the
 // quantizer's bits: codes at qc[row * dim + i], pairs at qs[row * dim / 32 + block]), so the
 // product that follows needs no quantizer launch. Rows of at most NORM_STAGE values, a multiple
-// of 32 (the host checks). It runs NORM_Q_THREADS threads, so that each warp quantizes at most
-// 16 blocks (a decode step normalises one row: a chain of up to 32 blocks per warp at 128
-// threads) while a prompt's rows still fit one wave. The values and the sum of squares do not
-// depend on the thread count (the partials are made from the staged copy), so both kernels
-// give the same bits.
+// of 32 (the host checks). Two widths: rms_norm_q8_few_f32 (NORM_Q_FEW_THREADS) for the few
+// rows of a decode or verify step, whose warps then quantize at most four blocks each (at 128
+// threads one row is a chain of up to 32 blocks per warp); rms_norm_q8_f32 (NORM_Q_THREADS)
+// for prompt rows, which then fit one wave. The values and the sum of squares do not depend on
+// the thread count (the partials are made from the staged copy), so all norms give the same
+// bits.
 #define NORM_THREADS 128
 #define NORM_STAGE 4096
 #define NORM_PER (NORM_STAGE / NORM_THREADS)
 #define NORM_Q_THREADS 256
+#define NORM_Q_FEW_THREADS 1024
 
 // 1 / sqrt(ss / dim + eps) from the sixteen partials held by lanes 0..15 (lane 0 returns it).
 __device__ __forceinline__ float norm_inv(float acc, int dim, float eps) {
@@ -290,15 +292,18 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     }
 }
 
-extern "C" __global__ void __launch_bounds__(NORM_Q_THREADS)
-    rms_norm_q8_f32(const float* x, float* out, const float* w, i64 groups, int dim, float eps, int zero_centred,
-                    signed char* qc, float2* qs) {
-    df_kernel_begin();
-    const i64 row = blockIdx.x;
-    if (row >= groups) return;
-    rms_norm_staged_q8<NORM_Q_THREADS>(x + row * dim, out + row * dim, w, dim, eps, zero_centred, qc + row * dim,
-                                          qs + row * (dim / GROUP));
-}
+#define NORM_Q8_KERNEL(NAME, T)                                                                               \
+    extern "C" __global__ void __launch_bounds__(T) NAME(const float* x, float* out, const float* w, i64 groups, \
+                                                         int dim, float eps, int zero_centred, signed char* qc,  \
+                                                         float2* qs) {                                           \
+        df_kernel_begin();                                                                                       \
+        const i64 row = blockIdx.x;                                                                              \
+        if (row >= groups) return;                                                                               \
+        rms_norm_staged_q8<T>(x + row * dim, out + row * dim, w, dim, eps, zero_centred, qc + row * dim,         \
+                              qs + row * (dim / GROUP));                                                         \
+    }
+NORM_Q8_KERNEL(rms_norm_q8_f32, NORM_Q_THREADS)
+NORM_Q8_KERNEL(rms_norm_q8_few_f32, NORM_Q_FEW_THREADS)
 
 // ---- RoPE (the arithmetic is in common.cu) ----------------------------------------------
 

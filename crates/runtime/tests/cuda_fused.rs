@@ -611,8 +611,9 @@ fn int8_x_from_norm_and_attention_equals_the_quantizer() {
             g.matmul(&xg, &w2, &mut b);
             bits(&[g.to_host(&a), g.to_host(&b)].concat())
         };
-        // 1 row (decode), 3 (dp4a tiles), 16 (integer tensor cores).
-        for m in [1usize, 3, 16] {
+        // 1 row (decode), 3 (dp4a tiles), 16 (integer tensor cores), 40 (the norm for
+        // prompt rows).
+        for m in [1usize, 3, 16, 40] {
             let what = format!("{dtype} M={m}");
             let x = random_vec(m * k, -3.0, 3.0, seed + m as u64);
             // Outputs at their size up front: an allocation (a zeroing copy) would forget the

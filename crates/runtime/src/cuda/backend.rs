@@ -6,8 +6,9 @@ use std::sync::{Arc, Mutex};
 
 use super::device::{
     ck, ensure, int, long, Arg, CudaOptions, Device, Epilogue, PrefillGemm, ATT_GM, ATT_MAX_GHD,
-    ATT_MAX_SPLITS, ATT_PER, ATT_THREADS, MM_SEGS, MM_TILES, MM_WARPS, NORM_Q_THREADS, NORM_STAGE,
-    NORM_THREADS, QT_BM, QT_WARPS, TC_BM, TC_BN, TC_THREADS,
+    ATT_MAX_SPLITS, ATT_PER, ATT_THREADS, MM_SEGS, MM_TILES, MM_WARPS, NORM_Q_FEW_ROWS,
+    NORM_Q_FEW_THREADS, NORM_Q_THREADS, NORM_STAGE, NORM_THREADS, QT_BM, QT_WARPS, TC_BM, TC_BN,
+    TC_THREADS,
 };
 use super::gdn::CudaGdn;
 use super::graph::Graphs;
@@ -1212,9 +1213,15 @@ impl Backend for CudaBackend {
             Arg::Ptr(qc),
             Arg::Ptr(qs),
         ];
-        // A block per group (NORM_THREADS, NORM_Q_THREADS in ops.cu); the plain norm takes
+        // A block per group (NORM_THREADS, NORM_Q_THREADS, NORM_Q_FEW_THREADS in ops.cu); the plain norm takes
         // the first seven arguments.
         let (f, name, threads, n) = match copy {
+            Some(_) if groups <= NORM_Q_FEW_ROWS => (
+                &self.dev.k.rms_norm_q8_few,
+                "rms_norm q8",
+                NORM_Q_FEW_THREADS,
+                9,
+            ),
             Some(_) => (&self.dev.k.rms_norm_q8, "rms_norm q8", NORM_Q_THREADS, 9),
             None => (&self.dev.k.rms_norm, "rms_norm", NORM_THREADS, 7),
         };

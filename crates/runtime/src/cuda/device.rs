@@ -133,10 +133,13 @@ pub(crate) const TC_THREADS: u32 = 128;
 /// The longest row the RMS norm holds in shared memory (NORM_STAGE in ops.cu): only such
 /// rows can be written as int8 x by the norm too.
 pub(crate) const NORM_STAGE: usize = 4096;
-/// Threads per block of the RMS norm (NORM_THREADS in ops.cu) and of the norm that also
-/// quantizes its rows (NORM_Q_THREADS).
+/// Threads per block of the RMS norm (NORM_THREADS in ops.cu) and of the norms that also
+/// quantize their rows: for prompt rows (NORM_Q_THREADS) and for at most `NORM_Q_FEW_ROWS`
+/// rows, a decode or verify step (NORM_Q_FEW_THREADS).
 pub(crate) const NORM_THREADS: u32 = 128;
 pub(crate) const NORM_Q_THREADS: u32 = 256;
+pub(crate) const NORM_Q_FEW_THREADS: u32 = 1024;
+pub(crate) const NORM_Q_FEW_ROWS: usize = 16;
 /// Warps per matmul block (MM_WARPS in matmul.cu).
 pub(crate) const MM_WARPS: usize = 4;
 /// Column tiles of 8 outputs, rows of x and warps per block of the int8 tensor-core kernels
@@ -228,6 +231,7 @@ pub(crate) struct Kernels {
     pub copy_columns: CudaFunction,
     pub rms_norm: CudaFunction,
     pub rms_norm_q8: CudaFunction,
+    pub rms_norm_q8_few: CudaFunction,
     pub rope: CudaFunction,
     pub rope_kv: CudaFunction,
     pub qk_norm_rope_kv: CudaFunction,
@@ -969,6 +973,7 @@ fn load_kernels_for(ctx: &Arc<CudaContext>, target: Target) -> Result<Kernels, S
         copy_columns: get(Module::Ops, "copy_columns_f32")?,
         rms_norm: get(Module::Ops, "rms_norm_f32")?,
         rms_norm_q8: get(Module::Ops, "rms_norm_q8_f32")?,
+        rms_norm_q8_few: get(Module::Ops, "rms_norm_q8_few_f32")?,
         rope: get(Module::Ops, "rope_f32")?,
         rope_kv: get(Module::Ops, "rope_kv_f32")?,
         qk_norm_rope_kv: get(Module::Ops, "qk_norm_rope_kv_f32")?,
