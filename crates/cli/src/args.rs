@@ -57,8 +57,9 @@ pub struct DraftArgs {
     /// the target verifies every draft.
     #[arg(long, value_name = "N")]
     pub draft_vocab: Option<usize>,
-    /// How the drafter's layer weights are held: as stored (bf16) or re-encoded as Q8_0 at
-    /// load (about half the bytes a draft step reads). Output is unchanged either way.
+    /// How the drafter's layer weights are held: as stored (bf16, the default) or re-encoded
+    /// as Q8_0 at load (about half the bytes a draft step reads). Output is unchanged either
+    /// way.
     #[arg(long, value_enum)]
     pub draft_weights: Option<DraftWeights>,
     /// How a batch commits accepted tokens: each row its own count, or all rows the smallest.
