@@ -57,6 +57,11 @@ pub struct DraftArgs {
     /// the target verifies every draft.
     #[arg(long, value_name = "N")]
     pub draft_vocab: Option<usize>,
+    /// How the drafter's layer weights are held: as stored (bf16, the default) or re-encoded
+    /// as Q8_0 at load (about half the bytes a draft step reads). Output is unchanged either
+    /// way.
+    #[arg(long, value_enum)]
+    pub draft_weights: Option<DraftWeights>,
     /// How a batch commits accepted tokens: each row its own count, or all rows the smallest.
     #[arg(long, value_enum, default_value_t = BatchAccept::PerRow)]
     pub batch_accept: BatchAccept,
@@ -65,6 +70,24 @@ pub struct DraftArgs {
     /// `eval`, which measure the drafter).
     #[arg(long, value_enum)]
     pub speculation: Option<Speculation>,
+}
+
+/// `--draft-weights` values.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DraftWeights {
+    Stored,
+    #[value(name = "q8_0")]
+    Q8_0,
+}
+
+impl DraftWeights {
+    /// The format the drafter's layer weights are re-encoded as (`None`: as stored).
+    pub fn dtype(self) -> Option<dflash_runtime::DType> {
+        match self {
+            DraftWeights::Stored => None,
+            DraftWeights::Q8_0 => Some(dflash_runtime::DType::Q8_0),
+        }
+    }
 }
 
 /// `--speculation` values.

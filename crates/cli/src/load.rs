@@ -20,7 +20,7 @@ use dflash_runtime::cpu::CpuBackend;
 use dflash_runtime::cuda::CudaBackend;
 use dflash_runtime::Backend;
 
-use crate::args::{BatchAccept, DraftArgs, ModelArgs, Speculation};
+use crate::args::{BatchAccept, DraftArgs, DraftWeights, ModelArgs, Speculation};
 use crate::progress::Bars;
 
 /// Default draft block on the CPU backend. Verifying a block costs a target forward over every
@@ -288,7 +288,8 @@ fn decoder_on<B: Backend>(
     DrafterConfig::read(dir)
         .and_then(|c| c.check_target(target.hidden(), target.n_layers(), target.vocab()))
         .with_context(|| format!("the drafter at {} does not fit {name}", dir.display()))?;
-    let mut d = DflashDrafter::open(backend, dir)
+    let weights = draft.draft_weights.and_then(DraftWeights::dtype);
+    let mut d = DflashDrafter::open_as(backend, dir, weights)
         .with_context(|| format!("cannot load the drafter at {}", dir.display()))?;
     shortlist(&mut d, &target, dir, draft.draft_vocab, default_vocab)?;
     paths.extend(d.matmul_paths());

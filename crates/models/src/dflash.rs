@@ -11,7 +11,7 @@ use std::sync::Arc;
 use dflash_runtime::backend::{
     AttnShape, GraphKey, QkNorm, Rope, RopeStyle, TokenMeta, WeightRole,
 };
-use dflash_runtime::Backend;
+use dflash_runtime::{Backend, DType};
 
 use crate::config::rope_inv_freq;
 use crate::dflash2::{LayerConvs, Selector};
@@ -169,20 +169,47 @@ impl<B: Backend> DflashDrafter<B> {
 
     /// Loads a drafter directory (`config.json` + safetensors).
     pub fn open(backend: Arc<B>, dir: &Path) -> Result<Self> {
+        Self::open_as(backend, dir, None)
+    }
+
+    /// [`Self::open`] with the layers' projection weights re-encoded as `weights` at load
+    /// (e.g. Q8_0: about half the bytes of bf16 per draft step; the drafts may differ
+    /// slightly, the output never does: the target verifies every draft).
+    pub fn open_as(backend: Arc<B>, dir: &Path, weights: Option<DType>) -> Result<Self> {
         let cfg = DrafterConfig::read(dir)?;
         let src = SafetensorsDir::open(dir)?;
-        Self::load(backend, cfg, &src)
+        Self::load_as(backend, cfg, &src, weights)
     }
 
     /// Builds the drafter from tensors in `src`.
     pub fn load(backend: Arc<B>, cfg: DrafterConfig, src: &dyn TensorSource) -> Result<Self> {
+        Self::load_as(backend, cfg, src, None)
+    }
+
+    /// [`Self::load`] with the projection weights re-encoded as `weights` (see
+    /// [`Self::open_as`]).
+    pub fn load_as(
+        backend: Arc<B>,
+        cfg: DrafterConfig,
+        src: &dyn TensorSource,
+        weights: Option<DType>,
+    ) -> Result<Self> {
         cfg.validate()?;
         let b = &*backend;
         let (h, hd) = (cfg.hidden, cfg.head_dim);
         let (qd, kvd) = (cfg.heads * hd, cfg.kv_heads * hd);
         let taps = cfg.target_layer_ids.len();
-        let w = |n: &str, r: usize, c: usize| {
-            load_matrix(b, src, &resolve(src, n), [r, c], WeightRole::Draft)
+        let w = |n: &str, r: usize, c: usize| -> Result<B::Weight> {
+            let Some(dtype) = weights else {
+                return load_matrix(b, src, &resolve(src, n), [r, c], WeightRole::Draft);
+            };
+            let stored = src.weight(&resolve(src, n), Some([r, c]))?;
+            let w = stored.requantized(dtype).ok_or_else(|| {
+                ModelError::Config(format!(
+                    "drafter weight {n} ({r} x {c}) cannot be stored as {dtype}"
+                ))
+            })?;
+            Ok(b.upload_weight(&w, WeightRole::Draft)?)
         };
         let vec = |n: &str, len: usize| load_vector(b, src, &resolve(src, n), len);
         let mut layers = Vec::with_capacity(cfg.layers);

@@ -1,7 +1,9 @@
 //! The shipped drafter in our engine drafts what the training package (PyTorch, with target
 //! features from transformers) drafts for the same context (fixture made by
 //! tools/make_trained_drafter_fixture.py). Slots whose top-1/top-2 logit margin in PyTorch is
-//! below 1e-2 are near-ties that f32 summation order may flip; all others must agree.
+//! below 1e-2 are near-ties that f32 summation order may flip; all others must agree. With its
+//! layer weights re-encoded as Q8_0 at load (`--draft-weights q8_0`) the drafter still drafts
+//! what PyTorch drafts on all but a few of those slots.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -10,11 +12,12 @@ use dflash_models::default_model::{ensure_default_model, Silent};
 use dflash_models::{load_model, DflashDrafter, Drafter, LogitRows, RowStep, Target};
 use dflash_runtime::cpu::ops::elementwise::argmax;
 use dflash_runtime::cpu::{CpuBackend, Isa, MatmulMode};
-use dflash_runtime::Backend;
+use dflash_runtime::{Backend, DType};
 use serde_json::Value;
 
-#[test]
-fn shipped_drafter_matches_the_training_implementation() {
+/// Slots where the shipped drafter (layer weights re-encoded as `weights`, or as stored) drafts
+/// what PyTorch drafts, and the slots compared (PyTorch margin >= 1e-2).
+fn agreement(weights: Option<DType>) -> (usize, usize) {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let fixture: Value = serde_json::from_str(
         &std::fs::read_to_string(root.join("tests/fixtures/trained_drafter_tf.json")).unwrap(),
@@ -30,10 +33,10 @@ fn shipped_drafter_matches_the_training_implementation() {
     let path = ensure_default_model(&Silent).expect("the default model must be obtainable");
     let mut target = load_model(b.clone(), &path).unwrap().model;
     let dir = root.join("../../models/drafters/smollm2-135m-instruct-dflash");
-    let mut drafter = DflashDrafter::open(b.clone(), &dir).unwrap();
+    let mut drafter = DflashDrafter::open_as(b.clone(), &dir, weights).unwrap();
     target.set_tap_layers(drafter.tap_layers()).unwrap();
     let block = fixture["block_size"].as_u64().unwrap() as usize;
-    let (mut compared, mut near_ties) = (0, 0);
+    let (mut compared, mut agree) = (0, 0);
     for (ci, case) in fixture["cases"].as_array().unwrap().iter().enumerate() {
         let toks: Vec<u32> = case["tokens"]
             .as_array()
@@ -75,22 +78,37 @@ fn shipped_drafter_matches_the_training_implementation() {
         {
             let got = argmax(&logits[slot * vocab..(slot + 1) * vocab]);
             if margin.as_f64().unwrap() < 1e-2 {
-                near_ties += 1;
                 continue;
             }
             compared += 1;
-            assert_eq!(
-                got as u64,
-                want.as_u64().unwrap(),
-                "case {ci} slot {}",
-                slot + 1
-            );
+            if got as u64 == want.as_u64().unwrap() {
+                agree += 1;
+            } else if weights.is_none() {
+                panic!(
+                    "case {ci} slot {}: {got} against PyTorch's {want}",
+                    slot + 1
+                );
+            }
         }
         target.release_row(row);
         drafter.release_row(drow);
     }
+    assert!(compared > 300, "only {compared} slots compared");
+    (agree, compared)
+}
+
+#[test]
+fn shipped_drafter_matches_the_training_implementation() {
+    let (agree, compared) = agreement(None);
+    assert_eq!(agree, compared);
+}
+
+#[test]
+fn shipped_drafter_with_q8_0_weights_drafts_nearly_the_same() {
+    let (agree, compared) = agreement(Some(DType::Q8_0));
+    println!("Q8_0 drafter weights: {agree} of {compared} slots as PyTorch");
     assert!(
-        compared > 300,
-        "only {compared} slots compared ({near_ties} near-ties)"
+        agree * 100 >= compared * 97,
+        "Q8_0 drafter weights: only {agree} of {compared} slots as PyTorch"
     );
 }

@@ -120,6 +120,30 @@ impl HostWeight {
         &self.bytes.as_slice()[r * rb..(r + 1) * rb]
     }
 
+    /// This weight re-encoded as `dtype` (rows decoded to f32, then encoded with
+    /// `quant::quantize_row`), or `None` when `dtype` has no encoder here (K-quants) or
+    /// `cols` is not a whole number of its blocks.
+    pub fn requantized(&self, dtype: DType) -> Option<HostWeight> {
+        if matches!(dtype, DType::Q4K | DType::Q6K) || !self.cols.is_multiple_of(dtype.block_len())
+        {
+            return None;
+        }
+        let mut row = vec![0f32; self.cols];
+        let mut bytes = Vec::with_capacity(self.rows * dtype.row_bytes(self.cols)?);
+        for r in 0..self.rows {
+            self.dequantize_row(r, &mut row);
+            crate::quant::quantize_row(dtype, &row, &mut bytes);
+        }
+        HostWeight::new(
+            self.name.clone(),
+            dtype,
+            self.rows,
+            self.cols,
+            WeightBytes::from_vec(bytes),
+        )
+        .ok()
+    }
+
     /// Dequantizes row `r` into `out` (length `cols`).
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
         crate::quant::dequantize_row(self.dtype, self.row(r), out);
@@ -132,5 +156,48 @@ impl HostWeight {
             self.dequantize_row(r, chunk);
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requantized_rows_are_the_encoder_of_the_decoded_rows() {
+        let (rows, cols) = (3, 64);
+        let values: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0)
+            .collect();
+        let mut bf16 = Vec::new();
+        crate::quant::quantize_row(DType::BF16, &values, &mut bf16);
+        let w = HostWeight::new("w", DType::BF16, rows, cols, WeightBytes::from_vec(bf16)).unwrap();
+        let q = w.requantized(DType::Q8_0).unwrap();
+        assert_eq!(
+            (q.dtype, q.rows, q.cols, q.name.as_str()),
+            (DType::Q8_0, 3, 64, "w")
+        );
+        let mut want = Vec::new();
+        for r in 0..rows {
+            let mut row = vec![0f32; cols];
+            w.dequantize_row(r, &mut row);
+            crate::quant::quantize_row(DType::Q8_0, &row, &mut want);
+        }
+        assert_eq!(q.bytes.as_slice(), want.as_slice());
+        // Q8_0 keeps every value within half a step of its block's scale.
+        let back = q.to_f32();
+        for (b, v) in back.chunks(32).zip(w.to_f32().chunks(32)) {
+            let amax = v.iter().fold(0f32, |m, x| m.max(x.abs()));
+            for (x, y) in b.iter().zip(v) {
+                assert!(
+                    (x - y).abs() <= amax / 127.0 * 0.5 + 1e-3 * amax,
+                    "{x} vs {y}"
+                );
+            }
+        }
+        // No encoder for K-quants; rows that are not whole blocks.
+        assert!(w.requantized(DType::Q4K).is_none());
+        let odd = HostWeight::from_f32("odd", 1, 48, &[0.5; 48]);
+        assert!(odd.requantized(DType::Q8_0).is_none());
     }
 }
