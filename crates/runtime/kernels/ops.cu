@@ -171,8 +171,8 @@ __device__ __forceinline__ float norm_weight(float w, int zero_centred) {
 // first half repeats rms_norm_f32's staged path on purpose: a build whose plain norm called
 // a shared template decoded the default model's shapes 4% slower on the H200
 // (docs/benchmarks/2026-12-02-h200-int8-handoff.md, call 3), so the plain kernel keeps its own
-// code. The two must stay the same arithmetic: cuda_fused checks the quantized norm's output
-// against the plain one (through the products) and cuda_ops the plain one against the CPU.
+// code. The two must stay the same arithmetic: cuda_ops checks the plain norm against the
+// CPU's bit for bit, cuda_fused the quantizing norm's f32 output too.
 template <int T>
 __device__ __forceinline__ void rms_norm_staged_q8(const float* xs, float* os, const float* w, int dim, float eps,
                                                 int zero_centred, signed char* qc, float2* qs) {

@@ -11,7 +11,7 @@
 
 mod common;
 
-use common::{bits, gpu, random_vec, random_weight};
+use common::{bits, cpu, gpu, random_vec, random_weight};
 
 use dflash_runtime::backend::{AttnShape, GraphKey, QkNorm, Rope, RopeStyle, RowSpan};
 use dflash_runtime::cuda::{CudaBackend, CudaOptions, Int8Policy, KernelClassTime};
@@ -588,7 +588,16 @@ fn int8_x_from_norm_and_attention_equals_the_quantizer() {
         &g.upload(&random_vec(ctx * kv_dim, -1.0, 1.0, 62), ctx, kv_dim),
         &g.upload_meta(&all),
     );
-    let norm_w = g.upload(&random_vec(k, 0.5, 1.5, 63), 1, k);
+    let norm_host = random_vec(k, 0.5, 1.5, 63);
+    let norm_w = g.upload(&norm_host, 1, k);
+    // The CPU's norm (which the plain GPU norm equals bit for bit, cuda_ops.rs).
+    let c = cpu();
+    let cpu_norm = |x: &[f32], m: usize| -> Vec<u32> {
+        let mut o = c.tensor(0, 0);
+        let nw = c.upload(&norm_host, 1, k);
+        c.rms_norm(&mut c.upload(x, m, k), &nw, 1e-5, false, Some(&mut o));
+        bits(&c.to_host(&o))
+    };
     for (di, dtype) in [DType::Q4_0, DType::Q4_1, DType::Q8_0]
         .into_iter()
         .enumerate()
@@ -629,6 +638,8 @@ fn int8_x_from_norm_and_attention_equals_the_quantizer() {
             g.set_profiling(false);
             assert_eq!(launches(&profile, "quant_q8"), 0, "{what}: {profile:?}");
             assert_eq!(launches(&profile, "matmul"), 2, "{what}: {profile:?}");
+            // The quantizing norm's f32 output is the plain norm's.
+            assert_eq!(bits(&g.to_host(&h)), cpu_norm(&x, m), "{what}: norm output");
             let got = bits(&[g.to_host(&a), g.to_host(&b)].concat());
             assert_eq!(got, reference(&g.to_host(&h), m), "{what}: after the norm");
 
