@@ -40,6 +40,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .int8_act import BLOCK, fake_quant_blocks
 from .target import base_model, decoder_layers, target_hf_config
 
 
@@ -58,7 +59,7 @@ def _rot_half(x: torch.Tensor) -> torch.Tensor:
 class TargetWeights:
     """Fused copies of a Llama-family HF model's weights in ``dtype`` on ``device``."""
 
-    def __init__(self, model, dtype: torch.dtype, device, max_positions: int):
+    def __init__(self, model, dtype: torch.dtype, device, max_positions: int, int8_act: bool = False):
         cfg = target_hf_config(model)
         for flag in ("attention_bias", "mlp_bias"):
             if getattr(cfg, flag, False):
@@ -101,6 +102,14 @@ class TargetWeights:
         self.cos = cos[0].to(device=self.device, dtype=dtype).contiguous()  # [T, hd]
         self.sin = sin[0].to(device=self.device, dtype=dtype).contiguous()
         self.scale = 1.0 / math.sqrt(self.hd)
+        # the CPU engine's int8 activations on every projection's input (int8_act.py)
+        self.int8_act = int8_act
+        if int8_act and any(k % BLOCK for k in (self.H, self.nh * self.hd, self.I)):
+            raise ValueError(f"int8 activations need projection inputs in whole {BLOCK}-value blocks")
+
+    def proj(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``x @ w.T``, with ``x`` on the int8 grid of the CPU engine when ``int8_act`` is set."""
+        return (fake_quant_blocks(x) if self.int8_act else x) @ w.t()
 
     def kv_bytes_per_token(self) -> int:
         return self.L * 2 * self.nkv * self.hd * torch.finfo(self.dtype).bits // 8
@@ -238,7 +247,7 @@ class Engine:
         nq, nk = w.nh * w.hd, w.nkv * w.hd
         for l in range(w.L):
             h = _rms(x, w.ln1[l], w.eps)
-            qkv = h @ w.wqkv[l].t()
+            qkv = w.proj(h, w.wqkv[l])
             q = qkv[:, :nq].view(B, w.nh, w.hd)
             k = qkv[:, nq:nq + nk].view(B, w.nkv, w.hd)
             v = qkv[:, nq + nk:].view(B, w.nkv, w.hd)
@@ -247,10 +256,10 @@ class Engine:
             self.K[l][self.rows, :, pos] = k
             self.V[l][self.rows, :, pos] = v
             o = self._attend(l, q.view(B, w.nkv, g, w.hd), tb, bias).reshape(B, nq)
-            x = x + o @ w.wo[l].t()
+            x = x + w.proj(o, w.wo[l])
             h = _rms(x, w.ln2[l], w.eps)
-            gu = h @ w.wgu[l].t()
-            x = x + (F.silu(gu[:, :w.I]) * gu[:, w.I:]) @ w.wd[l].t()
+            gu = w.proj(h, w.wgu[l])
+            x = x + w.proj(F.silu(gu[:, :w.I]) * gu[:, w.I:], w.wd[l])
         logits = (_rms(x, w.norm, w.eps) @ w.head.t()).float()
         nxt = self._choose(logits, self.samp, self.sidx[ns] if ns else None)
         self.cur.copy_(nxt)
@@ -319,7 +328,7 @@ class Engine:
         nq, nk = w.nh * w.hd, w.nkv * w.hd
         for l in range(w.L):
             h = _rms(x, w.ln1[l], w.eps)
-            qkv = h @ w.wqkv[l].t()
+            qkv = w.proj(h, w.wqkv[l])
             q = qkv[..., :nq].view(m, P, w.nh, w.hd).transpose(1, 2)
             k = qkv[..., nq:nq + nk].view(m, P, w.nkv, w.hd).transpose(1, 2)
             v = qkv[..., nq + nk:].view(m, P, w.nkv, w.hd).transpose(1, 2)
@@ -328,10 +337,10 @@ class Engine:
             self.K[l][sl, :, :P] = k
             self.V[l][sl, :, :P] = v
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=w.scale, enable_gqa=True)
-            x = x + o.transpose(1, 2).reshape(m, P, nq) @ w.wo[l].t()
+            x = x + w.proj(o.transpose(1, 2).reshape(m, P, nq), w.wo[l])
             h = _rms(x, w.ln2[l], w.eps)
-            gu = h @ w.wgu[l].t()
-            x = x + (F.silu(gu[..., :w.I]) * gu[..., w.I:]) @ w.wd[l].t()
+            gu = w.proj(h, w.wgu[l])
+            x = x + w.proj(F.silu(gu[..., :w.I]) * gu[..., w.I:], w.wd[l])
         last = x[torch.arange(m, device=w.device), ln - 1]
         logits = (_rms(last, w.norm, w.eps) @ w.head.t()).float()
         sampled_rows = [i for i, f in enumerate(sampled) if f]

@@ -330,10 +330,14 @@ def add_args(ap: argparse.ArgumentParser):
     g.add_argument("--attn", choices=list(ATTENTIONS), default="bucket",
                    help="decode attention (fastgen.py): bucket (batched matmuls over the longest row's "
                         "bucket) or flex (FlexAttention, each row reads its own length)")
+    g.add_argument("--int8-act", action="store_true",
+                   help="answer with the CPU engine's int8 activations on the target's projections "
+                        "(int8_act.py): the text the CPU's default path writes, for a CPU drafter")
 
 
 def make_engine(model, args, device) -> Engine:
-    w = TargetWeights(model, torch_dtype(args.dtype), device, max_positions=args.max_len + 256)
+    w = TargetWeights(model, torch_dtype(args.dtype), device, max_positions=args.max_len + 256,
+                      int8_act=args.int8_act)
     batch = args.batch
     if not batch:
         per_row = w.kv_bytes_per_token() * (args.max_len + args.steps + 128)

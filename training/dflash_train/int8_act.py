@@ -1,0 +1,37 @@
+"""The CPU engine's int8 activations, simulated for training data (``gen_data --int8-act``).
+
+On the CPU the engine feeds the target's layer projections (q, k, v, o, gate, up, down) int8
+activations: each row is cut into 32-value blocks, and block ``x`` becomes the codes
+``q = clamp(round_half_even(x * (127 / amax)), -127, 127)`` with the scale ``d = amax / 127``
+(``amax`` the block's largest |x|; an all-zero block stays zero), both quotients rounded once
+in f32 (crates/runtime/src/cpu/int8/quantize.rs). The integer dot products then compute
+``sum(q * d * w)`` exactly, so a float ``Linear`` applied to ``q * d`` reproduces the engine's
+product up to float summation order. The generator (``fastgen``) applies it to the inputs of
+the target's projections so that the answers it writes are those of the CPU's default path:
+the int8 target's greedy text parts from the float target's after ~20 tokens (median), and
+the shipped drafter, trained on float text, accepts 9 % fewer tokens per round on it
+(docs/benchmarks/2026-12-02-drafter-h200.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 32
+
+
+@torch.no_grad()
+def fake_quant_blocks(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with every 32-value block of its last axis replaced by ``codes * scale``, computed
+    in float32 as the engine computes them; returned in ``x``'s dtype."""
+    k = x.shape[-1]
+    if k % BLOCK:
+        raise ValueError(f"int8 activations need whole {BLOCK}-value blocks (last axis {k})")
+    xb = x.float().reshape(*x.shape[:-1], k // BLOCK, BLOCK)
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    pos = amax > 0
+    one = torch.ones_like(amax)
+    inv = torch.where(pos, torch.full_like(amax, 127.0) / torch.where(pos, amax, one), torch.zeros_like(amax))
+    d = amax / 127.0
+    q = torch.round(xb * inv).clamp_(-127.0, 127.0)
+    return (q * d).reshape(x.shape).to(x.dtype)
