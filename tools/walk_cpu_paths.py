@@ -26,20 +26,19 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "training"))
 
 from dflash_train.export import load_drafter  # noqa: E402
-from dflash_train.int8_act import fake_quant_blocks  # noqa: E402
-from dflash_train.target import (chat_prompt_ids, decoder_layers, embedding_weight, lm_head_weight,  # noqa: E402
-                                 load_target, load_tokenizer)
+from dflash_train.int8_act import round_projection_inputs  # noqa: E402
+from dflash_train.target import (chat_prompt_ids, embedding_weight, lm_head_weight, load_target,  # noqa: E402
+                                 load_tokenizer)
 from dflash_train.walk import walk_tau  # noqa: E402
-
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
 
 def answers(dflash, model, prompts, mode, max_new):
     env = dict(os.environ, DFLASH_MATMUL=mode)
     out = []
     for p in prompts:
         r = subprocess.run([dflash, "generate", "-m", model, "--device", "cpu", "--no-draft", "-n", str(max_new),
-                            "--output-format", "json", p], env=env, capture_output=True, text=True, check=True)
+                            "--output-format", "json", p], env=env, capture_output=True, text=True)
+        if r.returncode != 0:
+            sys.exit(f"walk_cpu_paths: dflash generate failed (DFLASH_MATMUL={mode}): {r.stderr.strip()[-500:]}")
         out.append(json.loads(r.stdout)["tokens"])
     return out
 
@@ -52,6 +51,10 @@ def main():
     ap.add_argument("--prompts", type=int, default=40)
     ap.add_argument("--max-new", type=int, default=256)
     a = ap.parse_args()
+    for what, path in (("dflash binary (cargo build --release -p dflash-cli)", a.dflash), ("model", a.model),
+                       ("drafter directory", a.drafter)):
+        if not os.path.exists(path):
+            sys.exit(f"walk_cpu_paths: {what} not found: {path}")
     torch.set_num_threads(os.cpu_count() or 1)
     with open(os.path.join(REPO, "data/mt_bench_first_turns.jsonl")) as f:
         prompts = [json.loads(line)["prompt"] for line in f][:a.prompts]
@@ -71,12 +74,8 @@ def main():
             ids = chat_prompt_ids(tok, [{"role": "user", "content": p}])
             recs[mode].append({"ids": np.array(ids + ans, dtype=np.int64), "first_span": (len(ids), len(ids) + len(ans))})
 
-    def pre(_m, args):
-        return (fake_quant_blocks(args[0]),) + tuple(args[1:])
-
     for feats in ("float", "int8"):
-        hooks = [m.register_forward_pre_hook(pre) for layer in decoder_layers(target)
-                 for n, m in layer.named_modules() if n.rsplit(".", 1)[-1] in PROJECTIONS] if feats == "int8" else []
+        hooks = round_projection_inputs(target) if feats == "int8" else []
         for mode, rs in recs.items():
             t = time.time()
             w = walk_tau(drafter, target, emb, head, rs, max_new=a.max_new, batch=16)

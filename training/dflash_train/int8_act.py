@@ -10,12 +10,15 @@ product up to float summation order. The generator (``fastgen``) applies it to t
 the target's projections so that the answers it writes are those of the CPU's default path:
 the int8 target's greedy text parts from the float target's after ~20 tokens (median), and
 the shipped drafter, trained on float text, accepts 9 % fewer tokens per round on it
-(docs/benchmarks/2026-12-02-drafter-h200.md).
+(docs/benchmarks/2026-12-02-drafter-h200.md). ``round_projection_inputs`` puts the same rounding
+on an HF model, the reference the generator is tested against.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .target import decoder_layers
 
 BLOCK = 32
 
@@ -35,3 +38,18 @@ def fake_quant_blocks(x: torch.Tensor) -> torch.Tensor:
     d = amax / 127.0
     q = torch.round(xb * inv).clamp_(-127.0, 127.0)
     return (q * d).reshape(x.shape).to(x.dtype)
+
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def round_projection_inputs(model) -> list:
+    """Puts the engine's int8 rounding on the input of every decoder-layer projection of an HF
+    Llama-family ``model`` (forward pre-hooks): the reference the generator is tested against,
+    and the int8-rounded features of tools/walk_cpu_paths.py. Returns the hook handles
+    (``h.remove()`` takes each off)."""
+    def pre(_module, args):
+        return (fake_quant_blocks(args[0]),) + tuple(args[1:])
+
+    return [mod.register_forward_pre_hook(pre) for layer in decoder_layers(model)
+            for name, mod in layer.named_modules() if name.rsplit(".", 1)[-1] in PROJECTIONS]

@@ -49,17 +49,6 @@ def test_a_partial_block_is_refused():
         int8_act.fake_quant_blocks(torch.zeros(2, 40))
 
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def hook_projections(model):
-    """The reference: HF's own modules, each projection's input replaced by its int8 grid."""
-    def pre(_m, args):
-        return (int8_act.fake_quant_blocks(args[0]),) + tuple(args[1:])
-    return [mod.register_forward_pre_hook(pre) for layer in model.model.layers
-            for name, mod in layer.named_modules() if name.rsplit(".", 1)[-1] in PROJECTIONS]
-
-
 def tiny_llama(hidden=64, heads=4, head_dim=16, inter=128):
     cfg = transformers.LlamaConfig(vocab_size=151, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=3,
                                    num_attention_heads=heads, num_key_value_heads=2, head_dim=head_dim,
@@ -87,7 +76,7 @@ def test_generator_writes_what_the_int8_target_writes():
                                  bucket=16), ps, max_new, [999])
     w = TargetWeights(model, torch.float32, "cpu", 256, int8_act=True)
     got = generate_list(Engine(w, batch=3, max_len=64, steps=4, bucket=16), ps, max_new, [999])
-    handles = hook_projections(model)
+    handles = int8_act.round_projection_inputs(model)
     assert len(handles) == 7 * 3
     try:
         want = [hf_greedy(model, p, max_new) for p in ps]
