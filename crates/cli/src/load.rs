@@ -18,7 +18,7 @@ use dflash_models::{load_model, DflashDrafter, Drafter, ProjectionPath, Target};
 use dflash_runtime::cpu::CpuBackend;
 #[cfg(feature = "cuda")]
 use dflash_runtime::cuda::CudaBackend;
-use dflash_runtime::Backend;
+use dflash_runtime::{Backend, DType};
 
 use crate::args::{BatchAccept, DraftArgs, DraftWeights, ModelArgs, Speculation};
 use crate::progress::Bars;
@@ -48,6 +48,31 @@ const CPU_DEFAULT_DRAFT_VOCAB: usize = 4096;
 /// measured there).
 #[cfg(feature = "cuda")]
 const CUDA_DEFAULT_DRAFT_VOCAB: usize = 0;
+
+/// Default format of the drafter's layer weights on the CPU: re-encoded as Q4_1 at load. A
+/// draft step on a few cores reads the drafter's weights once per step (31.6 MB as stored in
+/// bf16, about a third of the default target's bytes); as Q4_1 it reads about a quarter of
+/// that. With the shipped drafter on a 2-vCPU AMD EPYC at block 2: draft 0.65–0.73 ms per round
+/// against 0.95–1.08 as stored, DFlash / AR 1.01–1.10 (median 1.04) against 0.94–1.00, and
+/// MT-Bench τ (block 16) 2.638 against 2.635 as stored
+/// (docs/benchmarks/2026-12-02-drafter-round5-h200.md). Output is the target's either way.
+const CPU_DEFAULT_DRAFT_WEIGHTS: Option<DType> = Some(DType::Q4_1);
+
+/// Default format of the drafter's layer weights on the CUDA backend: as stored (re-encoding
+/// is not measured there).
+#[cfg(feature = "cuda")]
+const CUDA_DEFAULT_DRAFT_WEIGHTS: Option<DType> = None;
+
+/// How a device runs a drafter where the flags leave it open.
+#[derive(Clone, Copy, Debug)]
+struct DraftDefaults {
+    /// The largest default block (`None`: the drafter's trained block).
+    block_cap: Option<usize>,
+    /// The draft vocabulary shortlist (0: the full vocabulary).
+    vocab: usize,
+    /// The format the drafter's layer weights are re-encoded as (`None`: as stored).
+    weights: Option<DType>,
+}
 
 /// Where the drafter for the default model lives in the source tree.
 const DEFAULT_DRAFTER: &str = "models/drafters/smollm2-135m-instruct-dflash";
@@ -252,12 +277,20 @@ pub fn decoder(bundle: Bundle, drafter: Option<&Path>, draft: &DraftArgs) -> Res
     } = bundle;
     let (decoder, matmul) = match target {
         DeviceTarget::Cpu(b, t) => {
-            let defaults = (Some(CPU_DEFAULT_BLOCK), CPU_DEFAULT_DRAFT_VOCAB);
+            let defaults = DraftDefaults {
+                block_cap: Some(CPU_DEFAULT_BLOCK),
+                vocab: CPU_DEFAULT_DRAFT_VOCAB,
+                weights: CPU_DEFAULT_DRAFT_WEIGHTS,
+            };
             decoder_on(b, *t, &name, drafter, draft, defaults)?
         }
         #[cfg(feature = "cuda")]
         DeviceTarget::Cuda(b, t) => {
-            let defaults = (Some(CUDA_DEFAULT_BLOCK), CUDA_DEFAULT_DRAFT_VOCAB);
+            let defaults = DraftDefaults {
+                block_cap: Some(CUDA_DEFAULT_BLOCK),
+                vocab: CUDA_DEFAULT_DRAFT_VOCAB,
+                weights: CUDA_DEFAULT_DRAFT_WEIGHTS,
+            };
             decoder_on(b, *t, &name, drafter, draft, defaults)?
         }
     };
@@ -278,7 +311,7 @@ fn decoder_on<B: Backend>(
     name: &str,
     drafter: Option<&Path>,
     draft: &DraftArgs,
-    (default_block_cap, default_vocab): (Option<usize>, usize),
+    defaults: DraftDefaults,
 ) -> Result<(Box<dyn Decoder>, Vec<ProjectionPath>)> {
     let mut paths = target.matmul_paths();
     let Some(dir) = drafter else {
@@ -288,15 +321,17 @@ fn decoder_on<B: Backend>(
     DrafterConfig::read(dir)
         .and_then(|c| c.check_target(target.hidden(), target.n_layers(), target.vocab()))
         .with_context(|| format!("the drafter at {} does not fit {name}", dir.display()))?;
-    let weights = draft.draft_weights.and_then(DraftWeights::dtype);
+    let weights = draft
+        .draft_weights
+        .map_or(defaults.weights, DraftWeights::dtype);
     let mut d = DflashDrafter::open_as(backend, dir, weights)
         .with_context(|| format!("cannot load the drafter at {}", dir.display()))?;
-    shortlist(&mut d, &target, dir, draft.draft_vocab, default_vocab)?;
+    shortlist(&mut d, &target, dir, draft.draft_vocab, defaults.vocab)?;
     paths.extend(d.matmul_paths());
     let trained = d.block_size();
     let block = draft
         .block_size
-        .unwrap_or(default_block_cap.map_or(trained, |cap| trained.min(cap)));
+        .unwrap_or(defaults.block_cap.map_or(trained, |cap| trained.min(cap)));
     let policy = match draft.batch_accept {
         BatchAccept::Clamp => AcceptPolicy::Clamp,
         BatchAccept::PerRow => AcceptPolicy::from_env(),

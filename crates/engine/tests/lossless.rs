@@ -3,8 +3,9 @@
 //! every accept count 0..B-1 and full accepts, with a randomly initialised drafter, and with the
 //! trained drafter shipped for the default model; and for DFlash2, with the oracle proposing
 //! through a candidate lattice (every accept count again) and with a randomly initialised
-//! DFlash2 drafter (convolutions, sliding windows, selector); and with the trained drafter
-//! drafting over a vocabulary shortlist of 1024 tokens.
+//! DFlash2 drafter (convolutions, sliding windows, selector); and with the trained drafter as
+//! the CPU runs it by default (Q4_1 layer weights) drafting over a vocabulary shortlist of
+//! 1024 tokens.
 
 mod common;
 
@@ -15,6 +16,7 @@ use dflash_engine::SamplingParams;
 use dflash_models::draft_vocab::{DraftVocab, DRAFT_VOCAB_FILE};
 use dflash_models::synthetic::{dflash2_config_for, drafter_config_for, random_drafter};
 use dflash_models::{DflashDrafter, Target};
+use dflash_runtime::DType;
 
 const TOKENS: usize = 128;
 const BLOCK: usize = 16;
@@ -135,13 +137,14 @@ fn greedy_dflash_equals_greedy_ar() {
     }
     assert!(accepted > 0, "the trained drafter gets drafts accepted");
 
-    // (f) The trained drafter over the 1024 most frequent tokens of its shipped ranking: its
-    // head is those rows of the target's head, and tokens the target writes outside the list
-    // can never be drafted.
+    // (f) The trained drafter as the CPU runs it by default: its layer weights re-encoded as
+    // Q4_1 at load, over the 1024 most frequent tokens of its shipped ranking (its head is
+    // those rows of the target's head, and tokens the target writes outside the list can
+    // never be drafted).
     let target = dec.target;
     let ranked = DraftVocab::read(&dir.join(DRAFT_VOCAB_FILE)).unwrap();
     let ids = ranked.top(1024).unwrap().to_vec();
-    let mut drafter = DflashDrafter::open(b.clone(), &dir).unwrap();
+    let mut drafter = DflashDrafter::open_as(b.clone(), &dir, Some(DType::Q4_1)).unwrap();
     drafter
         .set_vocab_shortlist(ids.clone(), target.lm_head_rows(&ids).unwrap())
         .unwrap();
@@ -155,7 +158,7 @@ fn greedy_dflash_equals_greedy_ar() {
         let want: Vec<u32> = reference[i].tokens.iter().take(TOKENS).copied().collect();
         assert_eq!(
             got.tokens, want,
-            "trained drafter with a shortlist, prompt {i}"
+            "trained drafter with Q4_1 weights and a shortlist, prompt {i}"
         );
         accepted += got.stats.accepted;
         unlisted += want.iter().filter(|t| !ids.contains(t)).count();
