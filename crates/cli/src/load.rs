@@ -52,9 +52,9 @@ const CUDA_DEFAULT_DRAFT_VOCAB: usize = 0;
 /// Default format of the drafter's layer weights on the CPU: re-encoded as Q4_1 at load. A
 /// draft step on a few cores reads the drafter's weights once per step (31.6 MB as stored in
 /// bf16, about a third of the default target's bytes); as Q4_1 it reads about a quarter of
-/// that. With the shipped drafter on a 2-vCPU AMD EPYC at block 2: draft 0.65–0.73 ms per round
-/// against 0.95–1.08 as stored, DFlash / AR 1.01–1.10 (median 1.04) against 0.94–1.00, and
-/// MT-Bench τ (block 16) 2.638 against 2.635 as stored
+/// that. With the shipped drafter on a 2-vCPU AMD EPYC at block 2: draft 0.65–0.83 ms per round
+/// against 0.88–1.09 as stored, DFlash / AR 1.01–1.11 (median 1.06 over six runs) against
+/// 0.94–1.05 (median 1.00), and MT-Bench τ (block 16) 2.638 against 2.635 as stored
 /// (docs/benchmarks/2026-12-02-drafter-round5-h200.md). Output is the target's either way.
 const CPU_DEFAULT_DRAFT_WEIGHTS: Option<DType> = Some(DType::Q4_1);
 
