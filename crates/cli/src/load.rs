@@ -24,10 +24,12 @@ use crate::args::{BatchAccept, DraftArgs, DraftWeights, ModelArgs, Speculation};
 use crate::progress::Bars;
 
 /// Default draft block on the CPU backend. Verifying a block costs a target forward over every
-/// slot, and on a few CPU cores that grows with the block; the shipped drafter's acceptance
-/// falls fast with the slot (0.44, 0.13, 0.03 at slots 1-3), so on a 2-core machine block 2
-/// measured best (DFlash / AR 0.76 against 0.68 at 3 and 0.55 at 4; docs/benchmarks).
-/// `--block-size` overrides it, up to the drafter's trained block.
+/// slot, and on a few CPU cores that grows with the block (a verify of 2 costs ~1.2 decode
+/// steps, of 3 ~1.4), while the drafter's acceptance falls with the slot; on a 2-core machine
+/// block 2 measured best with every drafter shipped so far (2026-12-02: DFlash / AR 1.08x
+/// against 1.03x at block 3, medians of three runs;
+/// docs/benchmarks/2026-12-02-drafter-round5-h200.md). `--block-size` overrides it, up to the
+/// drafter's trained block.
 const CPU_DEFAULT_BLOCK: usize = 2;
 
 /// Default draft block on the CUDA backend. With the shipped drafter (acceptance 0.46, 0.22,
