@@ -21,7 +21,7 @@ use serde_json::{json, Value};
 use crate::args::{BatchAccept, DraftArgs, ModelArgs};
 use crate::bench_load::{arm_line, arm_report, load_run, LoadRun};
 use crate::bench_probe::{probe_line, probe_report, probe_request, probe_run};
-use crate::bench_verify::{verify_cost, verify_line};
+use crate::bench_verify::{split_lines, verify_cost, verify_line};
 #[cfg(feature = "cuda")]
 use crate::load::DeviceTarget;
 use crate::load::{decoder, drafter_dir, load_target, Loaded};
@@ -476,6 +476,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     )];
 
     table.push(verify_line(&report["verify"]));
+    table.extend(split_lines(&report["verify"]));
     if let Some(split) = report.get("kernel_split") {
         let classes = split["classes"].as_array().cloned().unwrap_or_default();
         table.push(format!(

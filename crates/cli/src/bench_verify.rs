@@ -26,7 +26,11 @@ pub fn verify_cost(
     match target {
         DeviceTarget::Cpu(_, mut t) => measure(t.as_mut(), prompt, block, reps),
         #[cfg(feature = "cuda")]
-        DeviceTarget::Cuda(_, mut t) => measure(t.as_mut(), prompt, block, reps),
+        DeviceTarget::Cuda(b, mut t) => {
+            let mut v = measure(t.as_mut(), prompt, block, reps)?;
+            v["kernels"] = launch_split(&b, t.as_mut(), prompt, block)?;
+            Ok(v)
+        }
     }
 }
 
@@ -41,6 +45,34 @@ pub fn verify_line(v: &Value) -> String {
     )
 }
 
+/// The report's lines of the verify's and the decode step's kernel time by launch (CUDA only).
+pub fn split_lines(v: &Value) -> Vec<String> {
+    let Some(split) = v.get("kernels") else {
+        return Vec::new();
+    };
+    ["verify", "decode"]
+        .iter()
+        .map(|key| {
+            let s = &split[key];
+            let launches = s["launches"].as_array().cloned().unwrap_or_default();
+            format!(
+                "| kernel time of one {key} forward {:.1} us | {} |",
+                s["kernel_us"].as_f64().unwrap_or(0.0),
+                launches
+                    .iter()
+                    .map(|l| format!(
+                        "{} {:.1} us ({})",
+                        l["name"].as_str().unwrap_or("?"),
+                        l["us"].as_f64().unwrap_or(0.0),
+                        l["count"]
+                    ))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        })
+        .collect()
+}
+
 fn measure<T: Target>(t: &mut T, prompt: &[u32], block: usize, reps: usize) -> Result<Value> {
     if block == 0 || prompt.is_empty() || prompt.len() + block > t.context_length() {
         bail!(
@@ -49,46 +81,106 @@ fn measure<T: Target>(t: &mut T, prompt: &[u32], block: usize, reps: usize) -> R
             t.context_length()
         );
     }
-    let row = t.new_row(prompt.len() + block)?;
-    t.forward(&[RowStep {
-        row,
-        tokens: prompt,
-        logits: LogitRows::Last,
-        prompt: true,
-    }])?;
-    let start = t.row_len(row);
-    let tokens: Vec<u32> = prompt.iter().copied().cycle().take(block).collect();
-    let step = |t: &mut T, n: usize, logits: LogitRows| -> Result<Duration> {
-        let t0 = Instant::now();
-        t.forward(&[RowStep {
-            row,
-            tokens: &tokens[..n],
-            logits,
-            prompt: false,
-        }])?;
-        t.backend().argmax_rows(t.logits());
-        let took = t0.elapsed();
-        t.truncate_row(row, start)?;
-        Ok(took)
-    };
+    let b = Block::start(t, prompt, block)?;
     let (mut verify, mut decode) = (Vec::new(), Vec::new());
     for rep in 0..=reps {
-        let v = step(t, block, LogitRows::All)?;
-        let d = step(t, 1, LogitRows::Last)?;
+        let v = b.step(t, block)?;
+        let d = b.step(t, 1)?;
         if rep > 0 {
             verify.push(1e3 * v.as_secs_f64());
             decode.push(1e3 * d.as_secs_f64());
         }
     }
-    t.release_row(row);
+    t.release_row(b.row);
     let (v, d) = (median(verify.clone()), median(decode.clone()));
     Ok(json!({
         "block": block,
-        "context": start,
+        "context": b.start,
         "verify_ms": v,
         "decode_step_ms": d,
         "verify_over_decode": v / d,
         "verify_runs_ms": verify,
         "decode_step_runs_ms": decode,
     }))
+}
+
+/// A row holding the prompt, on which blocks of tokens are run and cut back.
+struct Block {
+    row: usize,
+    start: usize,
+    tokens: Vec<u32>,
+}
+
+impl Block {
+    /// A new row of `t` holding `prompt`, with room for `block` more tokens.
+    fn start<T: Target>(t: &mut T, prompt: &[u32], block: usize) -> Result<Self> {
+        let row = t.new_row(prompt.len() + block)?;
+        t.forward(&[RowStep {
+            row,
+            tokens: prompt,
+            logits: LogitRows::Last,
+            prompt: true,
+        }])?;
+        Ok(Self {
+            row,
+            start: t.row_len(row),
+            tokens: prompt.iter().copied().cycle().take(block).collect(),
+        })
+    }
+
+    /// One forward over `n` tokens with the greedy choice of every position (of the last
+    /// for one token), then the row cut back; the wall time until the ids are on the host.
+    fn step<T: Target>(&self, t: &mut T, n: usize) -> Result<Duration> {
+        let t0 = Instant::now();
+        t.forward(&[RowStep {
+            row: self.row,
+            tokens: &self.tokens[..n],
+            logits: if n == 1 {
+                LogitRows::Last
+            } else {
+                LogitRows::All
+            },
+            prompt: false,
+        }])?;
+        t.backend().argmax_rows(t.logits());
+        let took = t0.elapsed();
+        t.truncate_row(self.row, self.start)?;
+        Ok(took)
+    }
+}
+
+/// Kernel time of the verify block and of the decode step by launch (CUDA events around
+/// every launch, graphs off, so each launch pays its own gap): µs and launches per forward,
+/// over three forwards of each after one of each unprofiled.
+#[cfg(feature = "cuda")]
+fn launch_split<T: Target>(
+    backend: &dflash_runtime::cuda::CudaBackend,
+    t: &mut T,
+    prompt: &[u32],
+    block: usize,
+) -> Result<Value> {
+    use dflash_runtime::cuda::ProfileKeys;
+    const RUNS: usize = 3;
+    let b = Block::start(t, prompt, block)?;
+    let mut split = json!({});
+    for (key, n) in [("verify", block), ("decode", 1)] {
+        b.step(t, n)?;
+        backend.profile_by(Some(ProfileKeys::Name));
+        for _ in 0..RUNS {
+            b.step(t, n)?;
+        }
+        let prof = backend.take_profile();
+        backend.profile_by(None);
+        let total: f64 = prof.iter().map(|c| c.ms).sum();
+        split[key] = json!({
+            "kernel_us": 1000.0 * total / RUNS as f64,
+            "launches": prof.iter().map(|c| json!({
+                "name": c.class,
+                "us": 1000.0 * c.ms / RUNS as f64,
+                "count": c.launches / RUNS,
+            })).collect::<Vec<_>>(),
+        });
+    }
+    t.release_row(b.row);
+    Ok(split)
 }

@@ -23,6 +23,8 @@ pub struct SyntheticSpec {
     pub context_length: usize,
     /// Storage of the matrices (norms stay f32).
     pub dtype: DType,
+    /// Storage of the token embedding and the output head, where it differs from `dtype`.
+    pub head_dtype: Option<DType>,
     pub tied_embeddings: bool,
     pub seed: u64,
     /// Vocabulary size: the synthetic tokenizer's tokens padded with unused control tokens
@@ -43,6 +45,7 @@ impl SyntheticSpec {
             intermediate: 128,
             context_length: 256,
             dtype: DType::Q8_0,
+            head_dtype: None,
             tied_embeddings: true,
             seed: 1,
             vocab_size: 0,
@@ -51,8 +54,8 @@ impl SyntheticSpec {
 
     /// SmolLM2-135M's shapes (30 layers, hidden 576, 9 query / 3 KV heads of 64, FFN 1536,
     /// vocabulary 49152, tied embeddings), context 8192, random weights stored as `dtype`: the
-    /// default model's step without its download (the head is stored as `dtype` too, where
-    /// the published GGUF keeps it in Q8_0).
+    /// default model's step without its download (the head is stored as `dtype` too unless
+    /// `head_dtype` says otherwise; the published GGUF keeps it in Q8_0).
     pub fn smollm2_135m(dtype: DType) -> Self {
         Self {
             arch: Arch::Llama,
@@ -64,6 +67,7 @@ impl SyntheticSpec {
             intermediate: 1536,
             context_length: 8192,
             dtype,
+            head_dtype: None,
             tied_embeddings: true,
             seed: 135,
             vocab_size: 49_152,
@@ -84,6 +88,7 @@ impl SyntheticSpec {
             intermediate: 9728,
             context_length: 8192,
             dtype,
+            head_dtype: None,
             tied_embeddings: true,
             seed: 4,
             vocab_size: 151_936,
@@ -255,21 +260,27 @@ pub fn synthetic_gguf(spec: &SyntheticSpec) -> Vec<u8> {
     let h = spec.hidden;
     let (qd, kvd) = (spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim);
     let f32_id = DType::F32.ggml_id();
-    let dt = spec.dtype;
-    let mut matrix = |w: &mut GgufWriter, name: &str, rows: usize, cols: usize, scale: f32| {
-        let bytes = random_encoded(rng.random(), dt, rows, cols, scale);
-        w.tensor(name, &[cols as u64, rows as u64], dt.ggml_id(), bytes);
-    };
-    matrix(&mut w, "token_embd.weight", vocab_len, h, 1.0);
+    let mut matrix_as =
+        |w: &mut GgufWriter, dt: DType, name: &str, rows: usize, cols: usize, scale: f32| {
+            let bytes = random_encoded(rng.random(), dt, rows, cols, scale);
+            w.tensor(name, &[cols as u64, rows as u64], dt.ggml_id(), bytes);
+        };
+    let head_dt = spec.head_dtype.unwrap_or(spec.dtype);
+    matrix_as(&mut w, head_dt, "token_embd.weight", vocab_len, h, 1.0);
     if !spec.tied_embeddings {
-        matrix(
+        matrix_as(
             &mut w,
+            head_dt,
             "output.weight",
             vocab_len,
             h,
             1.0 / (h as f32).sqrt(),
         );
     }
+    let dt = spec.dtype;
+    let mut matrix = |w: &mut GgufWriter, name: &str, rows: usize, cols: usize, scale: f32| {
+        matrix_as(w, dt, name, rows, cols, scale)
+    };
     for i in 0..spec.layers {
         let n = |s: &str| format!("blk.{i}.{s}");
         matrix(&mut w, &n("attn_q.weight"), qd, h, 1.0 / (h as f32).sqrt());

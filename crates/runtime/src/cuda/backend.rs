@@ -16,7 +16,7 @@ use super::int8::int8_format;
 use super::int8_x::{int8_x_bytes, QuantizedX};
 use super::kv::CudaKv;
 use super::pack;
-use super::profile::{KernelClassTime, Profiler};
+use super::profile::{KernelClassTime, ProfileKeys, Profiler};
 use super::tensor::{CudaMeta, CudaStep, CudaTensor, CudaWeight};
 use crate::backend::{
     prompt_runs, qk_norm_then_rope_kv, qkv_then_rope_kv, Activations, AttnShape, Backend, GdnShape,
@@ -197,11 +197,16 @@ impl CudaBackend {
     /// Starts timing every kernel launch by class (CUDA events; graphs are off meanwhile),
     /// or stops it.
     pub fn set_profiling(&self, on: bool) {
-        self.synchronize();
-        *self.dev.profiler.lock().expect("profiler lock") = on.then(Profiler::default);
+        self.profile_by(on.then_some(ProfileKeys::Class));
     }
 
-    /// GPU time per kernel class since profiling was turned on (or last taken).
+    /// Starts timing every kernel launch, grouped by `keys`, or stops it (`None`).
+    pub fn profile_by(&self, keys: Option<ProfileKeys>) {
+        self.synchronize();
+        *self.dev.profiler.lock().expect("profiler lock") = keys.map(Profiler::new);
+    }
+
+    /// GPU time per profile key since profiling was turned on (or last taken).
     pub fn take_profile(&self) -> Vec<KernelClassTime> {
         self.dev.bind();
         self.dev

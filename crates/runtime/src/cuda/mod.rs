@@ -95,5 +95,5 @@ pub use device::{CudaOptions, PrefillGemm};
 pub use gdn::CudaGdn;
 pub use int8::{Int8Policy, INT8_MIN_K};
 pub use kv::CudaKv;
-pub use profile::KernelClassTime;
+pub use profile::{KernelClassTime, ProfileKeys};
 pub use tensor::{CudaMeta, CudaStep, CudaTensor, CudaWeight};

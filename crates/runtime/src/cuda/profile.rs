@@ -1,6 +1,6 @@
-//! Kernel time by class: a CUDA event recorded before and after every launch while profiling
-//! is on (graphs are not used then, so every kernel is seen), summed per kernel class when
-//! the profile is taken.
+//! Kernel time by class or by launch: a CUDA event recorded before and after every launch
+//! while profiling is on (graphs are not used then, so every kernel is seen), summed per key
+//! ([`ProfileKeys`]) when the profile is taken.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -8,11 +8,44 @@ use std::sync::Arc;
 use cudarc::driver::sys as cu;
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 
-/// GPU time of one kernel class.
+/// How a profile groups its launches.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ProfileKeys {
+    /// By kernel class: the launch's name up to its first space or `[` (`matmul`,
+    /// `attention`, `rms_norm`).
+    #[default]
+    Class,
+    /// By launch name with every run of digits written `N`, so that the layers' launches of
+    /// one weight share a key (`matmul[blk.N.attn_q.weight]`).
+    Name,
+}
+
+impl ProfileKeys {
+    fn key(self, name: &str) -> String {
+        match self {
+            ProfileKeys::Class => name.split([' ', '[']).next().unwrap_or(name).to_string(),
+            ProfileKeys::Name => {
+                let mut k = String::with_capacity(name.len());
+                let mut in_digits = false;
+                for c in name.chars() {
+                    let digit = c.is_ascii_digit();
+                    if !digit {
+                        k.push(c);
+                    } else if !in_digits {
+                        k.push('N');
+                    }
+                    in_digits = digit;
+                }
+                k
+            }
+        }
+    }
+}
+
+/// GPU time of the launches of one profile key.
 #[derive(Clone, Debug, PartialEq)]
 pub struct KernelClassTime {
-    /// The class: the launch's name up to its first space or `[` (e.g. `matmul`,
-    /// `attention`, `rms_norm`).
+    /// The key ([`ProfileKeys`]): a kernel class, or a launch name.
     pub class: String,
     pub launches: usize,
     /// Milliseconds between each launch's events, summed.
@@ -22,6 +55,7 @@ pub struct KernelClassTime {
 /// Events of the launches since profiling was turned on.
 #[derive(Default)]
 pub(crate) struct Profiler {
+    keys: ProfileKeys,
     pending: Vec<(String, CudaEvent, CudaEvent)>,
     open: Option<(String, CudaEvent)>,
 }
@@ -31,17 +65,20 @@ fn timing_event(ctx: &Arc<CudaContext>) -> CudaEvent {
         .unwrap_or_else(|e| panic!("CUDA event creation failed: {e}"))
 }
 
-fn class_of(name: &str) -> String {
-    name.split([' ', '[']).next().unwrap_or(name).to_string()
-}
-
 impl Profiler {
+    pub fn new(keys: ProfileKeys) -> Self {
+        Self {
+            keys,
+            ..Self::default()
+        }
+    }
+
     pub fn before(&mut self, ctx: &Arc<CudaContext>, stream: &CudaStream, name: &str) {
         let e = timing_event(ctx);
         if let Err(err) = e.record(stream) {
             panic!("CUDA event record failed: {err}");
         }
-        self.open = Some((class_of(name), e));
+        self.open = Some((self.keys.key(name), e));
     }
 
     pub fn after(&mut self, stream: &CudaStream) {
