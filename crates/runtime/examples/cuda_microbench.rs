@@ -6,8 +6,12 @@
 //! ```text
 //! cargo build --release -p dflash-runtime --features cuda --example cuda_microbench
 //! cuda_microbench [--shapes smollm2|qwen3-4b|all] [--formats q4_0,q4_1,...] [--reps 50]
-//!                 [--only matmul|attention|prefill]
+//!                 [--only matmul|attention|prefill] [--epi store|add|swiglu]
 //! ```
+//!
+//! `--epi` picks the products' epilogue: the plain store (default), the residual add (the
+//! o and down projections: out += x·Wᵀ), or SwiGLU (gate and up, two weights of the shape per
+//! output: out = silu(x·gᵀ) * (x·uᵀ); bytes counted for both).
 //!
 //! Method: every measured call is one of `reps` launches captured in a CUDA graph (so launch
 //! overhead is out, as in a captured decode step), the graph is replayed 5 times after a
@@ -120,6 +124,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut which = "all".to_string();
     let mut reps = 50usize;
     let mut only = String::new();
+    let mut epi = String::from("store");
     let mut formats = vec![
         DType::Q4_0,
         DType::Q4_1,
@@ -136,6 +141,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "--shapes" => which = val()?,
             "--reps" => reps = val()?.parse()?,
             "--only" => only = val()?,
+            "--epi" => {
+                epi = val()?;
+                if !["store", "add", "swiglu"].contains(&epi.as_str()) {
+                    return Err(format!("--epi {epi}: expected store, add or swiglu").into());
+                }
+            }
             "--formats" => {
                 formats = val()?
                     .split(',')
@@ -164,7 +175,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for sh in shapes(&which) {
         if only.is_empty() || only == "matmul" {
             println!(
-                "\n## {} matmul: us per call (GB/s of weight, % of copy bandwidth)",
+                "\n## {} matmul, {epi} epilogue: us per call (GB/s of weight, % of copy bandwidth)",
                 sh.name
             );
             println!("| format | shape | M=1 | M=2 | M=4 | M=8 | M=16 |");
@@ -174,8 +185,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     if !k.is_multiple_of(dtype.block_len()) {
                         continue;
                     }
-                    let bytes = n * dtype.row_bytes(k).expect("whole blocks");
-                    let copies = (256usize << 20).div_ceil(bytes).clamp(1, 64);
+                    let weights = if epi == "swiglu" { 2 } else { 1 };
+                    let bytes = weights * n * dtype.row_bytes(k).expect("whole blocks");
+                    let copies = (256usize << 20).div_ceil(bytes).clamp(2, 64);
                     let ws: Vec<_> = (0..copies)
                         .map(|c| {
                             g.upload_weight(
@@ -190,10 +202,23 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                         let xv: Vec<f32> = (0..m * k).map(|_| r.random_range(-1.0..1.0)).collect();
                         let x = g.upload(&xv, m, k);
                         let mut out = g.tensor(m, n);
+                        let mut scratch = g.tensor(m, n);
                         variant_owner += 1;
                         let ms = time_graph(&g, variant_owner, m, &mut || {
                             for i in 0..reps {
-                                g.matmul(&x, &ws[i % copies], &mut out);
+                                // SwiGLU takes copies 2i and 2i + 1 (no copy read twice in a row).
+                                let w = &ws[(weights * i) % copies];
+                                match epi.as_str() {
+                                    "add" => g.matmul_add(&x, w, &mut out, &mut scratch),
+                                    "swiglu" => g.matmul_swiglu(
+                                        &x,
+                                        w,
+                                        &ws[(2 * i + 1) % copies],
+                                        &mut out,
+                                        &mut scratch,
+                                    ),
+                                    _ => g.matmul(&x, w, &mut out),
+                                }
                             }
                         });
                         let us = 1000.0 * ms / reps as f64;
