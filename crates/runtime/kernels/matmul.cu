@@ -414,7 +414,8 @@ __device__ __forceinline__ void mm_zero(float (&acc)[R][W][MT]) {
 }
 
 // The end of a warp's product: the lane sums of each output added by the xor butterfly
-// (warp_sum), then the epilogue, for the CUDA-core kernels of both activation types.
+// (warp_sum), then the epilogue, each output's in one lane, for the CUDA-core kernels of
+// both activation types.
 template <int MT, int R, int W, int EPI>
 __device__ __forceinline__ void mm_finish(float (&acc)[R][W][MT], const MmSeg& sg, const int (&nr)[R],
                                           const MmParams& p, int m0, int seg, int ml, const RopeLane& rl) {
@@ -446,17 +447,35 @@ __device__ __forceinline__ void mm_finish(float (&acc)[R][W][MT], const MmSeg& s
         }
         return;
     }
+    // Every lane holds every sum after the butterflies (the same bits: a + b == b + a), so
+    // the warp's outputs o = m * R + r are spread over its lanes, lane o % 32 taking output o:
+    // the add epilogue's reads of out and SwiGLU's exponentials run side by side, not one
+    // after another in lane 0. (A reduction that halves the values each lane holds at every
+    // butterfly step, 31 shuffles for 32 outputs instead of 160, has the same bits but was
+    // slower on the H200: its steps depend on each other, the 32 butterflies do not.) The
+    // weight rows of a warp are nr[0] + r here.
+    constexpr int NO = R * MT;
+    constexpr int PL = (NO + 31) / 32;
+    float mine[PL][W];
 #pragma unroll
-    for (int r = 0; r < R; r++) {
-        const int n = nr[r];
+    for (int m = 0; m < MT; m++) {
 #pragma unroll
-        for (int m = 0; m < MT; m++) {
-            float sum[W];
+        for (int r = 0; r < R; r++) {
+            const int o = m * R + r;
 #pragma unroll
-            for (int v = 0; v < W; v++) sum[v] = warp_sum(acc[r][v][m]);
-            if (lane == 0 && n < sg.n && m < ml) {
-                mm_epilogue<EPI>(out + (size_t)(m0 + m) * sg.n + n, sum[0], sum[W - 1]);
+            for (int v = 0; v < W; v++) {
+                const float sum = warp_sum(acc[r][v][m]);
+                if (lane == o % 32) mine[o / 32][v] = sum;
             }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < PL; i++) {
+        const int o = 32 * i + lane;
+        const int m = o / R;
+        const int n = nr[0] + (o - m * R);
+        if (o < NO && n < sg.n && m < ml) {
+            mm_epilogue<EPI>(out + (size_t)(m0 + m) * sg.n + n, mine[i][0], mine[i][W - 1]);
         }
     }
 }
