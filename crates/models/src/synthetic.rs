@@ -976,3 +976,33 @@ pub fn write_drafter_dir(
         serde_json::to_string_pretty(&config)?,
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::source::gguf::GgufFile;
+
+    #[test]
+    fn head_dtype_stores_the_embedding_and_head_apart_from_the_layers() {
+        let dir = tempfile::tempdir().unwrap();
+        for tied in [true, false] {
+            let spec = SyntheticSpec {
+                dtype: DType::Q4_1,
+                head_dtype: Some(DType::Q8_0),
+                tied_embeddings: tied,
+                ..SyntheticSpec::tiny()
+            };
+            let path = dir.path().join(format!("tiny_{tied}.gguf"));
+            write_synthetic(&spec, &path).unwrap();
+            let g = GgufFile::open(&path).unwrap();
+            let ty = |name: &str| g.tensors[name].ggml_type;
+            assert_eq!(ty("token_embd.weight"), DType::Q8_0.ggml_id());
+            assert_eq!(ty("blk.0.attn_q.weight"), DType::Q4_1.ggml_id());
+            assert_eq!(ty("blk.3.ffn_down.weight"), DType::Q4_1.ggml_id());
+            assert_eq!(g.tensors.contains_key("output.weight"), !tied);
+            if !tied {
+                assert_eq!(ty("output.weight"), DType::Q8_0.ggml_id());
+            }
+        }
+    }
+}

@@ -114,3 +114,18 @@ impl Profiler {
         v
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::ProfileKeys;
+
+    #[test]
+    fn keys_fold_layer_numbers_or_keep_the_class() {
+        let name = "matmul[blk.12.ffn_down.weight]";
+        assert_eq!(ProfileKeys::Class.key(name), "matmul");
+        assert_eq!(ProfileKeys::Name.key(name), "matmul[blk.N.ffn_down.weight]");
+        assert_eq!(ProfileKeys::Name.key("quant_q8 7 rows"), "quant_qN N rows");
+        assert_eq!(ProfileKeys::Class.key("attention merge"), "attention");
+        assert_eq!(ProfileKeys::Name.key("rms_norm"), "rms_norm");
+    }
+}
