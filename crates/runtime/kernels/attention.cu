@@ -22,6 +22,11 @@
 // order: m* = max m_s, f_s = exp(m_s - m*), out = (sum acc_s f_s) / (sum l_s f_s).
 // attention_merge_q8 also quantizes out to int8 for the output projection (q8_block), saving
 // its quantizer launch.
+//
+// With p.count set, attention_split merges by itself (one launch per layer instead of two):
+// every split block of a (token, KV head) counts itself in after writing its state, and the
+// last one to arrive merges the group's query heads with the merge kernel's arithmetic and
+// order (att_merge_out), so the bits do not depend on which block that is, nor on the mode.
 
 #define ATT_WARPS 4
 #define ATT_MAX_SPLITS 16
@@ -43,6 +48,7 @@ struct AttParams {
     int pad;
     u64 qc;  // attention_merge_q8 (head_dim % 32 == 0): out quantized, codes [T, n_heads * head_dim]
     u64 qs;  // and their (d, ds) pairs [T, n_heads * head_dim / 32] (q8_block)
+    u64 count;  // [T][n_kv_heads] u32 arrivals, zero between launches; 0: a separate merge launch
 };
 
 // Splits of a token with `len` visible keys, and tiles per split.
@@ -57,6 +63,72 @@ __device__ __forceinline__ void att_splits(int len, int* nsplit, int* tps) {
 
 __device__ __forceinline__ float* att_part(const AttParams& p, int t, int h, int s) {
     return (float*)p.part + (((size_t)t * p.n_heads + h) * ATT_MAX_SPLITS + s) * (size_t)(2 + p.head_dim);
+}
+
+// Output d of query head h of token t from the token's nsplit split states (all written and
+// visible): the merge's arithmetic in split order (attention_merge_body holds the same steps,
+// one split per lane for m* and f_s; max and exp do not depend on where they run). Parts are
+// read past L1 (__ldcg): other blocks wrote them during this launch. With p.qc, whole warps
+// call this for 32 consecutive dimensions of one head (head_dim % 32 == 0) and quantize.
+__device__ __forceinline__ void att_merge_out(const AttParams& p, int t, int h, int d, int nsplit) {
+    float ms[ATT_MAX_SPLITS], ls[ATT_MAX_SPLITS], vs[ATT_MAX_SPLITS];
+#pragma unroll
+    for (int s = 0; s < ATT_MAX_SPLITS; s++) {
+        ms[s] = -DF_INF;
+        ls[s] = 0.0f;
+        vs[s] = 0.0f;
+        if (s < nsplit) {
+            const float* ps = att_part(p, t, h, s);
+            ms[s] = __ldcg(ps);
+            ls[s] = __ldcg(ps + 1);
+            vs[s] = __ldcg(ps + 2 + d);
+        }
+    }
+    float gm = -DF_INF;
+#pragma unroll
+    for (int s = 0; s < ATT_MAX_SPLITS; s++) {
+        if (ls[s] > 0.0f) gm = fmaxf(gm, ms[s]);
+    }
+    float o = 0.0f;
+    float gl = 0.0f;
+#pragma unroll
+    for (int s = 0; s < ATT_MAX_SPLITS; s++) {
+        if (ls[s] > 0.0f) {
+            const float f = expf(__fsub_rn(ms[s], gm));
+            gl = __fadd_rn(gl, __fmul_rn(ls[s], f));
+            o = __fmaf_rn(vs[s], f, o);
+        }
+    }
+    const float inv = gl > 0.0f ? __fdiv_rn(1.0f, gl) : 0.0f;
+    const float y = __fmul_rn(o, inv);
+    const size_t i = (size_t)t * p.n_heads * p.head_dim + (size_t)h * p.head_dim + d;
+    ((float*)p.out)[i] = y;
+    if (p.qc) q8_block(y, threadIdx.x & 31, (signed char*)p.qc + i, (float2*)p.qs + i / GROUP);
+}
+
+// The in-kernel merge (p.count): called by every split block of (t, kvh) after its state is
+// written; the last to arrive merges the G query heads and resets the count for the next
+// launch. A token with no keys (nsplit == 0) gets the merge of nothing (zeros) from split 0.
+__device__ __forceinline__ void att_merge_last(const AttParams& p, int t, int kvh, int G, int nsplit) {
+    __shared__ int s_last;
+    if (nsplit > 0) {
+        __threadfence();  // this block's states, visible before it counts itself in
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            unsigned* c = (unsigned*)p.count + (size_t)t * p.n_kv_heads + kvh;
+            const int last = atomicAdd(c, 1u) == (unsigned)nsplit - 1;
+            if (last) *c = 0u;  // every split has counted: nothing else touches it this launch
+            s_last = last;
+        }
+        __syncthreads();
+        if (!s_last) return;
+        __threadfence();
+    }
+    const int hd = p.head_dim;
+    for (int idx = threadIdx.x; idx < G * hd; idx += blockDim.x) {
+        const int g = idx / hd;
+        att_merge_out(p, t, kvh * G + g, idx - g * hd, nsplit);
+    }
 }
 
 // PER = dimensions per lane (head_dim <= 32 * PER), GM = most query heads per KV head.
@@ -77,6 +149,7 @@ __device__ __forceinline__ void attention_split_body(const AttParams& p) {
     const int end = (int)meta[3];
     int nsplit, tps;
     att_splits(end > start ? end - start : 0, &nsplit, &tps);
+    if (nsplit == 0 && sp == 0 && p.count) return att_merge_last(p, t, kvh, G, 0);
     if (sp >= nsplit) return;  // the whole block leaves
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
@@ -229,6 +302,7 @@ __device__ __forceinline__ void attention_split_body(const AttParams& p) {
         }
         att_part(p, t, kvh * G + g, sp)[c] = v;
     }
+    if (p.count) att_merge_last(p, t, kvh, G, nsplit);
 }
 
 #define ATT_KERNEL(PER, GM)                                                                   \

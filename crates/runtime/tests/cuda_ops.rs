@@ -966,6 +966,92 @@ fn attention_ragged_rows_and_masks_match_cpu_and_are_batch_invariant() {
     }
 }
 
+/// The split kernel's own merge (the default) gives the separate merge launch's bits, for
+/// ragged rows, empty slices and repeated launches (the arrival counts return to zero), and so
+/// does the int8 copy of its output that an int8 output projection reads.
+#[test]
+fn attention_in_kernel_merge_equals_the_merge_launch() {
+    let Some(fused) = gpu() else { return };
+    let opts = CudaOptions {
+        int8: Int8Policy::All,
+        fuse_merge: false,
+        ..CudaOptions::from_env().unwrap()
+    };
+    let separate = &CudaBackend::with_options(opts).unwrap();
+    let c = cpu();
+    // The default model's group (3 query heads per KV head of 64) and Qwen3-4B's (4 of 128).
+    for (n_heads, n_kv_heads, head_dim) in [(9usize, 3usize, 64usize), (8, 2, 128)] {
+        let kv_dim = n_kv_heads * head_dim;
+        let shape = AttnShape {
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            scale: 1.0 / (head_dim as f32).sqrt(),
+        };
+        let lens = [5usize, 700, 37];
+        let kvs: Vec<_> = [fused, separate]
+            .iter()
+            .map(|g| {
+                let mut kvg = g.kv_new(2, kv_dim);
+                let mut kvc = c.kv_new(2, kv_dim);
+                fill_kv(g, c, &mut kvg, &mut kvc, 2, kv_dim, &lens, 90);
+                kvg
+            })
+            .collect();
+        let meta = vec![
+            TokenMeta::causal(0, 4),
+            TokenMeta::causal(1, 699), // 16 splits
+            TokenMeta {
+                row: 1,
+                pos: 300,
+                kv_start: 290,
+                kv_end: 306,
+            },
+            TokenMeta {
+                row: 2,
+                pos: 3,
+                kv_start: 3,
+                kv_end: 3, // nothing visible: zeros
+            },
+            TokenMeta::causal(2, 36),
+            TokenMeta::causal(1, 129),
+        ];
+        let t = meta.len();
+        let k = n_heads * head_dim;
+        let q = random_vec(t * k, -2.0, 2.0, 91);
+        let w = random_weight(DType::Q8_0, 40, k, 92);
+        let run = |g: &CudaBackend, kv, layer: usize| -> (Vec<u32>, Vec<u32>) {
+            let wg = g.upload_weight(&w, WeightRole::Projection).unwrap();
+            let (mut o, mut y) = (g.tensor(t, k), g.tensor(t, 40));
+            g.attention(
+                &g.upload(&q, t, k),
+                kv,
+                layer,
+                &g.upload_meta(&meta),
+                shape,
+                &mut o,
+            );
+            // An int8 product of the output (its int8 copy, written by the merge).
+            g.matmul(&o, &wg, &mut y);
+            (bits(&g.to_host(&o)), bits(&g.to_host(&y)))
+        };
+        for round in 0..3 {
+            for layer in 0..2 {
+                let what =
+                    format!("heads {n_heads}/{n_kv_heads}x{head_dim} layer {layer} round {round}");
+                let (of, yf) = run(fused, &kvs[0], layer);
+                let (os, ys) = run(separate, &kvs[1], layer);
+                assert_eq!(of, os, "{what}: attention output");
+                assert_eq!(yf, ys, "{what}: product of the output");
+                assert!(
+                    of[3 * k..4 * k].iter().all(|&b| b == 0),
+                    "{what}: empty slice"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn attention_long_context() {
     let Some(g) = gpu() else { return };

@@ -111,6 +111,8 @@ struct AttParams {
     /// The merge's int8 copy of out (codes, pairs), or zeros.
     qc: u64,
     qs: u64,
+    /// Arrival counts per (token, KV head) when the split kernel merges by itself, else 0.
+    count: u64,
 }
 
 /// A weight (and, for SwiGLU, its partner) and the output of one fused product.
@@ -1347,16 +1349,37 @@ impl Backend for CudaBackend {
             return;
         }
         self.dev.bind();
-        let part = {
+        let fuse = self.dev.fuse_merge;
+        let (part, count) = {
             let mut s = self.dev.scratch.lock().expect("scratch lock");
-            ensure(
+            let part = ensure(
                 &self.dev.stream,
                 &self.dev.epoch,
                 &mut s.att_part,
                 t * n_heads * ATT_MAX_SPLITS * (head_dim + 2),
-            )
+            );
+            // Zeroed at allocation; the kernel leaves every count at zero again.
+            let count = if fuse {
+                ensure(
+                    &self.dev.stream,
+                    &self.dev.epoch,
+                    &mut s.att_count,
+                    t * n_kv_heads,
+                )
+            } else {
+                0
+            };
+            (part, count)
         };
-        let mut p = AttParams {
+        // The merge also writes the int8 copy of out for an int8 output projection (whole
+        // blocks of 32 values within each head).
+        let k = n_heads * head_dim;
+        let copy = head_dim
+            .is_multiple_of(GROUP)
+            .then(|| self.int8_copy_for(t, k))
+            .flatten();
+        let (qc, qs) = copy.unwrap_or((0, 0));
+        let p = AttParams {
             q: self.tptr(q),
             meta: self.meta_ptr(meta),
             rows: self.ptr(kv.table.as_ref().expect("rows reserved")),
@@ -1370,11 +1393,13 @@ impl Backend for CudaBackend {
             kv_dim: kv.kv_dim as i32,
             scale,
             pad: 0,
-            qc: 0,
-            qs: 0,
+            qc,
+            qs,
+            count,
         };
         // Splits past a token's key count leave at once; the grid does not depend on the
-        // context length, so a captured step stays valid as the context grows.
+        // context length, so a captured step stays valid as the context grows. With
+        // `fuse_merge` the last split block of each (token, KV head) merges.
         self.dev.launch_with(
             f,
             "attention",
@@ -1382,25 +1407,19 @@ impl Backend for CudaBackend {
             (ATT_THREADS, 1, 1),
             &p,
         );
-        // The merge also writes the int8 copy of out for an int8 output projection (whole
-        // blocks of 32 values within each head).
-        let k = n_heads * head_dim;
-        let copy = head_dim
-            .is_multiple_of(GROUP)
-            .then(|| self.int8_copy_for(t, k))
-            .flatten();
-        (p.qc, p.qs) = copy.unwrap_or((0, 0));
-        let merge = match copy {
-            Some(_) => &self.dev.k.attention_merge_q8,
-            None => &self.dev.k.attention_merge,
-        };
-        self.dev.launch_with(
-            merge,
-            "attention merge",
-            (t as u32, n_heads as u32, 1),
-            (head_dim.next_multiple_of(32) as u32, 1, 1),
-            &p,
-        );
+        if !fuse {
+            let merge = match copy {
+                Some(_) => &self.dev.k.attention_merge_q8,
+                None => &self.dev.k.attention_merge,
+            };
+            self.dev.launch_with(
+                merge,
+                "attention merge",
+                (t as u32, n_heads as u32, 1),
+                (head_dim.next_multiple_of(32) as u32, 1, 1),
+                &p,
+            );
+        }
         if let Some((codes, pairs)) = copy {
             self.dev.fresh_x.note(QuantizedX {
                 x: p.out,

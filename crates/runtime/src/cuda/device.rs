@@ -40,6 +40,8 @@ pub struct CudaOptions {
     pub device: usize,
     pub prefill_gemm: PrefillGemm,
     pub int8: Int8Policy,
+    /// The split attention merges its splits in its own launch (`Device::fuse_merge`).
+    pub fuse_merge: bool,
 }
 
 impl Default for CudaOptions {
@@ -48,6 +50,7 @@ impl Default for CudaOptions {
             device: 0,
             prefill_gemm: PrefillGemm::Tensor,
             int8: Int8Policy::Auto,
+            fuse_merge: true,
         }
     }
 }
@@ -55,9 +58,13 @@ impl Default for CudaOptions {
 impl CudaOptions {
     /// Defaults, overridden by `DFLASH_CUDA_DEVICE` (ordinal), `DFLASH_CUDA_GEMM` (`tensor`,
     /// the default; `kernel`; or `cublas` / `cublas:<min_rows>` for the cuBLAS prefill path)
-    /// and `DFLASH_CUDA_INT8` ([`Int8Policy`]).
+    /// `DFLASH_CUDA_INT8` ([`Int8Policy`]) and `DFLASH_CUDA_FUSE_MERGE` (`0`: a separate
+    /// attention merge launch).
     pub fn from_env() -> Result<Self, RuntimeError> {
-        let mut o = Self::default();
+        let mut o = Self {
+            fuse_merge: switch_on("DFLASH_CUDA_FUSE_MERGE").map_err(RuntimeError::Device)?,
+            ..Self::default()
+        };
         if let Ok(v) = std::env::var("DFLASH_CUDA_INT8") {
             o.int8 = v.parse().map_err(RuntimeError::Device)?;
         }
@@ -302,11 +309,13 @@ pub(crate) struct Scratch {
     pub deq: Option<CudaSlice<f32>>,
     /// Partial softmax states of the split attention.
     pub att_part: Option<CudaSlice<f32>>,
+    /// Arrival counts of the split blocks per (token, KV head), zero between launches.
+    pub att_count: Option<CudaSlice<u32>>,
     /// x of an int8 product, quantized: codes, then (d, ds) per 32-value block.
     pub xq: Option<CudaSlice<u8>>,
 }
 
-/// Returns `slot`'s buffer, reallocated when shorter than `n` (contents undefined). A
+/// Returns `slot`'s buffer, reallocated (zeroed) when shorter than `n`; kept contents are the last user's. A
 /// reallocation moves the buffer, so it bumps `epoch` (captured graphs must be rebuilt).
 pub(crate) fn ensure<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
     stream: &Arc<CudaStream>,
@@ -357,6 +366,10 @@ pub(crate) struct Device {
     /// epilogue (`EPI_ROPE`, matmul.cu) instead of a separate `rope_kv` launch, unless
     /// `DFLASH_CUDA_FUSE_ROPE=0`; the bits are the same either way.
     pub fuse_rope: bool,
+    /// The split attention kernel merges its splits itself (the last split block of each
+    /// token and KV head, `att_merge_last` in attention.cu) instead of a separate
+    /// `attention_merge` launch ([`CudaOptions::fuse_merge`]); the bits are the same.
+    pub fuse_merge: bool,
     /// Which of the target's projections multiply int8-quantized activations (`DFLASH_CUDA_INT8`).
     pub int8: Int8Policy,
     /// The RMS norm and the attention merge write the int8 copy of their output for the int8
@@ -539,6 +552,7 @@ impl Device {
             fixed_mt,
             pdl,
             fuse_rope,
+            fuse_merge: opts.fuse_merge,
             int8: opts.int8,
             int8_mma_min_m,
             int8_handoff,
