@@ -158,12 +158,46 @@ __device__ __forceinline__ void attention_split_body(const AttParams& p) {
     const float* kb = (const float*)rd.base + (size_t)(2 * p.layer) * rd.cap * p.kv_dim + (size_t)kvh * hd;
     const float* vb = (const float*)rd.base + (size_t)(2 * p.layer + 1) * rd.cap * p.kv_dim + (size_t)kvh * hd;
 
+    const bool vec4 = ((hd | p.kv_dim) & 3) == 0;
+    const int ntile = ((end - start) + 31) >> 5;
+    const int tile_end = min((sp + 1) * tps, ntile);
+    // Values of VB keys are loaded before they are added (in key order).
+    constexpr int VB = PER <= 2 ? 16 : 8;
+    // The first tile's keys (the first 64 dimensions, four per 16-byte load) and the values
+    // of its first VB keys are requested before q is staged, so the three round trips to
+    // memory overlap: a decode step's warps have one tile each at short contexts.
+    float4 kk[16];
+    float vv[VB][PER];
+    const auto load_k = [&](int t0, int d0) {
+        const int j = t0 + lane;
+        const float4* k4 = (const float4*)(kb + (size_t)j * p.kv_dim);
+        const int n4 = hd / 4;
+#pragma unroll
+        for (int u = 0; u < 16; u++) kk[u] = j < end && d0 + u < n4 ? k4[d0 + u] : make_float4(0.f, 0.f, 0.f, 0.f);
+    };
+    const auto load_v = [&](int t0, int k0, int nk) {
+#pragma unroll
+        for (int u = 0; u < VB; u++) {
+            const float* vr = vb + (size_t)(t0 + k0 + u) * p.kv_dim;
+#pragma unroll
+            for (int i = 0; i < PER; i++) {
+                const int d = lane + 32 * i;
+                vv[u][i] = (k0 + u < nk && d < hd) ? vr[d] : 0.0f;
+            }
+        }
+    };
+    int tile = sp * tps + warp;
+    if (tile < tile_end) {
+        const int t0 = start + 32 * tile;
+        if (vec4) load_k(t0, 0);
+        load_v(t0, 0, min(32, end - t0));
+    }
+
     const int q_cols = p.n_heads * hd;
     const float* qt = (const float*)p.q + (size_t)t * q_cols + (size_t)kvh * G * hd;
     for (int i = threadIdx.x; i < G * hd; i += blockDim.x) qs[i] = qt[i];
     __syncthreads();
 
-    const bool vec4 = ((hd | p.kv_dim) & 3) == 0;
     float m[GM], l[GM], acc[GM][PER];
 #pragma unroll
     for (int g = 0; g < GM; g++) {
@@ -173,49 +207,48 @@ __device__ __forceinline__ void attention_split_body(const AttParams& p) {
         for (int i = 0; i < PER; i++) acc[g][i] = 0.0f;
     }
 
-    const int tile_end = min((sp + 1) * tps, ((end - start) + 31) >> 5);
-    for (int tile = sp * tps + warp; tile < tile_end; tile += ATT_WARPS) {
+    for (bool first = true; tile < tile_end; tile += ATT_WARPS, first = false) {
         const int t0 = start + 32 * tile;
         const int j = t0 + lane;
         const bool valid = j < end;
+        const int nk = min(32, end - t0);
+        if (!first) {
+            if (vec4) load_k(t0, 0);
+            load_v(t0, 0, nk);
+        }
         float dot[GM];
 #pragma unroll
         for (int g = 0; g < GM; g++) dot[g] = 0.0f;
-        if (valid) {
-            const float* kr = kb + (size_t)j * p.kv_dim;
-            if (vec4) {
-                // Four loads in flight, then their products in dimension order.
-                const float4* k4 = (const float4*)kr;
-                const int n4 = hd / 4;
-                for (int d0 = 0; d0 < n4; d0 += 16) {
-                    float4 kk[16];
+        if (vec4) {
+            // The products in dimension order, 16 loads of four dimensions at a time.
+            const int n4 = hd / 4;
+            for (int d0 = 0; d0 < n4; d0 += 16) {
+                if (d0 > 0) load_k(t0, d0);
 #pragma unroll
-                    for (int u = 0; u < 16; u++) kk[u] = d0 + u < n4 ? k4[d0 + u] : make_float4(0.f, 0.f, 0.f, 0.f);
+                for (int u = 0; u < 16; u++) {
+                    if (valid && d0 + u < n4) {
 #pragma unroll
-                    for (int u = 0; u < 16; u++) {
-                        if (d0 + u < n4) {
-#pragma unroll
-                            for (int g = 0; g < GM; g++) {
-                                if (g < G) {
-                                    const float4 q4 = *(const float4*)(qs + g * hd + 4 * (d0 + u));
-                                    float a = dot[g];
-                                    a = __fmaf_rn(q4.x, kk[u].x, a);
-                                    a = __fmaf_rn(q4.y, kk[u].y, a);
-                                    a = __fmaf_rn(q4.z, kk[u].z, a);
-                                    a = __fmaf_rn(q4.w, kk[u].w, a);
-                                    dot[g] = a;
-                                }
+                        for (int g = 0; g < GM; g++) {
+                            if (g < G) {
+                                const float4 q4 = *(const float4*)(qs + g * hd + 4 * (d0 + u));
+                                float a = dot[g];
+                                a = __fmaf_rn(q4.x, kk[u].x, a);
+                                a = __fmaf_rn(q4.y, kk[u].y, a);
+                                a = __fmaf_rn(q4.z, kk[u].z, a);
+                                a = __fmaf_rn(q4.w, kk[u].w, a);
+                                dot[g] = a;
                             }
                         }
                     }
                 }
-            } else {
-                for (int d = 0; d < hd; d++) {
-                    const float kv = kr[d];
+            }
+        } else if (valid) {
+            const float* kr = kb + (size_t)j * p.kv_dim;
+            for (int d = 0; d < hd; d++) {
+                const float kv = kr[d];
 #pragma unroll
-                    for (int g = 0; g < GM; g++) {
-                        if (g < G) dot[g] = __fmaf_rn(qs[g * hd + d], kv, dot[g]);
-                    }
+                for (int g = 0; g < GM; g++) {
+                    if (g < G) dot[g] = __fmaf_rn(qs[g * hd + d], kv, dot[g]);
                 }
             }
         }
@@ -235,20 +268,8 @@ __device__ __forceinline__ void attention_split_body(const AttParams& p) {
                 pr[g] = 0.0f;
             }
         }
-        const int nk = min(32, end - t0);
-        // Values of VB keys are loaded before they are added (in key order).
-        constexpr int VB = PER <= 2 ? 16 : 8;
         for (int k0 = 0; k0 < nk; k0 += VB) {
-            float vv[VB][PER];
-#pragma unroll
-            for (int u = 0; u < VB; u++) {
-                const float* vr = vb + (size_t)(t0 + k0 + u) * p.kv_dim;
-#pragma unroll
-                for (int i = 0; i < PER; i++) {
-                    const int d = lane + 32 * i;
-                    vv[u][i] = (k0 + u < nk && d < hd) ? vr[d] : 0.0f;
-                }
-            }
+            if (k0 > 0) load_v(t0, k0, nk);
 #pragma unroll
             for (int u = 0; u < VB; u++) {
                 if (k0 + u < nk) {

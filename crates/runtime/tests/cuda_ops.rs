@@ -966,18 +966,19 @@ fn attention_ragged_rows_and_masks_match_cpu_and_are_batch_invariant() {
     }
 }
 
-/// The split kernel's own merge (the default) gives the separate merge launch's bits, for
-/// ragged rows, empty slices and repeated launches (the arrival counts return to zero), and so
-/// does the int8 copy of its output that an int8 output projection reads.
+/// The split kernel's own merge (prompt rows by default, here every launch) gives the merge
+/// launch's bits (decode and verify rows by default), for ragged rows, empty slices and
+/// repeated launches (the arrival counts return to zero), and so does the int8 copy of its
+/// output that an int8 output projection reads.
 #[test]
 fn attention_in_kernel_merge_equals_the_merge_launch() {
-    let Some(fused) = gpu() else { return };
+    let Some(separate) = gpu() else { return };
     let opts = CudaOptions {
         int8: Int8Policy::All,
-        fuse_merge: false,
+        fuse_merge_min_rows: 1,
         ..CudaOptions::from_env().unwrap()
     };
-    let separate = &CudaBackend::with_options(opts).unwrap();
+    let fused = &CudaBackend::with_options(opts).unwrap();
     let c = cpu();
     // The default model's group (3 query heads per KV head of 64) and Qwen3-4B's (4 of 128).
     for (n_heads, n_kv_heads, head_dim) in [(9usize, 3usize, 64usize), (8, 2, 128)] {

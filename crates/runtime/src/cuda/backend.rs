@@ -5,10 +5,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::device::{
-    ck, ensure, int, long, Arg, CudaOptions, Device, Epilogue, PrefillGemm, ATT_GM, ATT_MAX_GHD,
-    ATT_MAX_SPLITS, ATT_PER, ATT_THREADS, MM_SEGS, MM_TILES, MM_WARPS, NORM_Q_FEW_ROWS,
-    NORM_Q_FEW_THREADS, NORM_Q_THREADS, NORM_STAGE, NORM_THREADS, QT_BM, QT_WARPS, TC_BM, TC_BN,
-    TC_THREADS,
+    ck, ensure, int, long, Arg, CudaOptions, Device, Epilogue, PrefillGemm, MM_SEGS, MM_TILES,
+    MM_WARPS, NORM_Q_FEW_ROWS, NORM_Q_FEW_THREADS, NORM_Q_THREADS, NORM_STAGE, NORM_THREADS, QT_BM,
+    QT_WARPS, TC_BM, TC_BN, TC_THREADS,
 };
 use super::gdn::CudaGdn;
 use super::graph::Graphs;
@@ -89,30 +88,6 @@ pub(super) struct RopeEpi {
     pub style: i32,
     pub kv_dim: i32,
     pub pad: i32,
-}
-
-/// `AttParams` in attention.cu.
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct AttParams {
-    q: u64,
-    meta: u64,
-    rows: u64,
-    part: u64,
-    out: u64,
-    layer: i32,
-    t: i32,
-    n_heads: i32,
-    n_kv_heads: i32,
-    head_dim: i32,
-    kv_dim: i32,
-    scale: f32,
-    pad: i32,
-    /// The merge's int8 copy of out (codes, pairs), or zeros.
-    qc: u64,
-    qs: u64,
-    /// Arrival counts per (token, KV head) when the split kernel merges by itself, else 0.
-    count: u64,
 }
 
 /// A weight (and, for SwiGLU, its partner) and the output of one fused product.
@@ -494,7 +469,7 @@ impl CudaBackend {
 
     /// Where a kernel writing `rows` rows of `k` values should also write their int8 copy
     /// (codes, pairs), when an int8 product of that width may read them next.
-    fn int8_copy_for(&self, rows: usize, k: usize) -> Option<(u64, u64)> {
+    pub(super) fn int8_copy_for(&self, rows: usize, k: usize) -> Option<(u64, u64)> {
         (self.dev.int8_handoff && rows > 0 && k.is_multiple_of(GROUP) && self.dev.int8_k(k))
             .then(|| self.int8_x_buffer(rows, k))
     }
@@ -1298,137 +1273,7 @@ impl Backend for CudaBackend {
         shape: AttnShape,
         out: &mut CudaTensor,
     ) {
-        let AttnShape {
-            n_heads,
-            n_kv_heads,
-            head_dim,
-            scale,
-        } = shape;
-        assert_eq!(q.cols, n_heads * head_dim);
-        assert_eq!(q.rows, meta.host.len());
-        assert!(n_kv_heads > 0 && n_heads % n_kv_heads == 0);
-        assert!(
-            n_kv_heads * head_dim <= kv.kv_dim,
-            "attention: KV heads exceed the cache's width"
-        );
-        let group = n_heads / n_kv_heads;
-        let per = ATT_PER.iter().position(|&p| 32 * p >= head_dim);
-        let gm = ATT_GM.iter().position(|&g| g == group);
-        let (Some(pi), Some(gi)) = (per, gm) else {
-            panic!(
-                "attention: head_dim {head_dim} with {group} query heads per KV head is not \
-                 supported (head_dim <= 256, group <= 8, group x head_dim <= {ATT_MAX_GHD})"
-            )
-        };
-        let f = self.dev.k.attention_split[pi][gi]
-            .as_ref()
-            .unwrap_or_else(|| {
-                panic!(
-                    "attention: {group} query heads per KV head of dimension {head_dim} exceed \
-                 {ATT_MAX_GHD} values per block"
-                )
-            });
-        assert!(layer < kv.layers, "KV layer {layer} out of range");
-        for m in &meta.host {
-            assert!(
-                (m.row as usize) < kv.rows.len(),
-                "KV row {} was never reserved",
-                m.row
-            );
-            let cap = kv.capacity(m.row as usize);
-            assert!(
-                m.kv_end as usize <= cap || m.kv_start >= m.kv_end,
-                "attention reads positions up to {} of row {}, which holds {cap}",
-                m.kv_end,
-                m.row
-            );
-        }
-        self.reshape(out, q.rows, q.cols);
-        let t = q.rows;
-        if t == 0 || n_heads == 0 || head_dim == 0 {
-            return;
-        }
-        self.dev.bind();
-        let fuse = self.dev.fuse_merge;
-        let (part, count) = {
-            let mut s = self.dev.scratch.lock().expect("scratch lock");
-            let part = ensure(
-                &self.dev.stream,
-                &self.dev.epoch,
-                &mut s.att_part,
-                t * n_heads * ATT_MAX_SPLITS * (head_dim + 2),
-            );
-            // Zeroed at allocation; the kernel leaves every count at zero again.
-            let count = if fuse {
-                ensure(
-                    &self.dev.stream,
-                    &self.dev.epoch,
-                    &mut s.att_count,
-                    t * n_kv_heads,
-                )
-            } else {
-                0
-            };
-            (part, count)
-        };
-        // The merge also writes the int8 copy of out for an int8 output projection (whole
-        // blocks of 32 values within each head).
-        let k = n_heads * head_dim;
-        let copy = head_dim
-            .is_multiple_of(GROUP)
-            .then(|| self.int8_copy_for(t, k))
-            .flatten();
-        let (qc, qs) = copy.unwrap_or((0, 0));
-        let p = AttParams {
-            q: self.tptr(q),
-            meta: self.meta_ptr(meta),
-            rows: self.ptr(kv.table.as_ref().expect("rows reserved")),
-            part,
-            out: self.tptr(out),
-            layer: layer as i32,
-            t: t as i32,
-            n_heads: n_heads as i32,
-            n_kv_heads: n_kv_heads as i32,
-            head_dim: head_dim as i32,
-            kv_dim: kv.kv_dim as i32,
-            scale,
-            pad: 0,
-            qc,
-            qs,
-            count,
-        };
-        // Splits past a token's key count leave at once; the grid does not depend on the
-        // context length, so a captured step stays valid as the context grows. With
-        // `fuse_merge` the last split block of each (token, KV head) merges.
-        self.dev.launch_with(
-            f,
-            "attention",
-            (t as u32, n_kv_heads as u32, ATT_MAX_SPLITS as u32),
-            (ATT_THREADS, 1, 1),
-            &p,
-        );
-        if !fuse {
-            let merge = match copy {
-                Some(_) => &self.dev.k.attention_merge_q8,
-                None => &self.dev.k.attention_merge,
-            };
-            self.dev.launch_with(
-                merge,
-                "attention merge",
-                (t as u32, n_heads as u32, 1),
-                (head_dim.next_multiple_of(32) as u32, 1, 1),
-                &p,
-            );
-        }
-        if let Some((codes, pairs)) = copy {
-            self.dev.fresh_x.note(QuantizedX {
-                x: p.out,
-                rows: t,
-                k,
-                codes,
-                pairs,
-            });
-        }
+        self.cuda_attention(q, kv, layer, meta, shape, out)
     }
 
     fn silu_mul(&self, gate: &mut CudaTensor, up: &CudaTensor) {

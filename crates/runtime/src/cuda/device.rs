@@ -8,6 +8,7 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::sys as cu;
 use cudarc::driver::{result as drv, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr};
 
+use super::attention::{fuse_merge_min_rows, FUSE_MERGE_MIN_ROWS};
 use super::compile::{self, Image, Module, Target};
 use super::int8::{int8_format, int8_mma_min_rows, Int8Policy};
 use super::int8_x::FreshX;
@@ -40,8 +41,9 @@ pub struct CudaOptions {
     pub device: usize,
     pub prefill_gemm: PrefillGemm,
     pub int8: Int8Policy,
-    /// The split attention merges its splits in its own launch (`Device::fuse_merge`).
-    pub fuse_merge: bool,
+    /// Fewest tokens of an attention launch whose split kernel merges its own splits
+    /// (`Device::fuse_merge_min_rows`; `usize::MAX`: never).
+    pub fuse_merge_min_rows: usize,
 }
 
 impl Default for CudaOptions {
@@ -50,7 +52,7 @@ impl Default for CudaOptions {
             device: 0,
             prefill_gemm: PrefillGemm::Tensor,
             int8: Int8Policy::Auto,
-            fuse_merge: true,
+            fuse_merge_min_rows: FUSE_MERGE_MIN_ROWS,
         }
     }
 }
@@ -58,11 +60,14 @@ impl Default for CudaOptions {
 impl CudaOptions {
     /// Defaults, overridden by `DFLASH_CUDA_DEVICE` (ordinal), `DFLASH_CUDA_GEMM` (`tensor`,
     /// the default; `kernel`; or `cublas` / `cublas:<min_rows>` for the cuBLAS prefill path)
-    /// `DFLASH_CUDA_INT8` ([`Int8Policy`]) and `DFLASH_CUDA_FUSE_MERGE` (`0`: a separate
-    /// attention merge launch).
+    /// `DFLASH_CUDA_INT8` ([`Int8Policy`]) and `DFLASH_CUDA_FUSE_MERGE` (when the split
+    /// attention merges by itself: `auto`, `0` or the fewest tokens; cuda/attention.rs).
     pub fn from_env() -> Result<Self, RuntimeError> {
         let mut o = Self {
-            fuse_merge: switch_on("DFLASH_CUDA_FUSE_MERGE").map_err(RuntimeError::Device)?,
+            fuse_merge_min_rows: fuse_merge_min_rows(
+                std::env::var("DFLASH_CUDA_FUSE_MERGE").ok().as_deref(),
+            )
+            .map_err(RuntimeError::Device)?,
             ..Self::default()
         };
         if let Ok(v) = std::env::var("DFLASH_CUDA_INT8") {
@@ -366,10 +371,11 @@ pub(crate) struct Device {
     /// epilogue (`EPI_ROPE`, matmul.cu) instead of a separate `rope_kv` launch, unless
     /// `DFLASH_CUDA_FUSE_ROPE=0`; the bits are the same either way.
     pub fuse_rope: bool,
-    /// The split attention kernel merges its splits itself (the last split block of each
-    /// token and KV head, `att_merge_last` in attention.cu) instead of a separate
-    /// `attention_merge` launch ([`CudaOptions::fuse_merge`]); the bits are the same.
-    pub fuse_merge: bool,
+    /// Attention launches of at least this many tokens merge their splits in the split kernel
+    /// (the last split block of each token and KV head, `att_merge_last` in attention.cu)
+    /// instead of a separate `attention_merge` launch ([`CudaOptions::fuse_merge_min_rows`]);
+    /// the bits are the same.
+    pub fuse_merge_min_rows: usize,
     /// Which of the target's projections multiply int8-quantized activations (`DFLASH_CUDA_INT8`).
     pub int8: Int8Policy,
     /// The RMS norm and the attention merge write the int8 copy of their output for the int8
@@ -552,7 +558,7 @@ impl Device {
             fixed_mt,
             pdl,
             fuse_rope,
-            fuse_merge: opts.fuse_merge,
+            fuse_merge_min_rows: opts.fuse_merge_min_rows,
             int8: opts.int8,
             int8_mma_min_m,
             int8_handoff,

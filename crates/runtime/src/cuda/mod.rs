@@ -75,6 +75,7 @@
 //! `CUDA_HOME`, `CUDA_PATH` (NVRTC include folders); `DFLASH_CACHE_DIR` /
 //! `XDG_CACHE_HOME` / `HOME` (kernel cache root), `DFLASH_CUDA_NO_CACHE=1`.
 
+mod attention;
 mod backend;
 pub mod compile;
 mod device;
@@ -90,6 +91,7 @@ mod rope_kv;
 mod sample;
 mod tensor;
 
+pub use attention::FUSE_MERGE_MIN_ROWS;
 pub use backend::CudaBackend;
 pub use device::{CudaOptions, PrefillGemm};
 pub use gdn::CudaGdn;
