@@ -132,7 +132,8 @@ __device__ __forceinline__ void att_merge_last(const AttParams& p, int t, int kv
 }
 
 // PER = dimensions per lane (head_dim <= 32 * PER), GM = most query heads per KV head.
-template <int PER, int GM>
+// EARLY: the first tile's loads before q is staged (below).
+template <int PER, int GM, bool EARLY>
 __device__ __forceinline__ void attention_split_body(const AttParams& p) {
     __shared__ __align__(16) float qs[GM * 32 * PER];
     __shared__ float st_m[ATT_WARPS][GM];
@@ -163,9 +164,11 @@ __device__ __forceinline__ void attention_split_body(const AttParams& p) {
     const int tile_end = min((sp + 1) * tps, ntile);
     // Values of VB keys are loaded before they are added (in key order).
     constexpr int VB = PER <= 2 ? 16 : 8;
-    // The first tile's keys (the first 64 dimensions, four per 16-byte load) and the values
-    // of its first VB keys are requested before q is staged, so the three round trips to
-    // memory overlap: a decode step's warps have one tile each at short contexts.
+    // EARLY: the first tile's keys (the first 64 dimensions, four per 16-byte load) and the
+    // values of its first VB keys are requested before q is staged, so the three round trips
+    // to memory overlap (a decode step's warps have one tile each at short contexts); else a
+    // tile's keys are loaded at its top and its values after the softmax, which holds fewer
+    // registers, so more blocks fit an SM (prefill and verify blocks: many blocks).
     float4 kk[16];
     float vv[VB][PER];
     const auto load_k = [&](int t0, int d0) {
@@ -187,7 +190,7 @@ __device__ __forceinline__ void attention_split_body(const AttParams& p) {
         }
     };
     int tile = sp * tps + warp;
-    if (tile < tile_end) {
+    if (EARLY && tile < tile_end) {
         const int t0 = start + 32 * tile;
         if (vec4) load_k(t0, 0);
         load_v(t0, 0, min(32, end - t0));
@@ -212,9 +215,9 @@ __device__ __forceinline__ void attention_split_body(const AttParams& p) {
         const int j = t0 + lane;
         const bool valid = j < end;
         const int nk = min(32, end - t0);
-        if (!first) {
+        if (!EARLY || !first) {
             if (vec4) load_k(t0, 0);
-            load_v(t0, 0, nk);
+            if (EARLY) load_v(t0, 0, nk);
         }
         float dot[GM];
 #pragma unroll
@@ -269,7 +272,7 @@ __device__ __forceinline__ void attention_split_body(const AttParams& p) {
             }
         }
         for (int k0 = 0; k0 < nk; k0 += VB) {
-            if (k0 > 0) load_v(t0, k0, nk);
+            if (k0 > 0 || !EARLY) load_v(t0, k0, nk);
 #pragma unroll
             for (int u = 0; u < VB; u++) {
                 if (k0 + u < nk) {
@@ -326,11 +329,18 @@ __device__ __forceinline__ void attention_split_body(const AttParams& p) {
     if (p.count) att_merge_last(p, t, kvh, G, nsplit);
 }
 
+// attention_split_<PER>_<GM> and attention_split_early_<PER>_<GM> (EARLY loads; the host
+// takes them for launches of few tokens, ATT_EARLY_MAX_ROWS in cuda/attention.rs).
 #define ATT_KERNEL(PER, GM)                                                                   \
     extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)                              \
         attention_split_##PER##_##GM(const AttParams p) {                                     \
         df_kernel_begin();                                                                    \
-        attention_split_body<PER, GM>(p);                                                     \
+        attention_split_body<PER, GM, false>(p);                                              \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)                              \
+        attention_split_early_##PER##_##GM(const AttParams p) {                               \
+        df_kernel_begin();                                                                    \
+        attention_split_body<PER, GM, true>(p);                                               \
     }
 
 // Dimensions per lane (head_dim up to 32, 64, 128, 256) x query heads per KV head, exactly

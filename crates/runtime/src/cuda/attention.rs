@@ -8,7 +8,9 @@
 //! costs a decode step 6–8% (the last block's fence, count and reads of every split's state
 //! lie on the step's critical path, where the merge launch overlaps its wait with the split
 //! kernel through programmatic dependent launch), so it is taken from
-//! [`FUSE_MERGE_MIN_ROWS`] tokens (`DFLASH_CUDA_FUSE_MERGE`).
+//! [`FUSE_MERGE_MIN_ROWS`] tokens (`DFLASH_CUDA_FUSE_MERGE`). Launches of a few tokens take
+//! the split kernel's variant with early loads (`ATT_EARLY_MAX_ROWS`). Every variant gives
+//! the same bits.
 
 use super::backend::CudaBackend;
 use super::device::{ensure, ATT_GM, ATT_MAX_GHD, ATT_MAX_SPLITS, ATT_PER, ATT_THREADS};
@@ -21,6 +23,13 @@ use crate::quant::GROUP;
 /// Fewest tokens of one attention launch that merge inside the split kernel by default: the
 /// rows of a prompt (decode and verify blocks of up to 16 keep the merge launch).
 pub const FUSE_MERGE_MIN_ROWS: usize = 17;
+
+/// Most tokens of one attention launch that take the split kernel with early loads (its
+/// first tile's keys and values requested before q is staged): on the H200 a decode step of
+/// the default model's shapes 0.729–0.735 → 0.705–0.713 ms, but a verify of 16 1.285 → 1.31
+/// ms and prefill of 512 tokens 7% slower (more registers, fewer blocks per SM; a launch of
+/// up to 4 tokens fills less than one wave of the SMs either way).
+const ATT_EARLY_MAX_ROWS: usize = 4;
 
 /// `DFLASH_CUDA_FUSE_MERGE`: `auto` (or unset, empty) [`FUSE_MERGE_MIN_ROWS`], `0` / `off`
 /// never, or the fewest tokens.
@@ -94,7 +103,7 @@ impl CudaBackend {
                  supported (head_dim <= 256, group <= 8, group x head_dim <= {ATT_MAX_GHD})"
             )
         };
-        let f = dev.k.attention_split[pi][gi].as_ref().unwrap_or_else(|| {
+        let fs = dev.k.attention_split[pi][gi].as_ref().unwrap_or_else(|| {
             panic!(
                 "attention: {group} query heads per KV head of dimension {head_dim} exceed \
                  {ATT_MAX_GHD} values per block"
@@ -168,7 +177,7 @@ impl CudaBackend {
         // context length, so a captured step stays valid as the context grows. From
         // `fuse_merge_min_rows` tokens, the last split block of each (token, KV head) merges.
         dev.launch_with(
-            f,
+            &fs[usize::from(t <= ATT_EARLY_MAX_ROWS)],
             "attention",
             (t as u32, n_kv_heads as u32, ATT_MAX_SPLITS as u32),
             (ATT_THREADS, 1, 1),

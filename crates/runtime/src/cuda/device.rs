@@ -249,8 +249,9 @@ pub(crate) struct Kernels {
     pub qk_norm_rope_kv: CudaFunction,
     pub kv_write: CudaFunction,
     pub kv_copy: CudaFunction,
-    /// `attention_split[per index][gm index]` (None where GM * 32 * PER > ATT_MAX_GHD).
-    pub attention_split: Vec<Vec<Option<CudaFunction>>>,
+    /// `attention_split[per index][gm index]` (None where GM * 32 * PER > ATT_MAX_GHD): the
+    /// plain kernel, then the one with early loads (`attention_split_early_*`).
+    pub attention_split: Vec<Vec<Option<[CudaFunction; 2]>>>,
     pub attention_merge: CudaFunction,
     pub attention_merge_q8: CudaFunction,
     pub sample: super::sample::SampleKernels,
@@ -971,10 +972,13 @@ fn load_kernels_for(ctx: &Arc<CudaContext>, target: Target) -> Result<Kernels, S
         let mut row = Vec::new();
         for gm in ATT_GM {
             row.push(if gm * 32 * per <= ATT_MAX_GHD {
-                Some(get(
-                    Module::Attention,
-                    &format!("attention_split_{per}_{gm}"),
-                )?)
+                Some([
+                    get(Module::Attention, &format!("attention_split_{per}_{gm}"))?,
+                    get(
+                        Module::Attention,
+                        &format!("attention_split_early_{per}_{gm}"),
+                    )?,
+                ])
             } else {
                 None
             });
