@@ -32,10 +32,10 @@ use crate::progress::Bars;
 /// drafter's trained block.
 const CPU_DEFAULT_BLOCK: usize = 2;
 
-/// Default draft block on the CUDA backend. With the shipped drafter (acceptance 0.46, 0.22,
-/// 0.09 at slots 1-3) block 4 measured best on an H200: DFlash / AR 1.125 against 0.89 at 8
-/// and 0.78 at 16 (docs/benchmarks/2026-11-30-h200-cuda-decode.md). `--block-size` overrides
-/// it, up to the drafter's trained block.
+/// Default draft block on the CUDA backend. With the shipped drafter (τ 2.05 at block 4, 2.23
+/// at 8, 2.36 at 16) block 4 measured best on an H200: DFlash / AR 1.28x against 1.13x at 8
+/// and 1.04-1.07x at 16 (docs/benchmarks/2026-12-02-h200-attention-merge.md). `--block-size`
+/// overrides it, up to the drafter's trained block.
 #[cfg(feature = "cuda")]
 const CUDA_DEFAULT_BLOCK: usize = 4;
 

@@ -47,10 +47,12 @@
 //!   invariance, like the CPU backend); the cuBLAS path (dequantize a panel of weight rows to
 //!   f32, SGEMM with pedantic math, i.e. no TF32) is opt-in because it makes prompt rows
 //!   depend on the chunk size.
-//! - **attention** (`kernels/attention.cu`): a block of 4 warps per (token, query head);
-//!   keys in tiles of 32 at fixed offsets from `kv_start`, tile t to warp t mod 4, online
-//!   softmax per warp (a lane scores one key; lanes then own head dimensions for the value
-//!   sum), warps merged in order. Any context length, head_dim <= 256.
+//! - **attention** (`kernels/attention.cu`, `cuda/attention.rs`): a block of 4 warps per
+//!   (token, KV head, key split), the GQA group's query heads sharing each K/V load; keys in
+//!   tiles of 32 at fixed offsets from `kv_start`, tile t to warp t mod 4, online softmax per
+//!   warp (a lane scores one key; lanes then own head dimensions for the value sum), warps
+//!   merged in order, then the splits in split order (a merge launch, or for prompt rows the
+//!   split kernel's last block). Any context length, head_dim <= 256.
 //! - **RMS norm**: sixteen lanes per group, reproducing the CPU's 16-lane sum and halving tree.
 //! - element-wise ops, RoPE, gathers and KV copies: simple grid-stride kernels.
 //! - **token choice** (`kernels/sample.cu`, `cuda/sample.rs`): argmax in two stages (blocks
@@ -65,7 +67,9 @@
 //!
 //! `DFLASH_CUDA_DEVICE` (ordinal, default 0); `DFLASH_CUDA_GEMM` (`tensor` default, `kernel`,
 //! `cublas` or `cublas:<min rows>`); `DFLASH_CUDA_FUSE_ROPE=0` (RoPE and the KV write as their
-//! own launch, not in the q/k/v products' epilogue); `DFLASH_CUDA_INT8` (`auto` default, `1`,
+//! own launch, not in the q/k/v products' epilogue); `DFLASH_CUDA_FUSE_MERGE` (`auto` default
+//! = prompt launches of 17+ tokens, a token count, or `0`: when the attention merges its splits
+//! inside the split kernel, same bits); `DFLASH_CUDA_INT8` (`auto` default, `1`,
 //! `0`: which target projections take int8 activations, [`Int8Policy`]);
 //! `DFLASH_CUDA_INT8_MMA` (`auto` default = from 9 rows of x, a row count, or `0`: when int8
 //! products run on integer tensor cores, same bits); `DFLASH_CUDA_ARCH`
