@@ -168,7 +168,7 @@ __device__ __forceinline__ void attention_split_body(const AttParams& p) {
     // values of its first VB keys are requested before q is staged, so the three round trips
     // to memory overlap (a decode step's warps have one tile each at short contexts); else a
     // tile's keys are loaded at its top and its values after the softmax, which holds fewer
-    // registers, so more blocks fit an SM (prefill and verify blocks: many blocks).
+    // registers, so more blocks fit an SM (prefill and verify blocks of 16: many blocks).
     float4 kk[16];
     float vv[VB][PER];
     const auto load_k = [&](int t0, int d0) {

@@ -26,10 +26,10 @@ pub const FUSE_MERGE_MIN_ROWS: usize = 17;
 
 /// Most tokens of one attention launch that take the split kernel with early loads (its
 /// first tile's keys and values requested before q is staged): on the H200 a decode step of
-/// the default model's shapes 0.729–0.735 → 0.705–0.713 ms, but a verify of 16 1.285 → 1.31
-/// ms and prefill of 512 tokens 7% slower (more registers, fewer blocks per SM; a launch of
-/// up to 4 tokens fills less than one wave of the SMs either way).
-const ATT_EARLY_MAX_ROWS: usize = 4;
+/// the default model's shapes 0.729–0.735 → 0.705–0.713 ms and a verify of 8 1.11–1.13 →
+/// 1.08–1.10 ms, but a verify of 16 1.26–1.29 → 1.30–1.32 ms and prefill of 512 tokens 6%
+/// slower (more registers, fewer blocks per SM once the grid passes a wave).
+const ATT_EARLY_MAX_ROWS: usize = 8;
 
 /// `DFLASH_CUDA_FUSE_MERGE`: `auto` (or unset, empty) [`FUSE_MERGE_MIN_ROWS`], `0` / `off`
 /// never, or the fewest tokens.
