@@ -50,7 +50,9 @@ pub(super) unsafe fn scales<const F: u8>(blk: *const u8) -> __m512 {
 pub(super) unsafe fn q4_1_mins<const F: u8>(blk: *const u8) -> __m512 {
     let format = super::format_of(F);
     if format == Int8Format::Q4_1 {
-        _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(format.code_bytes() + 32) as *const __m256i))
+        _mm512_cvtph_ps(_mm256_loadu_si256(
+            blk.add(format.code_bytes() + 32) as *const __m256i
+        ))
     } else {
         _mm512_setzero_ps()
     }
@@ -147,7 +149,15 @@ unsafe fn tile<const F: u8, const MR: usize>(job: &Job, blk0: *const u8, i0: usi
         let mw = q4_1_mins::<F>(blk);
         for (r, a) in acc.iter_mut().enumerate() {
             let bi = r * kb + g;
-            *a = accumulate::<F>(*a, dots[r], dw, mw, *d0.add(bi), *sum0.add(bi), *ds0.add(bi));
+            *a = accumulate::<F>(
+                *a,
+                dots[r],
+                dw,
+                mw,
+                *d0.add(bi),
+                *sum0.add(bi),
+                *ds0.add(bi),
+            );
         }
     }
     store_rows(job, &acc, i0, col);

@@ -128,10 +128,12 @@ fn amx_tiles_equal_the_reference_and_the_row_alone_at_every_m() {
             for m in (1..=18).chain([31, 32, 33, 40]) {
                 let got = tiles(&packed, &x[..m * k], m);
                 let want = with_reference(&w, &x[..m * k], m);
-                let same = |a: &[f32], b: &[f32]| {
-                    a.iter().zip(b).all(|(a, b)| a.to_bits() == b.to_bits())
-                };
-                assert!(same(&got, &want), "{dtype} {n}x{k} m={m}: tiles vs reference");
+                let same =
+                    |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same(&got, &want),
+                    "{dtype} {n}x{k} m={m}: tiles vs reference"
+                );
                 for (i, row) in alone.iter().enumerate().take(m) {
                     assert!(
                         same(&got[i * n..(i + 1) * n], row),
