@@ -22,9 +22,11 @@ use super::avx512::{accumulate, operands, q4_1_mins, scales, store_rows};
 use super::pack::{Int8Format, PANEL};
 use super::Job;
 
-/// Fewer x rows than this run the AVX-512-VNNI kernel: measured on a Xeon with AMX (576 x
-/// 49,152 Q4_1, one thread, weights streamed from L3), tiles cost 1.20x, 1.34x, 1.76x one
-/// row at 2, 4, 8 rows against VNNI's 1.03x, 1.25x, 1.91x.
+/// Fewer x rows than this run the AVX-512-VNNI kernel. Measured on a 2.6 GHz Xeon with AMX
+/// (576 x 49,152 Q4_1, one thread, weights streamed from L3; cost against one row): tiles
+/// 1.20x, 1.34x at 2 and 4 rows against VNNI's 1.03x, 1.25x; at 8 rows 1.76x-2.17x against
+/// 1.91x-1.94x depending on the run, at 16 rows 2.84x-3.32x against 3.77x
+/// (docs/benchmarks/2026-12-02-cpu-verify-rows.md).
 pub const MIN_ROWS: usize = 8;
 
 /// Most x rows per tile product (an AMX tile has 16 rows).
