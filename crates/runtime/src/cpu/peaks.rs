@@ -15,7 +15,8 @@ pub struct Peaks {
     pub read_gb_s: f64,
     /// f32 fused multiply-adds, GFLOP/s (2 per lane per FMA).
     pub fma_gflop_s: f64,
-    /// int8 multiply-accumulates in the int8 kernels' dot instruction, GOP/s (2 per byte pair).
+    /// int8 multiply-accumulates in the int8 kernels' dot instruction, GOP/s (2 per byte pair);
+    /// for the AMX family that of its one-row kernel, `vpdpbusd` (tile products go past it).
     pub int8_gop_s: Option<f64>,
 }
 
@@ -82,7 +83,7 @@ const ACCS: usize = 8;
 /// Byte pairs one dot instruction multiplies.
 fn dot_bytes(k: Int8Kernel) -> usize {
     match k {
-        Int8Kernel::Avx512Vnni => 64,
+        Int8Kernel::Amx | Int8Kernel::Avx512Vnni => 64,
         Int8Kernel::AvxVnni | Int8Kernel::Avx2 => 32,
         Int8Kernel::NeonDot => 16,
     }
@@ -113,7 +114,7 @@ fn dot_loop(k: Int8Kernel, iters: usize) -> i32 {
     // SAFETY: `k` is usable, so the CPU has its instructions.
     match k {
         #[cfg(target_arch = "x86_64")]
-        Int8Kernel::Avx512Vnni => unsafe { x86::vnni512(iters) },
+        Int8Kernel::Amx | Int8Kernel::Avx512Vnni => unsafe { x86::vnni512(iters) },
         #[cfg(target_arch = "x86_64")]
         Int8Kernel::AvxVnni => unsafe { x86::vnni256(iters) },
         #[cfg(target_arch = "x86_64")]

@@ -38,10 +38,94 @@ unsafe fn block_dot(w: &[__m512i; 8], xq: *const i8) -> __m512i {
     _mm512_dpbusd_epi32(s, w[7], bcast(xq.add(28)))
 }
 
+/// The 16 rows' weight scales `dw` of a packed block.
+#[inline(always)]
+pub(super) unsafe fn scales<const F: u8>(blk: *const u8) -> __m512 {
+    let cb = super::format_of(F).code_bytes();
+    _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(cb) as *const __m256i))
+}
+
+/// The 16 rows' Q4_1 minimums `mw` of a packed block (zero for the other formats).
+#[inline(always)]
+pub(super) unsafe fn q4_1_mins<const F: u8>(blk: *const u8) -> __m512 {
+    let format = super::format_of(F);
+    if format == Int8Format::Q4_1 {
+        _mm512_cvtph_ps(_mm256_loadu_si256(
+            blk.add(format.code_bytes() + 32) as *const __m256i
+        ))
+    } else {
+        _mm512_setzero_ps()
+    }
+}
+
+/// The float step of one block for one activation row (see `reference`): the exact integer
+/// dots `dot` of the panel's 16 weight rows with the row's codes, the block's weight scales
+/// `dw` (minimums `mw`) and the row's block scale `d`, code sum `sum` and `ds` enter `acc`.
+/// Every AVX-512 int8 kernel (VNNI and AMX) goes through this one function.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn accumulate<const F: u8>(
+    acc: __m512,
+    dot: __m512i,
+    dw: __m512,
+    mw: __m512,
+    d: f32,
+    sum: i32,
+    ds: f32,
+) -> __m512 {
+    let format = super::format_of(F);
+    let dot = match format {
+        Int8Format::Q4_0 => _mm512_sub_epi32(dot, _mm512_set1_epi32(8 * sum)),
+        Int8Format::Q8_0 => _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * sum)),
+        Int8Format::Q4_1 => dot,
+    };
+    let s = _mm512_mul_ps(dw, _mm512_set1_ps(d));
+    let acc = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(dot), acc);
+    if format == Int8Format::Q4_1 {
+        _mm512_fmadd_ps(mw, _mm512_set1_ps(ds), acc)
+    } else {
+        acc
+    }
+}
+
+/// The 16 weight rows' codes of block `blk` as 8 operands: operand `t` pairs with activation
+/// codes `4t..4t+4` (Q4: the low nibbles of chunks 0..4, then their high nibbles).
+#[inline(always)]
+pub(super) unsafe fn operands<const F: u8>(blk: *const u8) -> [__m512i; 8] {
+    let mut w = [_mm512_setzero_si512(); 8];
+    if super::format_of(F) == Int8Format::Q8_0 {
+        for (t, wt) in w.iter_mut().enumerate() {
+            *wt = chunk(blk, t);
+        }
+    } else {
+        let mask = _mm512_set1_epi8(0x0F);
+        for t in 0..4 {
+            let c = chunk(blk, t);
+            w[t] = _mm512_and_si512(c, mask);
+            w[t + 4] = _mm512_and_si512(_mm512_srli_epi16(c, 4), mask);
+        }
+    }
+    w
+}
+
+/// Stores the accumulators of rows `i0..` for the panel starting at output `col` (the last
+/// panel's padding rows left out).
+#[inline(always)]
+pub(super) unsafe fn store_rows(job: &Job, acc: &[__m512], i0: usize, col: usize) {
+    let valid = (job.w.rows - col).min(PANEL);
+    let keep: __mmask16 = if valid == PANEL {
+        !0
+    } else {
+        (1u16 << valid) - 1
+    };
+    for (r, a) in acc.iter().enumerate() {
+        _mm512_mask_storeu_ps(job.out.add((i0 + r) * job.out_stride + col), keep, *a);
+    }
+}
+
 #[inline(always)]
 unsafe fn tile<const F: u8, const MR: usize>(job: &Job, blk0: *const u8, i0: usize, col: usize) {
-    let format = super::format_of(F);
-    let (bb, cb) = (format.block_bytes(), format.code_bytes());
+    let bb = super::format_of(F).block_bytes();
     let x = job.x;
     let kb = x.blocks();
     debug_assert!((i0 + MR) * kb <= x.d.len() && (i0 + MR) * x.k <= x.q.len());
@@ -52,58 +136,31 @@ unsafe fn tile<const F: u8, const MR: usize>(job: &Job, blk0: *const u8, i0: usi
         x.sum.as_ptr().add(i0 * kb),
         x.ds.as_ptr().add(i0 * kb),
     );
-    let mask = _mm512_set1_epi8(0x0F);
     let mut acc = [_mm512_setzero_ps(); MR];
     for g in 0..kb {
         let blk = blk0.add(g * bb);
-        let dw = _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(cb) as *const __m256i));
-        let mut w = [_mm512_setzero_si512(); 8];
-        if format == Int8Format::Q8_0 {
-            for (t, wt) in w.iter_mut().enumerate() {
-                *wt = chunk(blk, t);
-            }
-        } else {
-            for t in 0..4 {
-                let c = chunk(blk, t);
-                w[t] = _mm512_and_si512(c, mask);
-                w[t + 4] = _mm512_and_si512(_mm512_srli_epi16(c, 4), mask);
-            }
-        }
+        let dw = scales::<F>(blk);
+        let w = operands::<F>(blk);
         // All rows' integer dots first: MR independent chains for the out-of-order core.
         let mut dots = [_mm512_setzero_si512(); MR];
         for (r, dot) in dots.iter_mut().enumerate() {
             *dot = block_dot(&w, q0.add(r * x.k + g * 32));
         }
-        let mw = if format == Int8Format::Q4_1 {
-            _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(cb + 32) as *const __m256i))
-        } else {
-            _mm512_setzero_ps()
-        };
-        for r in 0..MR {
+        let mw = q4_1_mins::<F>(blk);
+        for (r, a) in acc.iter_mut().enumerate() {
             let bi = r * kb + g;
-            let dot = match format {
-                Int8Format::Q4_0 => _mm512_sub_epi32(dots[r], _mm512_set1_epi32(8 * *sum0.add(bi))),
-                Int8Format::Q8_0 => {
-                    _mm512_sub_epi32(dots[r], _mm512_set1_epi32(128 * *sum0.add(bi)))
-                }
-                Int8Format::Q4_1 => dots[r],
-            };
-            let s = _mm512_mul_ps(dw, _mm512_set1_ps(*d0.add(bi)));
-            acc[r] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(dot), acc[r]);
-            if format == Int8Format::Q4_1 {
-                acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(*ds0.add(bi)), acc[r]);
-            }
+            *a = accumulate::<F>(
+                *a,
+                dots[r],
+                dw,
+                mw,
+                *d0.add(bi),
+                *sum0.add(bi),
+                *ds0.add(bi),
+            );
         }
     }
-    let valid = (job.w.rows - col).min(PANEL);
-    let keep: __mmask16 = if valid == PANEL {
-        !0
-    } else {
-        (1u16 << valid) - 1
-    };
-    for (r, a) in acc.iter().enumerate() {
-        _mm512_mask_storeu_ps(job.out.add((i0 + r) * job.out_stride + col), keep, *a);
-    }
+    store_rows(job, &acc, i0, col);
 }
 
 #[inline(always)]

@@ -19,6 +19,8 @@ pub mod reference;
 pub mod synthetic;
 
 #[cfg(target_arch = "x86_64")]
+mod amx;
+#[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
@@ -58,6 +60,8 @@ const fn format_of(f: u8) -> Int8Format {
 /// A tuned int8 kernel family.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Int8Kernel {
+    /// AMX tile products from `amx::MIN_ROWS` x rows, AVX-512-VNNI for fewer.
+    Amx,
     Avx512Vnni,
     AvxVnni,
     Avx2,
@@ -67,6 +71,7 @@ pub enum Int8Kernel {
 impl fmt::Display for Int8Kernel {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
+            Int8Kernel::Amx => "amx-int8",
             Int8Kernel::Avx512Vnni => "avx512-vnni",
             Int8Kernel::AvxVnni => "avx-vnni",
             Int8Kernel::Avx2 => "avx2-int8",
@@ -77,7 +82,8 @@ impl fmt::Display for Int8Kernel {
 
 impl Int8Kernel {
     /// Every family, most preferred first.
-    pub const ALL: [Int8Kernel; 4] = [
+    pub const ALL: [Int8Kernel; 5] = [
+        Int8Kernel::Amx,
         Int8Kernel::Avx512Vnni,
         Int8Kernel::AvxVnni,
         Int8Kernel::Avx2,
@@ -87,6 +93,8 @@ impl Int8Kernel {
     /// True when this CPU has the instructions.
     pub fn cpu_has(self) -> bool {
         match self {
+            #[cfg(target_arch = "x86_64")]
+            Int8Kernel::Amx => Int8Kernel::Avx512Vnni.cpu_has() && amx::usable(),
             #[cfg(target_arch = "x86_64")]
             Int8Kernel::Avx512Vnni => {
                 is_x86_feature_detected!("avx512f")
@@ -120,6 +128,8 @@ impl Int8Kernel {
     pub unsafe fn run(self, job: &Job) {
         debug_assert!(job.panels.end <= job.w.panels() && job.x.k == job.w.cols);
         match self {
+            #[cfg(target_arch = "x86_64")]
+            Int8Kernel::Amx => amx::run(job),
             #[cfg(target_arch = "x86_64")]
             Int8Kernel::Avx512Vnni => avx512::run(job),
             #[cfg(target_arch = "x86_64")]

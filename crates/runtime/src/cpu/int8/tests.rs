@@ -93,6 +93,58 @@ fn a_row_gets_the_same_bits_alone_or_in_a_verify_block() {
     }
 }
 
+/// The AMX tile products, forced at every row count (the family itself hands one row to
+/// the VNNI kernel): every row equals the reference and that row computed alone, bit for
+/// bit, in one tile (M <= 16) and across several (M > 16).
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn amx_tiles_equal_the_reference_and_the_row_alone_at_every_m() {
+    if !Int8Kernel::Amx.cpu_has() {
+        println!("skipped: this CPU or OS offers no AMX int8 tiles");
+        return;
+    }
+    let tiles = |packed: &PackedWeight, x: &[f32], m: usize| {
+        let q = quant(x, m, packed.cols);
+        let mut out = vec![f32::NAN; m * packed.rows];
+        let job = Job {
+            w: packed,
+            panels: 0..packed.panels(),
+            x: &q,
+            out: out.as_mut_ptr(),
+            out_stride: packed.rows,
+        };
+        // SAFETY: the CPU offers the tiles (checked above); the buffers match the job.
+        unsafe { amx::run_tiles(&job) };
+        out
+    };
+    for (n, k) in [(37, 96), (192, 576), (48, 1536)] {
+        for dtype in FORMATS {
+            let w = synthetic::weight(dtype, n, k, 0.02, 3 + n as u64);
+            let packed = PackedWeight::pack(&w).unwrap();
+            let x = synthetic::activations(40, k, 9 + k as u64);
+            let alone: Vec<Vec<f32>> = (0..40)
+                .map(|i| tiles(&packed, &x[i * k..(i + 1) * k], 1))
+                .collect();
+            for m in (1..=18).chain([31, 32, 33, 40]) {
+                let got = tiles(&packed, &x[..m * k], m);
+                let want = with_reference(&w, &x[..m * k], m);
+                let same =
+                    |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same(&got, &want),
+                    "{dtype} {n}x{k} m={m}: tiles vs reference"
+                );
+                for (i, row) in alone.iter().enumerate().take(m) {
+                    assert!(
+                        same(&got[i * n..(i + 1) * n], row),
+                        "{dtype} {n}x{k} m={m}: row {i} differs from the row alone"
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn int8_products_stay_within_the_rounding_bound_of_the_f32_kernels() {
     let pool = CpuPool::new(2);
