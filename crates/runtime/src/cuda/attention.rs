@@ -13,7 +13,9 @@
 //! the same bits.
 
 use super::backend::CudaBackend;
-use super::device::{ensure, ATT_GM, ATT_MAX_GHD, ATT_MAX_SPLITS, ATT_PER, ATT_THREADS};
+use super::device::{
+    ensure, rows_setting, ATT_GM, ATT_MAX_GHD, ATT_MAX_SPLITS, ATT_PER, ATT_THREADS,
+};
 use super::int8_x::QuantizedX;
 use super::kv::CudaKv;
 use super::tensor::{CudaMeta, CudaTensor};
@@ -34,15 +36,7 @@ const ATT_EARLY_MAX_ROWS: usize = 8;
 /// `DFLASH_CUDA_FUSE_MERGE`: `auto` (or unset, empty) [`FUSE_MERGE_MIN_ROWS`], `0` / `off`
 /// never, or the fewest tokens.
 pub fn fuse_merge_min_rows(v: Option<&str>) -> Result<usize, String> {
-    match v.map(str::trim) {
-        None | Some("") | Some("auto") => Ok(FUSE_MERGE_MIN_ROWS),
-        Some("0") | Some("off") => Ok(usize::MAX),
-        Some(s) => s.parse::<usize>().map_err(|_| {
-            format!(
-                "DFLASH_CUDA_FUSE_MERGE={s:?}: expected auto, 0 or the fewest tokens (1, 2, ...)"
-            )
-        }),
-    }
+    rows_setting("DFLASH_CUDA_FUSE_MERGE", v, FUSE_MERGE_MIN_ROWS)
 }
 
 /// `AttParams` in attention.cu.

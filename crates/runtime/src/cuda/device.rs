@@ -347,6 +347,18 @@ fn switch_on(name: &str) -> Result<bool, String> {
     }
 }
 
+/// A row-count setting from environment variable `name`'s value `v`: unset, empty or `auto`
+/// gives `auto`; `0` or `off` never (`usize::MAX`); anything else must be a count.
+pub(crate) fn rows_setting(name: &str, v: Option<&str>, auto: usize) -> Result<usize, String> {
+    match v.map(str::trim) {
+        None | Some("") | Some("auto") => Ok(auto),
+        Some("0") | Some("off") => Ok(usize::MAX),
+        Some(s) => s
+            .parse::<usize>()
+            .map_err(|_| format!("{name}={s:?}: expected auto, 0 or the fewest rows (1, 2, ...)")),
+    }
+}
+
 /// The raw device address of a buffer.
 pub(crate) fn dptr<T>(stream: &CudaStream, s: &CudaSlice<T>) -> u64 {
     let (p, _sync) = s.device_ptr(stream);

@@ -1,6 +1,7 @@
 //! Which weights multiply int8-quantized activations on the GPU (`DFLASH_CUDA_INT8`), and which
 //! formats have the int8 kernels.
 
+use super::device::rows_setting;
 use crate::cpu::int8::pack::Int8Format;
 use crate::dtype::DType;
 
@@ -61,13 +62,7 @@ pub const INT8_MMA_MIN_M: usize = 9;
 /// `DFLASH_CUDA_INT8_MMA` (unset, empty or `auto`: [`INT8_MMA_MIN_M`]; `0` or `off`: never, as
 /// `usize::MAX`; else a row count of at least 1).
 pub fn int8_mma_min_rows(v: Option<&str>) -> Result<usize, String> {
-    match v.map(str::trim) {
-        None | Some("") | Some("auto") => Ok(INT8_MMA_MIN_M),
-        Some("0") | Some("off") => Ok(usize::MAX),
-        Some(s) => s.parse::<usize>().map_err(|_| {
-            format!("DFLASH_CUDA_INT8_MMA={s:?}: expected auto, 0 or the fewest rows (1, 2, ...)")
-        }),
-    }
+    rows_setting("DFLASH_CUDA_INT8_MMA", v, INT8_MMA_MIN_M)
 }
 
 /// Whether format `d` has int8-activation kernels (`mmq_*`, built with `DF_MM_INT8`): the
