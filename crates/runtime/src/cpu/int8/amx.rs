@@ -18,7 +18,7 @@ use std::arch::asm;
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
-use super::avx512::{accumulate, operands, q4_1_mins, scales, store_rows};
+use super::avx512::{accumulate, operands, q4_1_mins, scales, store_rows, x_rows_at};
 use super::pack::{Int8Format, PANEL};
 use super::Job;
 
@@ -135,12 +135,7 @@ unsafe fn tile<const F: u8, const MR: usize>(
     let x = job.x;
     let kb = x.blocks();
     debug_assert!((i0 + MR) * kb <= x.d.len() && (i0 + MR) * x.k <= x.q.len());
-    let q0 = x.q.as_ptr().add(i0 * x.k);
-    let (d0, sum0, ds0) = (
-        x.d.as_ptr().add(i0 * kb),
-        x.sum.as_ptr().add(i0 * kb),
-        x.ds.as_ptr().add(i0 * kb),
-    );
+    let (q0, d0, sum0, ds0) = x_rows_at(x, i0);
     // Where the tile of block `g` loads its weight operands from.
     let b_of = |s: &Scratch, g: usize| -> *const u8 {
         if q4 {

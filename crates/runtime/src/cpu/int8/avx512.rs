@@ -10,6 +10,7 @@
 use std::arch::x86_64::*;
 
 use super::pack::{Int8Format, PANEL};
+use super::quantize::QuantRows;
 use super::Job;
 
 #[inline(always)]
@@ -56,6 +57,22 @@ pub(super) unsafe fn q4_1_mins<const F: u8>(blk: *const u8) -> __m512 {
     } else {
         _mm512_setzero_ps()
     }
+}
+
+/// Where x row `i0`'s codes and its blocks' scales `d`, code sums and `d · sum` start; row
+/// `i0 + r` of a tile adds `r · k` to the first, `r · k / 32` to the others.
+#[inline(always)]
+pub(super) unsafe fn x_rows_at(
+    x: &QuantRows,
+    i0: usize,
+) -> (*const i8, *const f32, *const i32, *const f32) {
+    let kb = x.blocks();
+    (
+        x.q.as_ptr().add(i0 * x.k),
+        x.d.as_ptr().add(i0 * kb),
+        x.sum.as_ptr().add(i0 * kb),
+        x.ds.as_ptr().add(i0 * kb),
+    )
 }
 
 /// The float step of one block for one activation row (see `reference`): the exact integer
@@ -129,13 +146,7 @@ unsafe fn tile<const F: u8, const MR: usize>(job: &Job, blk0: *const u8, i0: usi
     let x = job.x;
     let kb = x.blocks();
     debug_assert!((i0 + MR) * kb <= x.d.len() && (i0 + MR) * x.k <= x.q.len());
-    // Row r's codes, scales and sums start at these pointers plus `r · k` or `r · kb`.
-    let q0 = x.q.as_ptr().add(i0 * x.k);
-    let (d0, sum0, ds0) = (
-        x.d.as_ptr().add(i0 * kb),
-        x.sum.as_ptr().add(i0 * kb),
-        x.ds.as_ptr().add(i0 * kb),
-    );
+    let (q0, d0, sum0, ds0) = x_rows_at(x, i0);
     let mut acc = [_mm512_setzero_ps(); MR];
     for g in 0..kb {
         let blk = blk0.add(g * bb);
