@@ -381,6 +381,7 @@ fn arm_json(name: &str, runs: &[ArmRun]) -> Value {
         "acceptance_by_position": last.stats.acceptance_by_position(),
         "draft_ms_per_round": per_round(last.stats.draft_s, last.stats.rounds),
         "verify_ms_per_round": per_round(last.stats.verify_s, last.stats.rounds),
+        "commit_ms_per_round": per_round(last.stats.commit_s, last.stats.rounds),
     })
 }
 
@@ -530,18 +531,22 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 }
                 let ar_tps = median(ar.iter().map(|r| r.tok_per_s).collect());
                 let df_tps = median(df.iter().map(|r| r.tok_per_s).collect());
-                let tau = df.last().map(|r| r.stats.tau()).unwrap_or(0.0);
+                let last = df.last().map(|r| r.stats.clone()).unwrap_or_default();
+                let tau = last.tau();
                 report["ar_tok_per_s"] = json!(ar_tps);
                 report["dflash_tok_per_s"] = json!(df_tps);
                 report["speedup"] = json!(df_tps / ar_tps);
                 report["tau"] = json!(tau);
                 report["arms"] = json!([arm_json("ar", &ar), arm_json("dflash", &df)]);
                 table.push(format!(
-                    "| AR {:.1} tok/s | DFlash {:.1} tok/s | {:.2}x | tau {:.2} |",
+                    "| AR {:.1} tok/s | DFlash {:.1} tok/s | {:.2}x | tau {:.2} | ms per round: draft {:.3}, verify {:.3}, commit {:.3} |",
                     ar_tps,
                     df_tps,
                     df_tps / ar_tps,
-                    tau
+                    tau,
+                    per_round(last.draft_s, last.rounds),
+                    per_round(last.verify_s, last.rounds),
+                    per_round(last.commit_s, last.rounds),
                 ));
             }
             Some(n) => {

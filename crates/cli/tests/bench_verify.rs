@@ -1,6 +1,7 @@
 //! `dflash bench` measures a verify block against a decode step on the target alone: the
 //! report carries every timed pair and the median ratio, the table says it, and a block that
-//! cannot fit the context after the prompt is a clear error.
+//! cannot fit the context after the prompt is a clear error; with a drafter, the DFlash arm
+//! reports its draft, verify and commit time per round.
 
 mod support;
 
@@ -74,4 +75,46 @@ fn a_verify_block_past_the_context_is_a_clear_error() {
         "unclear error: {err}"
     );
     assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn dflash_arm_reports_draft_verify_and_commit_time_per_round() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let drafter = random_drafter_dir(dir.path());
+    let out = bench_cpu(
+        &model,
+        &[
+            "--draft",
+            drafter.to_str().unwrap(),
+            "--block-size",
+            "2",
+            "-p",
+            "8",
+            "-n",
+            "8",
+            "-r",
+            "1",
+        ],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "bench failed: {err}");
+    let report: Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    let arms = report["arms"].as_array().expect("arms");
+    let dflash = arms
+        .iter()
+        .find(|a| a["arm"] == "dflash")
+        .expect("dflash arm");
+    assert!(dflash["rounds"].as_u64().unwrap() > 0, "{dflash}");
+    for key in [
+        "draft_ms_per_round",
+        "verify_ms_per_round",
+        "commit_ms_per_round",
+    ] {
+        assert!(dflash[key].as_f64().unwrap() > 0.0, "{key}: {dflash}");
+    }
+    assert!(
+        err.contains("ms per round: draft "),
+        "the table gives the round's time split: {err}"
+    );
 }
