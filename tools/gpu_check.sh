@@ -7,9 +7,10 @@
 #   bash tools/gpu_check.sh --build
 #
 # builds the runtime's CUDA tests (`cargo test -p dflash-runtime --features cuda --no-run`)
-# and the engine's token-choice and Qwen 3.5 tests (`-p dflash-engine --features cuda --test
-# cuda_token_choice --test cuda_qwen35`), copies the executables (cuda_ops, cuda_fused,
-# cuda_gdn_ops, cuda_token_choice, cuda_qwen35; stripped) to .gpu/tests/ and makes sure
+# and the engine's token-choice, Qwen 3.5 and golden tests (`-p dflash-engine --features cuda --test
+# cuda_token_choice --test cuda_qwen35 --test cuda_golden_smollm2`), copies the executables
+# (cuda_ops, cuda_fused, cuda_gdn_ops, cuda_token_choice, cuda_qwen35, cuda_golden_smollm2;
+# stripped) to .gpu/tests/ and makes sure
 # .git/info/exclude ignores /.gpu/. Any other prebuilt test executable put in .gpu/tests/ is
 # run too (e.g. an engine test built with the cuda feature).
 # Then, with the device tool:
@@ -33,7 +34,7 @@ if [ "${1:-}" = "--build" ]; then
     mkdir -p .gpu/tests
     # the runtime's CUDA tests, and the engine's token-choice test
     for args in "-p dflash-runtime --features cuda" \
-                "-p dflash-engine --features cuda --test cuda_token_choice --test cuda_qwen35"; do
+                "-p dflash-engine --features cuda --test cuda_token_choice --test cuda_qwen35 --test cuda_golden_smollm2"; do
         # shellcheck disable=SC2086
         cargo test --release $args --no-run --message-format=json \
             | python3 -c '

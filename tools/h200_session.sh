@@ -11,8 +11,9 @@
 # A: unpacks the binaries, starts a llama.cpp CUDA build (Feb-2025 source, sm_90) in the
 #    background, runs the CUDA op tests (H200_TESTS, default: every CUDA test binary), then
 #    (unless H200_PROFILE=0) ncu on three kernels, the kernel microbench and memcheck.
-# B: assembles and checks the default model; CPU-vs-GPU greedy parity on 24 MT-Bench
-#    prompts; `dflash bench` plain decoding (kernel split by class) at prompts 128 and 512.
+# B: assembles and checks the default model; the GPU golden test (both numeric paths against
+#    transformers); CPU-vs-GPU greedy parity on 24 MT-Bench prompts (int8, the default, and
+#    f32); `dflash bench` plain decoding (kernel split by class) at prompts 128 and 512.
 # C: the shipped drafter: DFlash parity on the GPU (B = 1 and B = 4); dflash bench AR vs
 #    DFlash and B = 4; llama-bench beside dflash bench, alternating; the Qwen3-4B-shaped
 #    synthetic target (H200_Q4B_ROUNDS rounds, default 2); its matmul microbench (unless
@@ -133,9 +134,16 @@ stage_b() {
     cp "$root/.gpu/B/model.part2" "$W/"
     cat "$W/model.part1" "$W/model.part2" > "$MODEL"
     echo "$SHA  $MODEL" | sha256sum -c - || { say "model checksum FAILED"; return 1; }
-    say "parity: CPU vs GPU greedy, batched vs single"
-    timeout 300 "$W/gpu_parity" --model "$MODEL" --prompts "$root/.gpu/common/prompts.jsonl" \
-        --count 24 --max-tokens 64 | tee "$out/parity_plain.log"
+    # The golden test finds the model in the cache (ensure_default_model: no network here).
+    mkdir -p "$DFLASH_CACHE_DIR" && cp "$MODEL" "$DFLASH_CACHE_DIR/"
+    say "golden: the GPU's int8 (default) and f32 paths against transformers"
+    timeout 300 "$W/cuda_golden_smollm2" --test-threads=1 --nocapture 2>&1 | tee "$out/cuda_golden_smollm2.log" \
+        | grep -E "^test |test result|panicked|largest|skipped"
+    for int8 in 1 0; do
+        say "parity: CPU vs GPU greedy, batched vs single, DFLASH_CUDA_INT8=$int8"
+        DFLASH_CUDA_INT8=$int8 timeout 300 "$W/gpu_parity" --model "$MODEL" \
+            --prompts "$root/.gpu/common/prompts.jsonl" --count 24 --max-tokens 64 | tee "$out/parity_plain_int8_$int8.log"
+    done
     for p in 128 512; do
         for int8 in 1 0; do
             say "dflash bench plain, prompt $p, DFLASH_CUDA_INT8=$int8"

@@ -17,8 +17,9 @@
 //! both backends and the largest logit difference seen before it: the kernels compute in a
 //! different order than the CPU (on the CPU's int8 path where the GPU's projections take int8
 //! activations, else f32 throughout), so a near-tie may resolve differently, and
-//! the check passes only when the CPU's margin there is inside `--margin` (default 0.05,
-//! the bound documented in docs/architecture.md); GPU-only checks must be exact.
+//! the check passes only when the CPU's margin there is inside `--margin` (default: the GPU
+//! path's end-to-end logit bound, `dflash_models::bounds`: 1.0 on the int8 path, the default,
+//! and 0.05 on the f32 path, `DFLASH_CUDA_INT8=0`); GPU-only checks must be exact.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -28,6 +29,7 @@ use dflash_engine::ar::ArDecoder;
 use dflash_engine::dflash::{AcceptPolicy, DflashDecoder};
 use dflash_engine::session::run_scheduled;
 use dflash_engine::{Completion, Request, RowStats, SamplingParams};
+use dflash_models::bounds::gpu_logit_bound;
 use dflash_models::chat::Message;
 use dflash_models::{load_model, DflashDrafter, Drafter, LoadedModel, LogitRows, RowStep, Target};
 use dflash_runtime::cpu::{CpuBackend, Isa, MatmulMode};
@@ -42,7 +44,7 @@ struct Args {
     max_tokens: usize,
     block: usize,
     batches: Vec<usize>,
-    margin: f32,
+    margin: Option<f32>,
     skip_cpu: bool,
 }
 
@@ -55,7 +57,7 @@ fn parse() -> Result<Args> {
         max_tokens: 64,
         block: 16,
         batches: vec![4],
-        margin: 0.05,
+        margin: None,
         skip_cpu: false,
     };
     let mut it = std::env::args().skip(1);
@@ -78,7 +80,7 @@ fn parse() -> Result<Args> {
                     .collect::<Result<_>>()?
             }
             "--skip-cpu" => a.skip_cpu = true,
-            "--margin" => a.margin = val()?.parse()?,
+            "--margin" => a.margin = Some(val()?.parse()?),
             _ => bail!("unknown flag {flag}"),
         }
     }
@@ -149,8 +151,15 @@ fn main() -> Result<()> {
         MatmulMode::Reference
     };
     let cpu = Arc::new(CpuBackend::with_options(0, Isa::detect(), mode));
+    let activations = if gpu_int8 {
+        Activations::Int8
+    } else {
+        Activations::F32
+    };
+    let margin = args.margin.unwrap_or(gpu_logit_bound(activations));
     println!(
-        "GPU {} ({}), CPU x{} ({mode} matmul path); model {}",
+        "GPU {} ({}), CPU x{} ({mode} matmul path); model {}; {activations} activations, \
+         parting allowed at a CPU top-2 margin <= {margin}",
         cuda.device_name(),
         cuda.kernel_target(),
         cpu.threads(),
@@ -205,7 +214,7 @@ fn main() -> Result<()> {
             None => exact += 1,
             Some(s) => {
                 let (mg, mc) = (top2_margin(&g[s].1), top2_margin(&c[s].1));
-                let ok = mc <= args.margin;
+                let ok = mc <= margin;
                 println!(
                     "prompt {i}: CPU and GPU part at step {s} (gpu {} cpu {}): top-2 margin \
                      cpu {mc:.5} gpu {mg:.5} -> {}",

@@ -6,6 +6,7 @@
 //! `Backend` so they run on any device.
 
 pub mod any_target;
+pub mod bounds;
 pub mod chat;
 pub mod config;
 pub mod default_model;

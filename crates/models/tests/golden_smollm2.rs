@@ -5,32 +5,19 @@
 //!
 //! Two numeric paths: the f32 reference (`DFLASH_MATMUL=reference`), held to 5e-4 and every
 //! greedy token, and the default CPU path (int8 activations for the target's projections),
-//! held to the looser bound stated at `INT8_BOUND`.
+//! held to the looser bound stated in `dflash_models::bounds`.
 
-use std::sync::{Arc, OnceLock};
+mod golden;
 
+use std::sync::Arc;
+
+use dflash_models::bounds::INT8_LOGIT_BOUND as INT8_BOUND;
 use dflash_models::chat::Message;
 use dflash_models::default_model::{ensure_default_model, Silent};
-use dflash_models::{load_model, LogitRows, RowStep, Target};
+use dflash_models::load_model;
 use dflash_runtime::cpu::int8::Int8Kernel;
 use dflash_runtime::cpu::{CpuBackend, Isa, MatmulMode};
-use dflash_runtime::Backend;
-use serde_json::Value;
-
-fn fixture() -> &'static Value {
-    static F: OnceLock<Value> = OnceLock::new();
-    F.get_or_init(|| {
-        serde_json::from_str(include_str!("fixtures/smollm2_q4_1_golden.json")).unwrap()
-    })
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
+use golden::{fixture, ids, walk};
 
 fn load_with(mode: MatmulMode) -> dflash_models::LoadedModel<CpuBackend> {
     let path = ensure_default_model(&Silent).expect("the default model must be obtainable");
@@ -89,80 +76,6 @@ fn close(a: f32, b: f32) -> bool {
     (a - b).abs() <= 5e-4 + 1e-5 * b.abs()
 }
 
-/// What teacher-forcing the fixture's greedy tokens found.
-struct Walk {
-    /// Largest |logit − transformers| over the fixture's top-5 logits.
-    worst: f32,
-    /// Steps whose argmax differs from the fixture's token, with the fixture's top-1/top-2 margin.
-    flips: Vec<(String, usize, f32)>,
-    steps: usize,
-}
-
-/// Feeds every case's prompt, then the fixture's greedy tokens one at a time; checks each
-/// fixture top-5 logit with `close` and records argmax flips.
-fn walk(m: &mut dflash_models::LoadedModel<CpuBackend>, close: impl Fn(f32, f32) -> bool) -> Walk {
-    let cases = fixture()["generation_cases"].as_array().unwrap();
-    assert!(cases.len() >= 6);
-    let mut w = Walk {
-        worst: 0.0,
-        flips: Vec::new(),
-        steps: 0,
-    };
-    for c in cases {
-        let name = c["name"].as_str().unwrap();
-        let prompt_text = c["prompt_text"].as_str().unwrap();
-        let prompt = ids(&c["prompt_ids"]);
-        assert_eq!(
-            m.tokenizer.encode(prompt_text, true).unwrap(),
-            prompt,
-            "{name} prompt"
-        );
-        let greedy = ids(&c["greedy_ids"]);
-        let margins = c["margin_top1_top2_all_steps"].as_array().unwrap();
-        let checks: Vec<&Value> = c["top_logits"].as_array().unwrap().iter().collect();
-        let model = &mut m.model;
-        let row = model.new_row(prompt.len() + 40).unwrap();
-        let mut next = prompt.clone();
-        for (step, &want) in greedy.iter().enumerate() {
-            model
-                .forward(&[RowStep {
-                    row,
-                    tokens: &next,
-                    logits: LogitRows::Last,
-                    prompt: step == 0,
-                }])
-                .unwrap();
-            let logits = model.backend().to_host(model.logits());
-            let got = dflash_runtime::cpu::ops::elementwise::argmax(&logits);
-            w.steps += 1;
-            if got != want {
-                let margin = margins[step].as_f64().unwrap() as f32;
-                w.flips.push((name.to_string(), step, margin));
-            }
-            for chk in checks
-                .iter()
-                .filter(|v| v["step"].as_u64() == Some(step as u64))
-            {
-                for (id, val) in ids(&chk["top_ids"])
-                    .iter()
-                    .zip(chk["top_logits"].as_array().unwrap())
-                {
-                    let want_v = val.as_f64().unwrap() as f32;
-                    let got_v = logits[*id as usize];
-                    w.worst = w.worst.max((got_v - want_v).abs());
-                    assert!(
-                        close(got_v, want_v),
-                        "{name} step {step} token {id}: {got_v} vs {want_v}"
-                    );
-                }
-            }
-            next = vec![want];
-        }
-        model.release_row(row);
-    }
-    w
-}
-
 #[test]
 fn greedy_tokens_and_logits_match_transformers() {
     let mut m = load();
@@ -174,14 +87,10 @@ fn greedy_tokens_and_logits_match_transformers() {
     );
 }
 
-/// The default CPU path quantizes the target's projection inputs to int8 (per 32-value
-/// block, see `dflash_runtime::cpu::int8`): each product moves by at most its rounding
-/// bound (`contract::deviation_bound`, tested per product), and through 30 layers the
-/// fixture's top-5 logits moved by at most 0.62 (measured, teacher-forced over all 320
-/// steps; the logits span about 10 to 30). The bound pinned here is 1.0. A greedy token may
-/// then differ from transformers only where the fixture's top-1/top-2 margin is below twice
-/// the bound; 12 of the 320 steps do (margins up to 0.29).
-const INT8_BOUND: f32 = 1.0;
+/// The default CPU path: int8 activations for the target's projections, held to the int8
+/// path's bound (`dflash_models::bounds`). A greedy token may differ from transformers only
+/// where the fixture's top-1/top-2 margin is below twice the bound; 12 of the 320 steps do
+/// (margins up to 0.29).
 
 #[test]
 fn int8_logits_stay_within_the_stated_bound_of_transformers() {

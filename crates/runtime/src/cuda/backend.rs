@@ -819,7 +819,7 @@ impl Backend for CudaBackend {
         self.dev.bind();
         self.dev.format(w.dtype).map_err(RuntimeError::Device)?;
         // The CPU's rule (cpu::policy::select), so both backends take one numeric path.
-        let int8 = self.dev.int8.takes(w.dtype, w.cols)
+        let int8 = self.dev.int8.takes()
             && role == WeightRole::Projection
             && int8_format(w.dtype)
             && w.rows >= PANEL

@@ -51,7 +51,7 @@ impl Default for CudaOptions {
         Self {
             device: 0,
             prefill_gemm: PrefillGemm::Tensor,
-            int8: Int8Policy::Auto,
+            int8: Int8Policy::All,
             fuse_merge_min_rows: FUSE_MERGE_MIN_ROWS,
         }
     }

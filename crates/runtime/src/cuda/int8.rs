@@ -6,36 +6,30 @@ use crate::cpu::int8::pack::Int8Format;
 use crate::dtype::DType;
 
 /// Which of the target's projections (Q4_0, Q4_1 or Q8_0, at least `PANEL` rows, as on the CPU)
-/// multiply int8-quantized activations (`quant_q8_f32`, then the `mmq_*` kernels: dp4a);
-/// `DFLASH_CUDA_INT8` = `auto` (default), `1` or `0`. Fixed per weight at upload, so every
+/// multiply int8-quantized activations (the `mmq_*` / `mmqt_*` kernels); `DFLASH_CUDA_INT8` =
+/// `1` (default; `auto` and `on` say the same) or `0`. Fixed per weight at upload, so every
 /// product with a weight, whatever M, takes one path.
+///
+/// The default is the CPU's rule (`cpu::policy`): both backends quantize the same projections'
+/// inputs to the same codes, which is also what llama.cpp's quantized CUDA products do. Measured
+/// on the H200 (docs/benchmarks/2026-12-01-h200-int8-activations.md,
+/// 2026-12-02-h200-int8-handoff.md, 2026-12-02-h200-int8-default.md): on the Qwen3-4B shapes
+/// int8 cuts a 16-token verify from 4.6 to 2.9 decode steps and decodes faster; on the default
+/// model's it decodes and verifies ~8% faster than f32. Its
+/// logits stay within the int8 path's end-to-end bound of transformers' (`INT8_BOUND` in the
+/// golden tests), a looser bound than the f32 path's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Int8Policy {
     /// None: f32 activations everywhere.
     Off,
-    /// Q4_0 and Q4_1 projections with at least [`INT8_MIN_K`] inputs. (Q8_0 stays on f32: on the
-    /// Qwen3-4B shapes its int8 M = 1 products are slower for three of six shapes.)
-    Auto,
-    /// Every eligible projection.
+    /// Every eligible projection (the default).
     All,
 }
 
-/// The smallest inner dimension `Int8Policy::Auto` gives int8 activations. Measured on the
-/// H200 (docs/benchmarks/2026-12-01-h200-int8-activations.md, 2026-12-02-h200-int8-handoff.md):
-/// on the Qwen3-4B shapes (K 2560 and 9728, Q4_0) int8 cuts a 16-token verify from 4.6 to 2.9
-/// decode steps and decode is faster; on the default model's (K 576 and 1536) int8 decodes as
-/// fast as f32 once the norm and the attention merge hand int8 x on, but its greedy tokens part
-/// from the CPU's int8 tokens more than the f32 path's part from the CPU's f32 tokens.
-pub const INT8_MIN_K: usize = 2048;
-
 impl Int8Policy {
-    /// Whether an eligible projection stored as `dtype` with `k` inputs takes int8 activations.
-    pub fn takes(self, dtype: DType, k: usize) -> bool {
-        match self {
-            Int8Policy::Off => false,
-            Int8Policy::Auto => k >= INT8_MIN_K && dtype != DType::Q8_0,
-            Int8Policy::All => true,
-        }
+    /// Whether an eligible projection takes int8 activations.
+    pub fn takes(self) -> bool {
+        self == Int8Policy::All
     }
 }
 
@@ -44,8 +38,7 @@ impl std::str::FromStr for Int8Policy {
 
     fn from_str(s: &str) -> Result<Self, String> {
         match s.trim() {
-            "" | "auto" => Ok(Int8Policy::Auto),
-            "1" | "on" => Ok(Int8Policy::All),
+            "" | "auto" | "1" | "on" => Ok(Int8Policy::All),
             "0" | "off" => Ok(Int8Policy::Off),
             v => Err(format!("DFLASH_CUDA_INT8={v:?}: expected auto, 1 or 0")),
         }
@@ -77,30 +70,19 @@ mod tests {
     use crate::cuda::CudaOptions;
 
     #[test]
-    fn int8_policy_parses_and_gates_by_inner_dimension() {
-        assert_eq!("".parse(), Ok(Int8Policy::Auto));
-        assert_eq!("auto".parse(), Ok(Int8Policy::Auto));
-        assert_eq!("1".parse(), Ok(Int8Policy::All));
+    fn int8_policy_parses_and_defaults_to_every_eligible_projection() {
+        for v in ["", "auto", "1", " on "] {
+            assert_eq!(v.parse(), Ok(Int8Policy::All), "{v:?}");
+        }
         assert_eq!("0".parse(), Ok(Int8Policy::Off));
+        assert_eq!("off".parse(), Ok(Int8Policy::Off));
         let bad = "yes".parse::<Int8Policy>().unwrap_err();
         assert!(
             bad.contains("DFLASH_CUDA_INT8") && bad.contains("auto, 1 or 0"),
             "{bad}"
         );
-        // The default model's projections (K 576, 1536) stay on f32; Qwen3-4B's (2560, 9728)
-        // take int8.
-        for k in [576, 1536] {
-            assert!(!Int8Policy::Auto.takes(DType::Q4_1, k));
-            assert!(Int8Policy::All.takes(DType::Q4_1, k));
-        }
-        for k in [2560, 9728] {
-            assert!(Int8Policy::Auto.takes(DType::Q4_0, k));
-            assert!(Int8Policy::Auto.takes(DType::Q4_1, k));
-            assert!(!Int8Policy::Auto.takes(DType::Q8_0, k));
-            assert!(Int8Policy::All.takes(DType::Q8_0, k));
-            assert!(!Int8Policy::Off.takes(DType::Q4_0, k));
-        }
-        assert_eq!(CudaOptions::default().int8, Int8Policy::Auto);
+        assert!(Int8Policy::All.takes() && !Int8Policy::Off.takes());
+        assert_eq!(CudaOptions::default().int8, Int8Policy::All);
     }
 
     #[test]

@@ -11,9 +11,9 @@
 //!   Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) and are decoded in the kernels with the CPU reference's
 //!   arithmetic (same fused multiply-adds), so embeddings are bit-identical to the CPU's, and
 //!   so is RMS norm (same summation tree). Matmul and attention use their own fixed orders
-//!   (close to the CPU, not equal). The target's Q4_0/Q4_1/Q8_0 projections may multiply
-//!   int8-quantized activations instead, as the CPU does ([`Int8Policy`]: by default Q4_0 and
-//!   Q4_1 with K >= 2048): x is quantized per 32-value block exactly as on the CPU (same codes and
+//!   (close to the CPU, not equal). The target's Q4_0/Q4_1/Q8_0 projections multiply
+//!   int8-quantized activations instead, as the CPU does ([`Int8Policy`]: by default every one
+//!   the CPU quantizes for; `DFLASH_CUDA_INT8=0` keeps f32): x is quantized per 32-value block exactly as on the CPU (same codes and
 //!   scales), then `mmq_*` kernels take exact integer dot products (dp4a) per 32-value group;
 //!   from 9 rows of x (a verify block of 16, batched decode) `mmqt_*` take the same integer sums on tensor
 //!   cores (`mma.m16n8k32.s8`) and add them in the dp4a kernels' float order, so the bits
@@ -69,8 +69,8 @@
 //! `cublas` or `cublas:<min rows>`); `DFLASH_CUDA_FUSE_ROPE=0` (RoPE and the KV write as their
 //! own launch, not in the q/k/v products' epilogue); `DFLASH_CUDA_FUSE_MERGE` (`auto` default
 //! = prompt launches of 17+ tokens, a token count, or `0`: when the attention merges its splits
-//! inside the split kernel, same bits); `DFLASH_CUDA_INT8` (`auto` default, `1`,
-//! `0`: which target projections take int8 activations, [`Int8Policy`]);
+//! inside the split kernel, same bits); `DFLASH_CUDA_INT8` (`1` default, also `auto`;
+//! `0`: f32 activations for the target's projections too, [`Int8Policy`]);
 //! `DFLASH_CUDA_INT8_MMA` (`auto` default = from 9 rows of x, a row count, or `0`: when int8
 //! products run on integer tensor cores, same bits); `DFLASH_CUDA_ARCH`
 //! (compile for another
@@ -99,7 +99,7 @@ pub use attention::FUSE_MERGE_MIN_ROWS;
 pub use backend::CudaBackend;
 pub use device::{CudaOptions, PrefillGemm};
 pub use gdn::CudaGdn;
-pub use int8::{Int8Policy, INT8_MIN_K};
+pub use int8::Int8Policy;
 pub use kv::CudaKv;
 pub use profile::{KernelClassTime, ProfileKeys};
 pub use tensor::{CudaMeta, CudaStep, CudaTensor, CudaWeight};

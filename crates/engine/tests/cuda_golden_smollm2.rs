@@ -1,0 +1,81 @@
+//! SmolLM2-135M-Instruct (GGUF Q4_1) on the GPU against transformers: the golden fixture's
+//! greedy tokens teacher-forced through the CUDA backend (each prompt as prompt rows, so on the
+//! tensor-core prefill kernels from sm_80; then one decode step per token), its top-5 logits
+//! compared at every checked step, on both numeric paths:
+//!
+//! - the default, int8 activations for the target's projections (`Int8Policy::All`, the CPU's
+//!   rule and codes): held to the int8 path's end-to-end bound, as the CPU is
+//!   (models/tests/golden_smollm2.rs);
+//! - f32 activations (`DFLASH_CUDA_INT8=0`): held to the GPU f32 path's bound
+//!
+//! (both stated and derived in `dflash_models::bounds`).
+//!
+//! A greedy token may differ from the fixture's only where the fixture's top-1/top-2 margin is
+//! below twice the path's bound. The model comes from the cache (`ensure_default_model`; on
+//! a machine without network, put the checked file in `$DFLASH_CACHE_DIR`).
+//!
+//! Opens the GPU first and prints "skipped: no CUDA device (<reason>)" without one.
+#![cfg(feature = "cuda")]
+
+#[path = "../../models/tests/golden/mod.rs"]
+mod golden;
+
+use std::sync::Arc;
+
+use dflash_models::bounds::{GPU_F32_LOGIT_BOUND, INT8_LOGIT_BOUND};
+use dflash_models::default_model::{ensure_default_model, Silent};
+use dflash_models::load_model;
+use dflash_runtime::cuda::{CudaBackend, CudaOptions, Int8Policy};
+use golden::walk;
+
+fn check(int8: Int8Policy, bound: f32) {
+    let opts = CudaOptions {
+        int8,
+        ..CudaOptions::from_env().expect("CUDA options")
+    };
+    let gpu = match CudaBackend::with_options(opts) {
+        Ok(b) => Arc::new(b),
+        Err(e) => {
+            println!("skipped: no CUDA device ({e})");
+            return;
+        }
+    };
+    let path = ensure_default_model(&Silent).expect("the default model must be obtainable");
+    let mut m = load_model(gpu, &path).unwrap();
+    let int8_projections = m
+        .model
+        .matmul_paths()
+        .iter()
+        .filter(|p| p.path.activations == dflash_runtime::Activations::Int8)
+        .count();
+    assert_eq!(
+        int8_projections > 0,
+        int8.takes(),
+        "the projections' activation type follows the policy"
+    );
+    let w = walk(&mut m, |a, b| (a - b).abs() <= bound);
+    for (name, step, margin) in &w.flips {
+        assert!(
+            *margin < 2.0 * bound,
+            "{name} step {step}: the greedy token flipped at a margin of {margin}"
+        );
+    }
+    println!(
+        "{int8:?}: largest top-5 logit difference from transformers {:.4} (bound {bound}), {} of {} greedy tokens differ: {:?}",
+        w.worst,
+        w.flips.len(),
+        w.steps,
+        w.flips
+    );
+}
+
+#[test]
+fn int8_default_path_stays_within_the_int8_bound_of_transformers() {
+    assert_eq!(CudaOptions::default().int8, Int8Policy::All);
+    check(Int8Policy::All, INT8_LOGIT_BOUND);
+}
+
+#[test]
+fn f32_path_stays_within_its_bound_of_transformers() {
+    check(Int8Policy::Off, GPU_F32_LOGIT_BOUND);
+}
