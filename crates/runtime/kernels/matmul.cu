@@ -805,17 +805,22 @@ __device__ __forceinline__ void mm_body(const MmParams& p) {
 #define MM_KERNELS(SUFFIX, DT) MM_TILES_OF(MM_EPIS, SUFFIX, DT)
 #define MMQ_KERNELS(SUFFIX, DT) MM_TILES_OF(MMQ_EPIS, SUFFIX, DT)
 
-// Kernel names: mmqt_<format>_<epilogue> (int8 x on integer tensor cores, matmul_qtc.cu).
-#define MMQT_KERNEL(SUFFIX, DT, EPI, ENAME)                                                  \
+// Kernel names: mmqt_<format>_<epilogue>_<T> (int8 x on integer tensor cores, matmul_qtc.cu;
+// T column tiles of 8 per block: QT_NT and QT_NT_NARROW).
+#define MMQT_KERNEL(SUFFIX, DT, EPI, ENAME, T)                                               \
     extern "C" __global__ void __launch_bounds__(QT_WARPS * 32)                              \
-        mmqt_##SUFFIX##_##ENAME(const MmParams p) {                                          \
-        mmqt_body<DT, EPI>(p); /* waits for the previous kernel itself */                    \
+        mmqt_##SUFFIX##_##ENAME##_##T(const MmParams p) {                                    \
+        mmqt_body<DT, EPI, T>(p); /* waits for the previous kernel itself */                 \
     }
-#define MMQT_KERNELS(SUFFIX, DT)                 \
-    MMQT_KERNEL(SUFFIX, DT, EPI_STORE, store)    \
-    MMQT_KERNEL(SUFFIX, DT, EPI_ADD, add)        \
-    MMQT_KERNEL(SUFFIX, DT, EPI_SWIGLU, swiglu)  \
-    MMQT_KERNEL(SUFFIX, DT, EPI_ROPE, rope)
+#define MMQT_EPIS(SUFFIX, DT, T)                    \
+    MMQT_KERNEL(SUFFIX, DT, EPI_STORE, store, T)    \
+    MMQT_KERNEL(SUFFIX, DT, EPI_ADD, add, T)        \
+    MMQT_KERNEL(SUFFIX, DT, EPI_SWIGLU, swiglu, T)  \
+    MMQT_KERNEL(SUFFIX, DT, EPI_ROPE, rope, T)
+#define MMQT_EPIS_OF(SUFFIX, DT, T) MMQT_EPIS(SUFFIX, DT, T)
+#define MMQT_KERNELS(SUFFIX, DT)              \
+    MMQT_EPIS_OF(SUFFIX, DT, QT_NT)           \
+    MMQT_EPIS_OF(SUFFIX, DT, QT_NT_NARROW)
 
 // Kernel names: mmtc_<format>_<epilogue> (prompt rows on tensor cores, matmul_tc.cu).
 #define MMTC_KERNEL(SUFFIX, DT, EPI, ENAME)                                            \

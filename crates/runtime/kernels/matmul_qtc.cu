@@ -16,9 +16,12 @@
 // the butterfly's tree (below). The result depends on K and the format only, as mmq_warp's,
 // so a verify row equals its decode row.
 //
-// Tiles. A block (QT_WARPS = 8 warps) computes QT_BM = 16 rows of x (blockIdx.y) by QT_NT = 4
-// column tiles of 8 outputs (SwiGLU: 2 tiles, each with two MMAs per group, gate and up),
-// which share each A fragment (x is read once per 32 outputs, not per 8). Outputs are weight
+// Tiles. A block (QT_WARPS = 8 warps) computes QT_BM = 16 rows of x (blockIdx.y) by T column
+// tiles of 8 outputs (SwiGLU: T / 2 tiles, at least one, each with two MMAs per group, gate
+// and up), which share each A fragment. Two widths are built: T = QT_NT (4: x is read once
+// per 32 outputs, not per 8) and T = 1 for products whose wide blocks would leave SMs idle (a
+// 576-output product at 16 rows is 18 wide blocks; the host picks, `Epilogue::qt_outputs`).
+// The width changes which block computes an output, not how: the bits are the same. Outputs are weight
 // rows (store, add), gate/up row pairs (swiglu) or, for the rope epilogue, rotary pairs
 // (columns 2i and 2i + 1 are rows ia and ib of pair i). Warp w plays lane classes w, w + 8,
 // w + 16 and w + 24, so it takes the butterfly's first two levels itself
@@ -41,6 +44,7 @@
 #define QT_BM 16
 // Column tiles of 8 per block (SwiGLU: half as many, each with two weights).
 #define QT_NT 4
+#define QT_NT_NARROW 1
 
 #if __CUDA_ARCH__ >= 800
 
@@ -78,10 +82,10 @@ __device__ __forceinline__ float qt_tree(const float* s, int stride) {
     return __fadd_rn(v[0], v[1]);
 }
 
-template <int DT, int EPI>
+template <int DT, int EPI, int T>
 __device__ __forceinline__ void mmqt_body(const MmParams& p) {
     constexpr int W = EPI == EPI_SWIGLU ? 2 : 1;
-    constexpr int NT = QT_NT / W;
+    constexpr int NT = T / W > 0 ? T / W : 1;
     constexpr int BN = 8 * NT;
     constexpr int CB = MmQ<DT>::CB;
     constexpr int SB = MmQ<DT>::SB;
@@ -253,7 +257,7 @@ __device__ __forceinline__ void mmqt_body(const MmParams& p) {
 
 #else
 
-template <int DT, int EPI>
+template <int DT, int EPI, int T>
 __device__ __forceinline__ void mmqt_body(const MmParams& p) {}
 
 #endif

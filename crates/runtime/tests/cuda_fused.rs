@@ -1,7 +1,8 @@
 //! The CUDA backend's fused ops, step inputs and graphs: each fusion against the ops it
 //! replaces (bit for bit on the GPU; the q/k/v products with RoPE and the KV write in their
 //! epilogue included), the small-M matmul tiles against each other for every
-//! M = 1..20 (one reduction order: bit for bit), split attention across split boundaries, and
+//! M = 1..20 (one reduction order: bit for bit) and the int8 tensor-core kernels' two block
+//! widths against each other, split attention across split boundaries, and
 //! a step replayed from a CUDA graph against the same step run eagerly; rows gathered into an
 //! offset of a larger tensor; the int8 x the norm and the attention merge hand to the next
 //! product against the quantizer's.
@@ -401,6 +402,141 @@ fn qkv_rope_epilogue_equals_products_then_rope_kv_write() {
                         bits(&g.to_host(&af)),
                         bits(&g.to_host(&asep)),
                         "{what}: the KV caches differ"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The int8 tensor-core kernels' two block widths (4 column tiles of 8, or 1; the host takes
+/// the narrow blocks where the wide ones would leave SMs idle) give the same bits as each other
+/// and as the default choice, in every epilogue (store, add, SwiGLU, three products in one
+/// launch, and RoPE with the KV write), from 9 to 20 rows of x.
+#[test]
+fn int8_tensor_core_block_widths_give_the_same_bits() {
+    if gpu().is_none() {
+        return;
+    }
+    let open = |width: Option<usize>| {
+        CudaBackend::with_options(CudaOptions {
+            int8: Int8Policy::All,
+            int8_mma_width: width,
+            ..CudaOptions::from_env().unwrap()
+        })
+        .unwrap()
+    };
+    let backends = [open(Some(4)), open(Some(1)), open(None)];
+    // The default model's attention (9 heads of 64 over 3 KV heads, K = 576) and a wider
+    // product (K = 1536).
+    let (n_heads, n_kv_heads, head_dim) = (9usize, 3usize, 64usize);
+    let (q_cols, kv_dim) = (n_heads * head_dim, n_kv_heads * head_dim);
+    for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
+        for m in [9usize, 16, 20] {
+            let outputs: Vec<Vec<Vec<u32>>> = backends
+                .iter()
+                .map(|g| {
+                    let mut got = Vec::new();
+                    for (k, n) in [(576usize, 197usize), (1536, 61)] {
+                        let w = |rows: usize, seed: u64| {
+                            g.upload_weight(
+                                &random_weight(dtype, rows, k, seed),
+                                WeightRole::Projection,
+                            )
+                            .unwrap()
+                        };
+                        let (wa, wb, wc) = (w(n, 1), w(n, 2), w(77, 3));
+                        let x = g.upload(&random_vec(m * k, -1.0, 1.0, 4 + m as u64), m, k);
+                        let mut o = g.tensor(0, 0);
+                        g.matmul(&x, &wa, &mut o);
+                        got.push(bits(&g.to_host(&o)));
+                        let mut sum = g.upload(&random_vec(m * n, -3.0, 3.0, 5), m, n);
+                        let mut scratch = g.tensor(0, 0);
+                        g.matmul_add(&x, &wa, &mut sum, &mut scratch);
+                        got.push(bits(&g.to_host(&sum)));
+                        let (mut fg, mut fu) = (g.tensor(0, 0), g.tensor(0, 0));
+                        g.matmul_swiglu(&x, &wa, &wb, &mut fg, &mut fu);
+                        got.push(bits(&g.to_host(&fg)));
+                        let (mut o1, mut o2, mut o3) =
+                            (g.tensor(0, 0), g.tensor(0, 0), g.tensor(0, 0));
+                        g.matmul_many(&x, &[&wa, &wc, &wb], &mut [&mut o1, &mut o2, &mut o3]);
+                        for o in [&o1, &o2, &o3] {
+                            got.push(bits(&g.to_host(o)));
+                        }
+                    }
+                    // q, k, v with RoPE and the KV write in the epilogue, then the caches.
+                    let k = 576;
+                    let w = |rows: usize, seed: u64| {
+                        g.upload_weight(
+                            &random_weight(dtype, rows, k, seed),
+                            WeightRole::Projection,
+                        )
+                        .unwrap()
+                    };
+                    let (wq, wk, wv) = (w(q_cols, 21), w(kv_dim, 22), w(kv_dim, 23));
+                    let inv = rope_freqs(g, head_dim);
+                    let rope = Rope {
+                        inv_freq: &inv,
+                        head_dim,
+                        style: RopeStyle::Neox,
+                    };
+                    let lens = [200usize, 37];
+                    let meta: Vec<TokenMeta> = (0..m)
+                        .map(|i| {
+                            let row = usize::from(i % 3 == 0);
+                            TokenMeta::causal(row as u32, (lens[row] + i) as u32)
+                        })
+                        .collect();
+                    let spans: Vec<RowSpan> = (0..m)
+                        .map(|i| RowSpan {
+                            row: meta[i].row,
+                            first: i as u32,
+                            count: 1,
+                            chunked: false,
+                            prompt: false,
+                        })
+                        .collect();
+                    let mut kv = kv_setup(g, kv_dim, &lens);
+                    let x = g.upload(&random_vec(m * k, -1.0, 1.0, 30 + m as u64), m, k);
+                    let (mut q, mut kk, mut v) = (g.tensor(0, 0), g.tensor(0, 0), g.tensor(0, 0));
+                    g.step_qkv_rope_kv(
+                        &x,
+                        [&wq, &wk, &wv],
+                        [&mut q, &mut kk, &mut v],
+                        &mut kv,
+                        0,
+                        &g.upload_meta(&meta),
+                        rope,
+                        &spans,
+                    );
+                    for o in [&q, &kk, &v] {
+                        got.push(bits(&g.to_host(o)));
+                    }
+                    // The caches: attention over every key of both rows, with random queries.
+                    let probe: Vec<TokenMeta> = (0..2u32)
+                        .map(|row| {
+                            let end = meta.iter().filter(|t| t.row == row).map(|t| t.pos).max();
+                            TokenMeta::causal(row, end.unwrap_or(lens[row as usize] as u32 - 1))
+                        })
+                        .collect();
+                    let shape = AttnShape {
+                        n_heads,
+                        n_kv_heads,
+                        head_dim,
+                        scale: 0.125,
+                    };
+                    let pq = g.upload(&random_vec(2 * q_cols, -2.0, 2.0, 40), 2, q_cols);
+                    let mut att = g.tensor(0, 0);
+                    g.attention(&pq, &kv, 0, &g.upload_meta(&probe), shape, &mut att);
+                    got.push(bits(&g.to_host(&att)));
+                    got
+                })
+                .collect();
+            for (i, other) in outputs.iter().enumerate().skip(1) {
+                for (j, (a, b)) in outputs[0].iter().zip(other).enumerate() {
+                    assert!(
+                        a == b,
+                        "{dtype} M={m}: output {j} of backend {i} differs from the wide blocks'"
                     );
                 }
             }

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use super::device::{
     ck, ensure, int, long, Arg, CudaOptions, Device, Epilogue, PrefillGemm, MM_SEGS, MM_TILES,
     MM_WARPS, NORM_Q_FEW_ROWS, NORM_Q_FEW_THREADS, NORM_Q_THREADS, NORM_STAGE, NORM_THREADS, QT_BM,
-    QT_WARPS, TC_BM, TC_BN, TC_THREADS,
+    QT_WARPS, QT_WIDTHS, TC_BM, TC_BN, TC_THREADS,
 };
 use super::gdn::CudaGdn;
 use super::graph::Graphs;
@@ -388,8 +388,16 @@ impl CudaBackend {
         let kernels = self.dev.loaded(first.w.dtype);
         let ti = self.mm_tile(m);
         let mma = first.w.int8 && m >= self.dev.int8_mma_min_m;
+        // The int8 tensor-core kernels' width (index into QT_WIDTHS): as forced, else the wide
+        // blocks unless they would leave SMs idle, then the narrow ones.
+        let qt = match self.dev.int8_mma_width {
+            Some(t) => QT_WIDTHS.iter().position(|&w| w == t).unwrap_or(0),
+            None => {
+                usize::from(mma && self.qt_blocks(prods, epi, QT_WIDTHS[0]) < self.dev.sm_count)
+            }
+        };
         let per_block = if mma {
-            epi.qt_outputs()
+            epi.qt_outputs(QT_WIDTHS[qt])
         } else {
             MM_WARPS * MM_TILES[ti].r_of(epi)
         };
@@ -409,7 +417,7 @@ impl CudaBackend {
             };
         }
         let (f, rows_per_block, threads) = if mma {
-            (&kernels.mmqt[epi as usize], QT_BM, QT_WARPS * 32)
+            (&kernels.mmqt[qt][epi as usize], QT_BM, QT_WARPS * 32)
         } else if first.w.int8 {
             (
                 &kernels.mmq[ti][epi as usize],
@@ -439,6 +447,12 @@ impl CudaBackend {
                 self.dev.fresh_x.note(q);
             }
         }
+    }
+
+    /// Blocks per row tile of x of the int8 tensor-core kernels `tiles` column tiles wide.
+    fn qt_blocks(&self, prods: &[Product<'_>], epi: Epilogue, tiles: usize) -> usize {
+        let per_block = epi.qt_outputs(tiles);
+        prods.iter().map(|p| p.w.rows.div_ceil(per_block)).sum()
     }
 
     /// Quantizes `m` rows of `k` values at `x` to int8 per 32-value block (`quant_q8_f32`)

@@ -10,7 +10,7 @@ use cudarc::driver::{result as drv, CudaContext, CudaFunction, CudaSlice, CudaSt
 
 use super::attention::{fuse_merge_min_rows, FUSE_MERGE_MIN_ROWS};
 use super::compile::{self, Image, Module, Target};
-use super::int8::{int8_format, int8_mma_min_rows, Int8Policy};
+use super::int8::{int8_format, int8_mma_min_rows, int8_mma_width, Int8Policy};
 use super::int8_x::FreshX;
 use super::profile::Profiler;
 use crate::dtype::DType;
@@ -44,6 +44,10 @@ pub struct CudaOptions {
     /// Fewest tokens of an attention launch whose split kernel merges its own splits
     /// (`Device::fuse_merge_min_rows`; `usize::MAX`: never).
     pub fuse_merge_min_rows: usize,
+    /// Column tiles per block of the int8 tensor-core kernels, one of `QT_WIDTHS`; `None`
+    /// (the default): the wide blocks where they fill the SMs, else the narrow ones. The bits
+    /// are the same either way.
+    pub int8_mma_width: Option<usize>,
 }
 
 impl Default for CudaOptions {
@@ -53,6 +57,7 @@ impl Default for CudaOptions {
             prefill_gemm: PrefillGemm::Tensor,
             int8: Int8Policy::All,
             fuse_merge_min_rows: FUSE_MERGE_MIN_ROWS,
+            int8_mma_width: None,
         }
     }
 }
@@ -60,8 +65,10 @@ impl Default for CudaOptions {
 impl CudaOptions {
     /// Defaults, overridden by `DFLASH_CUDA_DEVICE` (ordinal), `DFLASH_CUDA_GEMM` (`tensor`,
     /// the default; `kernel`; or `cublas` / `cublas:<min_rows>` for the cuBLAS prefill path)
-    /// `DFLASH_CUDA_INT8` ([`Int8Policy`]) and `DFLASH_CUDA_FUSE_MERGE` (when the split
-    /// attention merges by itself: `auto`, `0` or the fewest tokens; cuda/attention.rs).
+    /// `DFLASH_CUDA_INT8` ([`Int8Policy`]), `DFLASH_CUDA_FUSE_MERGE` (when the split
+    /// attention merges by itself: `auto`, `0` or the fewest tokens; cuda/attention.rs) and
+    /// `DFLASH_CUDA_INT8_MMA_WIDTH` (`auto`, or the column tiles per block of the int8
+    /// tensor-core kernels: 4 or 1).
     pub fn from_env() -> Result<Self, RuntimeError> {
         let mut o = Self {
             fuse_merge_min_rows: fuse_merge_min_rows(
@@ -72,6 +79,9 @@ impl CudaOptions {
         };
         if let Ok(v) = std::env::var("DFLASH_CUDA_INT8") {
             o.int8 = v.parse().map_err(RuntimeError::Device)?;
+        }
+        if let Ok(v) = std::env::var("DFLASH_CUDA_INT8_MMA_WIDTH") {
+            o.int8_mma_width = int8_mma_width(&v).map_err(RuntimeError::Device)?;
         }
         if let Ok(v) = std::env::var("DFLASH_CUDA_DEVICE") {
             o.device = v.trim().parse().map_err(|_| {
@@ -157,6 +167,11 @@ pub(crate) const MM_WARPS: usize = 4;
 /// Column tiles of 8 outputs, rows of x and warps per block of the int8 tensor-core kernels
 /// (QT_NT, QT_BM, QT_WARPS in matmul_qtc.cu).
 pub(crate) const QT_NT: usize = 4;
+/// The narrow blocks' column tiles (QT_NT_NARROW): for products whose `QT_NT`-wide blocks
+/// would leave SMs idle.
+pub(crate) const QT_NT_NARROW: usize = 1;
+/// The widths the int8 tensor-core kernels are built for (`mmqt[width index]`).
+pub(crate) const QT_WIDTHS: [usize; 2] = [QT_NT, QT_NT_NARROW];
 pub(crate) const QT_BM: usize = 16;
 pub(crate) const QT_WARPS: usize = 8;
 /// Products one matmul launch can hold (MM_SEGS in matmul.cu).
@@ -198,11 +213,12 @@ impl Epilogue {
 
 impl Epilogue {
     /// Outputs (weight rows; rope: two per rotary pair) per block of the int8 tensor-core
-    /// kernels: `QT_NT` column tiles of 8, half as many for SwiGLU (two weights each).
-    pub fn qt_outputs(self) -> usize {
+    /// kernels of `tiles` column tiles of 8: half as many tiles, at least one, for SwiGLU (two
+    /// weights each).
+    pub fn qt_outputs(self, tiles: usize) -> usize {
         match self {
-            Epilogue::Swiglu => 8 * QT_NT / 2,
-            _ => 8 * QT_NT,
+            Epilogue::Swiglu => 8 * (tiles / 2).max(1),
+            _ => 8 * tiles,
         }
     }
 }
@@ -264,9 +280,10 @@ pub(crate) struct FormatKernels {
     /// `mmq[tile index][epilogue index]`: the int8-activation kernels, on the packed layout
     /// (empty for formats without them, see [`int8_format`]).
     pub mmq: Vec<Vec<CudaFunction>>,
-    /// `mmqt[epilogue index]`: the int8-activation kernels of several rows on integer tensor
-    /// cores, with the bits of `mmq` (matmul_qtc.cu; empty as `mmq` is).
-    pub mmqt: Vec<CudaFunction>,
+    /// `mmqt[width index][epilogue index]` for the widths of `QT_WIDTHS`: the int8-activation
+    /// kernels of several rows on integer tensor cores, with the bits of `mmq` (matmul_qtc.cu;
+    /// empty as `mmq` is).
+    pub mmqt: Vec<Vec<CudaFunction>>,
     /// `mmtc[epilogue index]`: the tensor-core kernels of prompt rows (matmul_tc.cu).
     pub mmtc: Vec<CudaFunction>,
     /// The tensor-core kernels and the dequantizer of the packed layout (int8 formats).
@@ -399,8 +416,13 @@ pub(crate) struct Device {
     /// (`mmqt_*`, same bits as `mmq_*`): `DFLASH_CUDA_INT8_MMA` = `auto` (`int8::INT8_MMA_MIN_M`),
     /// a number, or `0` (never; also below sm_80).
     pub int8_mma_min_m: usize,
+    /// [`CudaOptions::int8_mma_width`].
+    pub int8_mma_width: Option<usize>,
     pub name: String,
     pub compute_capability: (i32, i32),
+    /// Streaming multiprocessors: a product whose wide int8 tensor-core blocks are fewer takes
+    /// the narrow ones.
+    pub sm_count: usize,
     pub target: Target,
     pub blas: Option<CudaBlas>,
     pub prefill_gemm: PrefillGemm,
@@ -499,6 +521,10 @@ impl Device {
             .compute_capability()
             .map_err(|e| dev_err(format!("could not read the compute capability: {e}")))?;
         let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        let sm_count = ctx
+            .attribute(cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| dev_err(format!("could not read the SM count: {e}")))?
+            .max(1) as usize;
         keep_pool_memory(&ctx);
 
         let arch = match std::env::var("DFLASH_CUDA_ARCH") {
@@ -574,9 +600,11 @@ impl Device {
             fuse_merge_min_rows: opts.fuse_merge_min_rows,
             int8: opts.int8,
             int8_mma_min_m,
+            int8_mma_width: opts.int8_mma_width,
             int8_handoff,
             name,
             compute_capability: cc,
+            sm_count,
             target,
             blas,
             // The tensor-core kernels need TF32 MMA (sm_80), in the chip and in the target
@@ -668,9 +696,14 @@ impl Device {
             Vec::new()
         };
         let mmqt = if int8_format(d) {
-            Epilogue::ALL
+            QT_WIDTHS
                 .iter()
-                .map(|e| get(&format!("mmqt_{sfx}_{}", e.name())))
+                .map(|t| {
+                    Epilogue::ALL
+                        .iter()
+                        .map(|e| get(&format!("mmqt_{sfx}_{}_{t}", e.name())))
+                        .collect::<Result<_, _>>()
+                })
                 .collect::<Result<_, _>>()?
         } else {
             Vec::new()

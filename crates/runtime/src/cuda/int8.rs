@@ -1,7 +1,7 @@
 //! Which weights multiply int8-quantized activations on the GPU (`DFLASH_CUDA_INT8`), and which
 //! formats have the int8 kernels.
 
-use super::device::rows_setting;
+use super::device::{rows_setting, QT_WIDTHS};
 use crate::cpu::int8::pack::Int8Format;
 use crate::dtype::DType;
 
@@ -58,6 +58,20 @@ pub fn int8_mma_min_rows(v: Option<&str>) -> Result<usize, String> {
     rows_setting("DFLASH_CUDA_INT8_MMA", v, INT8_MMA_MIN_M)
 }
 
+/// The value of `DFLASH_CUDA_INT8_MMA_WIDTH`: `None` for `auto` (or empty), else one of
+/// `QT_WIDTHS`.
+pub(crate) fn int8_mma_width(v: &str) -> Result<Option<usize>, String> {
+    match v.trim() {
+        "" | "auto" => Ok(None),
+        s => match s.parse::<usize>() {
+            Ok(t) if QT_WIDTHS.contains(&t) => Ok(Some(t)),
+            _ => Err(format!(
+                "DFLASH_CUDA_INT8_MMA_WIDTH={s:?}: expected auto or one of {QT_WIDTHS:?}"
+            )),
+        },
+    }
+}
+
 /// Whether format `d` has int8-activation kernels (`mmq_*`, built with `DF_MM_INT8`): the
 /// formats of the CPU's int8 kernels.
 pub(crate) fn int8_format(d: DType) -> bool {
@@ -83,6 +97,18 @@ mod tests {
         );
         assert!(Int8Policy::All.takes() && !Int8Policy::Off.takes());
         assert_eq!(CudaOptions::default().int8, Int8Policy::All);
+    }
+
+    #[test]
+    fn int8_mma_width_parses() {
+        assert_eq!(int8_mma_width(""), Ok(None));
+        assert_eq!(int8_mma_width(" auto "), Ok(None));
+        assert_eq!(int8_mma_width("4"), Ok(Some(4)));
+        assert_eq!(int8_mma_width("1"), Ok(Some(1)));
+        for bad in ["0", "3", "wide"] {
+            let e = int8_mma_width(bad).unwrap_err();
+            assert!(e.contains("DFLASH_CUDA_INT8_MMA_WIDTH"), "{e}");
+        }
     }
 
     #[test]
