@@ -563,7 +563,7 @@ __device__ __forceinline__ void mm_warp(const MmSeg& sg, const int (&nr)[R], con
 // integer dot D (8 dp4a for a whole group). Per output, the lane accumulates
 // acc = fma(dw * dx, D, acc) for its groups in increasing order (Q4_1: then fma(m, ds, acc)),
 // then the xor butterfly: the order depends on K and the format only, so every M, MT and R
-// gives the same bits, and so do decode, verify and CUDA-core prefill rows. From 9 rows of
+// gives the same bits, and so do decode, verify and CUDA-core prefill rows. From 5 rows of
 // x the host takes the integer tensor-core kernels of matmul_qtc.cu instead, which keep this
 // order exactly.
 template <int DT>

@@ -46,10 +46,13 @@ impl std::str::FromStr for Int8Policy {
 }
 
 /// The fewest rows of x that take the int8 tensor-core kernels by default
-/// (`DFLASH_CUDA_INT8_MMA`). Their time hardly grows with M, the dp4a kernels' does; on the
-/// H200 (Qwen3-4B shapes, docs/benchmarks/2026-12-01-h200-int8-mma.md) dp4a is as fast or
-/// faster up to 8 rows (one tile of 8), the tensor cores faster from 9 (two tiles of 8).
-pub const INT8_MMA_MIN_M: usize = 9;
+/// (`DFLASH_CUDA_INT8_MMA`). Their time hardly grows with M, the dp4a kernels' does. On the
+/// H200 (docs/benchmarks/2026-12-02-h200-int8-default.md), with the narrow blocks for
+/// products of few outputs, the tensor cores verify 5 to 8 rows faster than dp4a's tile of 8
+/// (a verify of 8: 1.06 → 0.93 ms on the default model's shapes, 6.42 → 5.07 ms on Qwen3-4B's),
+/// while dp4a's tiles of 1, 2 and 4 rows stay faster up to 4 (a verify of 4 with the tensor
+/// cores: 0.76 → 0.90 ms, 3.29 → 4.66 ms).
+pub const INT8_MMA_MIN_M: usize = 5;
 
 /// The fewest rows of x whose int8 products run on integer tensor cores, from the value of
 /// `DFLASH_CUDA_INT8_MMA` (unset, empty or `auto`: [`INT8_MMA_MIN_M`]; `0` or `off`: never, as

@@ -15,7 +15,7 @@
 //!   int8-quantized activations instead, as the CPU does ([`Int8Policy`]: by default every one
 //!   the CPU quantizes for; `DFLASH_CUDA_INT8=0` keeps f32): x is quantized per 32-value block exactly as on the CPU (same codes and
 //!   scales), then `mmq_*` kernels take exact integer dot products (dp4a) per 32-value group;
-//!   from 9 rows of x (a verify block of 16, batched decode) `mmqt_*` take the same integer sums on tensor
+//!   from 5 rows of x (verify blocks of 5 to 16, batched decode) `mmqt_*` take the same integer sums on tensor
 //!   cores (`mma.m16n8k32.s8`) and add them in the dp4a kernels' float order, so the bits
 //!   are the same for every M.
 //! - **Batch invariance.** Every op computes each token on its own with an order that does
@@ -71,8 +71,10 @@
 //! = prompt launches of 17+ tokens, a token count, or `0`: when the attention merges its splits
 //! inside the split kernel, same bits); `DFLASH_CUDA_INT8` (`1` default, also `auto`;
 //! `0`: f32 activations for the target's projections too, [`Int8Policy`]);
-//! `DFLASH_CUDA_INT8_MMA` (`auto` default = from 9 rows of x, a row count, or `0`: when int8
-//! products run on integer tensor cores, same bits); `DFLASH_CUDA_ARCH`
+//! `DFLASH_CUDA_INT8_MMA` (`auto` default = from 5 rows of x, a row count, or `0`: when int8
+//! products run on integer tensor cores, same bits); `DFLASH_CUDA_INT8_MMA_WIDTH` (`auto`
+//! default, `4` or `1`: column tiles of 8 per block of those kernels, same bits);
+//! `DFLASH_CUDA_ARCH`
 //! (compile for another
 //! `sm_XY`);
 //! `DFLASH_CUDA_MM_TILE` (force one matmul tile, for debugging); `DFLASH_CUDA_INCLUDE`,
