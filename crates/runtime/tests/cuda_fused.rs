@@ -143,6 +143,27 @@ fn kv_setup(g: &CudaBackend, kv_dim: usize, lens: &[usize]) -> <CudaBackend as B
     kv
 }
 
+/// `m` tokens of two rows with contexts `lens` (a decode row and a verify block: every third
+/// token in row 1), each its own span on the CUDA-core path (no span is a prompt piece).
+fn two_row_tokens(m: usize, lens: &[usize; 2]) -> (Vec<TokenMeta>, Vec<RowSpan>) {
+    let meta: Vec<TokenMeta> = (0..m)
+        .map(|i| {
+            let row = usize::from(i % 3 == 0);
+            TokenMeta::causal(row as u32, (lens[row] + i) as u32)
+        })
+        .collect();
+    let spans = (0..m)
+        .map(|i| RowSpan {
+            row: meta[i].row,
+            first: i as u32,
+            count: 1,
+            chunked: false,
+            prompt: false,
+        })
+        .collect();
+    (meta, spans)
+}
+
 /// The rotary frequencies of base 10000 for `head_dim`, on the GPU (`[1, head_dim / 2]`).
 fn rope_freqs(g: &CudaBackend, head_dim: usize) -> <CudaBackend as Backend>::Tensor {
     let inv: Vec<f32> = (0..head_dim / 2)
@@ -345,21 +366,7 @@ fn qkv_rope_epilogue_equals_products_then_rope_kv_write() {
                 // step on the CUDA-core path (no span is a prompt piece).
                 for m in [1usize, 2, 5, 16, 17, 40] {
                     let lens = [200usize, 37];
-                    let meta: Vec<TokenMeta> = (0..m)
-                        .map(|i| {
-                            let row = usize::from(i % 3 == 0);
-                            TokenMeta::causal(row as u32, (lens[row] + i) as u32)
-                        })
-                        .collect();
-                    let spans: Vec<RowSpan> = (0..m)
-                        .map(|i| RowSpan {
-                            row: meta[i].row,
-                            first: i as u32,
-                            count: 1,
-                            chunked: false,
-                            prompt: false,
-                        })
-                        .collect();
+                    let (meta, spans) = two_row_tokens(m, &lens);
                     let mg = g.upload_meta(&meta);
                     let x = g.upload(&random_vec(m * k, -1.0, 1.0, 30 + m as u64), m, k);
                     let mut kv_f = kv_setup(g, kv_dim, &lens);
@@ -481,21 +488,7 @@ fn int8_tensor_core_block_widths_give_the_same_bits() {
                         style: RopeStyle::Neox,
                     };
                     let lens = [200usize, 37];
-                    let meta: Vec<TokenMeta> = (0..m)
-                        .map(|i| {
-                            let row = usize::from(i % 3 == 0);
-                            TokenMeta::causal(row as u32, (lens[row] + i) as u32)
-                        })
-                        .collect();
-                    let spans: Vec<RowSpan> = (0..m)
-                        .map(|i| RowSpan {
-                            row: meta[i].row,
-                            first: i as u32,
-                            count: 1,
-                            chunked: false,
-                            prompt: false,
-                        })
-                        .collect();
+                    let (meta, spans) = two_row_tokens(m, &lens);
                     let mut kv = kv_setup(g, kv_dim, &lens);
                     let x = g.upload(&random_vec(m * k, -1.0, 1.0, 30 + m as u64), m, k);
                     let (mut q, mut kk, mut v) = (g.tensor(0, 0), g.tensor(0, 0), g.tensor(0, 0));

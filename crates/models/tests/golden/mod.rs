@@ -32,6 +32,26 @@ pub struct Walk {
     pub steps: usize,
 }
 
+impl Walk {
+    /// Asserts every greedy token that differs from the fixture's sits where the fixture's
+    /// top-1/top-2 margin is below twice `bound`, and returns a one-line summary.
+    pub fn flips_within(&self, bound: f32) -> String {
+        for (name, step, margin) in &self.flips {
+            assert!(
+                *margin < 2.0 * bound,
+                "{name} step {step}: the greedy token flipped at a margin of {margin}"
+            );
+        }
+        format!(
+            "largest top-5 logit difference from transformers {:.4} (bound {bound}), {} of {} greedy tokens differ: {:?}",
+            self.worst,
+            self.flips.len(),
+            self.steps,
+            self.flips
+        )
+    }
+}
+
 /// Feeds every case's prompt, then the fixture's greedy tokens one at a time; checks each
 /// fixture top-5 logit with `close` and records argmax flips.
 pub fn walk<B: Backend>(m: &mut LoadedModel<B>, close: impl Fn(f32, f32) -> bool) -> Walk {
