@@ -32,10 +32,12 @@ use crate::progress::Bars;
 /// drafter's trained block.
 const CPU_DEFAULT_BLOCK: usize = 2;
 
-/// Default draft block on the CUDA backend. With the shipped drafter (τ 2.05 at block 4, 2.23
-/// at 8, 2.36 at 16) block 4 measured best on an H200: DFlash / AR 1.28x against 1.13x at 8
-/// and 1.04-1.07x at 16 (docs/benchmarks/2026-12-02-h200-attention-merge.md). `--block-size`
-/// overrides it, up to the drafter's trained block.
+/// Default draft block on the CUDA backend. With the shipped drafter block 4 measured best on
+/// an H200 on both numeric paths: with int8 activations (the default; τ 1.84 at block 4, 1.96
+/// at 8, 2.07 at 16) DFlash / AR 1.19-1.20x against 1.04-1.05x at 8 and 0.97x at 16
+/// (docs/benchmarks/2026-12-02-h200-int8-default.md); with f32 activations 1.28x against
+/// 1.13x and 1.04-1.07x (2026-12-02-h200-attention-merge.md). `--block-size` overrides it, up
+/// to the drafter's trained block.
 #[cfg(feature = "cuda")]
 const CUDA_DEFAULT_BLOCK: usize = 4;
 
