@@ -106,8 +106,8 @@ EOF
     done
     [ "${H200_PROFILE:-1}" = 1 ] || return 0
     if command -v ncu > /dev/null; then
-        say "ncu: the M=16 576x576 product, the 4B gate/up product at M=1, attention at context 128"
-        for spec in "smollm2 q4_1 matmul regex:mmq_q4_1_16_" "qwen3-4b q4_0 matmul regex:mmq_q4_0_1_" \
+        say "ncu: a 576-output product on int8 tensor cores (M = 5..16), the 4B gate/up product at M=1, attention at context 128"
+        for spec in "smollm2 q4_1 matmul regex:mmqt_q4_1_store" "qwen3-4b q4_0 matmul regex:mmq_q4_0_1_" \
             "smollm2 q4_1 attention regex:attention_split"; do
             set -- $spec
             DFLASH_CUDA_INT8=1 timeout 120 ncu --clock-control none --kernel-name "$4" --launch-skip 40 --launch-count 1 \
