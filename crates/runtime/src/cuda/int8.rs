@@ -15,9 +15,9 @@ use crate::dtype::DType;
 /// on the H200 (docs/benchmarks/2026-12-01-h200-int8-activations.md,
 /// 2026-12-02-h200-int8-handoff.md, 2026-12-02-h200-int8-default.md): on the Qwen3-4B shapes
 /// int8 cuts a 16-token verify from 4.6 to 2.9 decode steps and decodes faster; on the default
-/// model's it decodes and verifies ~8% faster than f32. Its
-/// logits stay within the int8 path's end-to-end bound of transformers' (`INT8_BOUND` in the
-/// golden tests), a looser bound than the f32 path's.
+/// model's it decodes and verifies ~8% faster than f32. Its logits stay within the int8 path's
+/// end-to-end bound of transformers' (`dflash_models::bounds`, checked on a GPU by
+/// engine/tests/cuda_golden_smollm2.rs), a looser bound than the f32 path's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Int8Policy {
     /// None: f32 activations everywhere.
