@@ -48,8 +48,10 @@ const CUDA_DEFAULT_BLOCK: usize = 4;
 /// with 8192) against 0.84 (docs/benchmarks/2026-12-01-cpu-draft-shortlist.md).
 const CPU_DEFAULT_DRAFT_VOCAB: usize = 4096;
 
-/// Default draft vocabulary on the CUDA backend: the full vocabulary (a shortlist is not
-/// measured there).
+/// Default draft vocabulary on the CUDA backend: the full vocabulary. The 4096-token shortlist
+/// costs τ there (1.84 → 1.75 at block 4) and gains no speed: on an H100 with the shipped
+/// drafter, DFlash at block 4 1,729 / 1,718 tok/s against 1,749 / 1,722 with the full
+/// vocabulary (docs/benchmarks/2026-12-02-h200-int8-default.md).
 #[cfg(feature = "cuda")]
 const CUDA_DEFAULT_DRAFT_VOCAB: usize = 0;
 
@@ -62,8 +64,11 @@ const CUDA_DEFAULT_DRAFT_VOCAB: usize = 0;
 /// (docs/benchmarks/2026-12-02-drafter-round5-h200.md). Output is the target's either way.
 const CPU_DEFAULT_DRAFT_WEIGHTS: Option<DType> = Some(DType::Q4_1);
 
-/// Default format of the drafter's layer weights on the CUDA backend: as stored (re-encoding
-/// is not measured there).
+/// Default format of the drafter's layer weights on the CUDA backend: as stored. On an H100 a
+/// draft step is not bound by the drafter's bytes: Q4_1 and Q8_0 re-encodings drafted no
+/// faster (0.210 / 0.221 ms per round against 0.214 at block 4) and DFlash ran at 1,731–1,749
+/// and 1,705–1,716 tok/s against 1,722–1,749 as stored
+/// (docs/benchmarks/2026-12-02-h200-int8-default.md).
 #[cfg(feature = "cuda")]
 const CUDA_DEFAULT_DRAFT_WEIGHTS: Option<DType> = None;
 
