@@ -25,7 +25,10 @@
 # run them on a GPU. Logs go to $OUT (the device tool brings them back) or /tmp/gpu_check.
 #
 # Environment: GPU_CHECK_SANITIZER=0 skips the memcheck pass; GPU_CHECK_FILTER=<name> runs
-# only tests whose name contains it; GPU_CHECK_TIMEOUT=<s> limits each plain run (400).
+# only tests whose name contains it; GPU_CHECK_TIMEOUT=<s> limits each plain run (400);
+# GPU_CHECK_MODEL=<file> puts a carried copy of the default model (SmolLM2-135M-Instruct
+# Q4_1) into the cache for cuda_golden_smollm2, which otherwise downloads it (the GPU machine
+# has no network: without the model that test fails).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -70,6 +73,10 @@ say() { echo "$@" | tee -a "$log"; }
 source "$(dirname "$0")/cuda_env.sh"
 export DFLASH_CACHE_DIR="${DFLASH_CACHE_DIR:-/tmp/dflash-cache}"
 export RUST_BACKTRACE=1
+if [ -n "${GPU_CHECK_MODEL:-}" ]; then
+    [ -f "$GPU_CHECK_MODEL" ] || { echo "GPU_CHECK_MODEL=$GPU_CHECK_MODEL is not a file" >&2; exit 2; }
+    mkdir -p "$DFLASH_CACHE_DIR" && cp "$GPU_CHECK_MODEL" "$DFLASH_CACHE_DIR/SmolLM2-135M-Instruct.Q4_1.gguf"
+fi
 
 say "== machine"
 nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv 2>&1 | tee -a "$log"

@@ -40,7 +40,10 @@ fn check(int8: Int8Policy, bound: f32) {
             return;
         }
     };
-    let path = ensure_default_model(&Silent).expect("the default model must be obtainable");
+    let path = ensure_default_model(&Silent).expect(
+        "the default model must be obtainable: downloaded, or a copy in $DFLASH_CACHE_DIR \
+         (tools/gpu_check.sh: GPU_CHECK_MODEL=<file>)",
+    );
     let mut m = load_model(gpu, &path).unwrap();
     let int8_projections = m
         .model
