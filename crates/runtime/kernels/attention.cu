@@ -28,9 +28,8 @@
 // last one to arrive merges the group's query heads with the merge kernel's arithmetic and
 // order (att_merge_out), so the bits do not depend on which block that is, nor on the mode.
 
-#define ATT_WARPS 4
-#define ATT_MAX_SPLITS 16
-#define ATT_MAX_GHD 1024  // query heads per group x head_dim
+// ATT_WARPS (4), ATT_MAX_SPLITS (16) and ATT_MAX_GHD (1024: query heads per group x
+// head_dim) are defined by the host (cuda/compile.rs, `shared_constants`).
 
 struct AttParams {
     u64 q;        // [T, n_heads * head_dim]

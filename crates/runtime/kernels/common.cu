@@ -20,7 +20,9 @@ typedef long long i64;
 #define DF_FULL_MASK 0xffffffffu
 
 // Stored formats: DT_<NAME> (format number) and DT_<NAME>_BYTES (bytes per block) are
-// defined ahead of this file by the Rust side, from the format table (`dtype::FORMATS`).
+// defined ahead of this file by the Rust side, from the format table (`dtype::FORMATS`), and so
+// are the launch shapes and limits host and kernels share (block sizes, tiles, splits: see
+// `shared_constants` in cuda/compile.rs).
 
 // A KV row's storage: one allocation of 2 * layers * cap * kv_dim floats; layer l's keys at
 // (2l) * cap * kv_dim, its values at (2l + 1) * cap * kv_dim, position-major. Released rows

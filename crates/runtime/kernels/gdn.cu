@@ -33,7 +33,7 @@ __device__ __forceinline__ float df_sigmoid(float x) { return __fdiv_rn(1.0f, __
 // tokens, keeping the last K inputs. out[t] = silu(sum_i w[c][i] * x[t - K + 1 + i]), the taps
 // summed in order i = 0..K-1. The new window is the last K - 1 inputs. With no output
 // (a rollback) only the window moves and `w` is not read.
-#define GDN_MAX_K 8
+// GDN_MAX_K (8) is defined by the host (cuda/compile.rs, `shared_constants`).
 extern "C" __global__ void gdn_conv_f32(const GdnSpan* spans, const float* w, int C, int K) {
     df_kernel_begin();
     const GdnSpan s = spans[blockIdx.y];
@@ -171,9 +171,8 @@ GDN_DELTA(256)
 // 2 C (DK + 1) (q, k; rows padded against bank conflicts) + C DK (W) + 2 C C + C CT (v, then
 // V_new) + DK CT (state) + 4 C (gates): 154 KiB for DK = 128 (`chunk_smem_bytes` in
 // cuda/gdn.rs).
-#define GDN_CHUNK 64
-#define GDN_CT 32
-#define GDN_CTHREADS 256
+// GDN_CHUNK (64), GDN_CT (32) and GDN_CTHREADS (256) are defined by the host
+// (cuda/compile.rs, `shared_constants`).
 
 // The launch parameters (`GdnChunkParams` in cuda/gdn.rs).
 struct GdnChunkParams {

@@ -42,13 +42,10 @@
 // different weights and outputs (q/k/v, gate/up): blocks are handed out segment after
 // segment (`MmSeg::block0`), so the products share one launch and fill the GPU together.
 
-#define MM_WARPS 4
-#define MM_SEGS 3
-
-#define EPI_STORE 0
-#define EPI_ADD 1
-#define EPI_SWIGLU 2
-#define EPI_ROPE 3
+// MM_WARPS (warps per block), MM_SEGS (products per launch) and the epilogues EPI_STORE,
+// EPI_ADD, EPI_SWIGLU and EPI_ROPE are defined ahead of this file by the host, from its own
+// constants (cuda/compile.rs, `shared_constants`), as are the launch constants of the other
+// kernel files.
 
 struct MmSeg {
     u64 w;         // weight rows (gate rows for SwiGLU)

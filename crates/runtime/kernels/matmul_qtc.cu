@@ -40,11 +40,8 @@
 // Needs sm_80 (integer m16n8k32); below that the kernels are empty and the host never
 // launches them (`Device::int8_mma_min_m`).
 
-#define QT_WARPS 8
-#define QT_BM 16
-// Column tiles of 8 per block (SwiGLU: half as many, each with two weights).
-#define QT_NT 4
-#define QT_NT_NARROW 1
+// QT_WARPS (8), QT_BM (16) and the widths QT_NT (4) and QT_NT_NARROW (1) are defined by the
+// host (cuda/compile.rs, `shared_constants`).
 
 #if __CUDA_ARCH__ >= 800
 

@@ -52,11 +52,10 @@
 // Needs sm_80 or later (TF32 MMA); below that the kernels are empty and the host never
 // launches them (`Device::tensor_cores`).
 
-#define TC_BM 64
-#define TC_BN 32
+// TC_BM (64), TC_BN (32) and TC_THREADS (128) are defined by the host (cuda/compile.rs,
+// `shared_constants`).
 #define TC_BK 64
 #define TC_LD (TC_BK + 4)
-#define TC_THREADS 128
 // float4 of x and weight quarters per thread and tile
 #define TC_XV (TC_BM * TC_BK / 4 / TC_THREADS)
 #define TC_WP (TC_BN * (TC_BK / GROUP) * 4 / TC_THREADS)

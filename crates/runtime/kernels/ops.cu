@@ -148,11 +148,9 @@ extern "C" __global__ void quant_q8_f32(const float* x, i64 blocks, signed char*
 // for prompt rows, which then fit one wave. The values and the sum of squares do not depend on
 // the thread count (the partials are made from the staged copy), so all norms give the same
 // bits.
-#define NORM_THREADS 128
-#define NORM_STAGE 4096
+// NORM_THREADS (128), NORM_STAGE (4096), NORM_Q_THREADS (256) and NORM_Q_FEW_THREADS (1024)
+// are defined by the host (cuda/compile.rs, `shared_constants`).
 #define NORM_PER (NORM_STAGE / NORM_THREADS)
-#define NORM_Q_THREADS 256
-#define NORM_Q_FEW_THREADS 1024
 
 // 1 / sqrt(ss / dim + eps) from the sixteen partials held by lanes 0..15 (lane 0 returns it).
 __device__ __forceinline__ float norm_inv(float acc, int dim, float eps) {
@@ -413,8 +411,7 @@ extern "C" __global__ void rope_kv_f32(const RopeKvParams p) {
 // order (lane l holds l + 32u, lane l + 16 holds l + 16 + 32u), then norm_inv's halving tree;
 // each value is scaled as w * (x * inv). The normalised head is staged in shared memory, where
 // the pairs are rotated with rope_kv_f32's arithmetic.
-#define QKN_WARPS 4
-#define QKN_MAX_DIM 256
+// QKN_WARPS (4) and QKN_MAX_DIM (256) are defined by the host (cuda/compile.rs).
 #define QKN_PER (QKN_MAX_DIM / 32)
 
 extern "C" __global__ void __launch_bounds__(QKN_WARPS * 32) qk_norm_rope_kv_f32(const RopeKvParams p) {

@@ -27,7 +27,7 @@
 // ties in id order.
 #include "common.cu"
 
-#define CH_THREADS 1024
+// CH_THREADS (1024) is defined by the host (cuda/compile.rs, `shared_constants`).
 #define CH_WARPS (CH_THREADS / 32)
 #define FX_ONE 1152921504606846976.0  // 2^60
 #define NO_ID 0xffffffffu
@@ -700,8 +700,7 @@ extern "C" __global__ void verify_finish(int rows, int block, const u32* accept,
 // warp per row merges the chunks. Both merge (larger value, then smaller index), so the result
 // is the first largest value whatever the order; NaN is never chosen, and a row with nothing
 // above -inf gives 0 (cpu::ops::elementwise::argmax).
-#define ARGMAX_CHUNK 4096
-#define ARGMAX_THREADS 256
+// ARGMAX_CHUNK (4096) and ARGMAX_THREADS (256) are defined by the host (cuda/compile.rs).
 
 extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
 argmax_part_f32(const float* x, int cols, float* pv, u32* pi) {

@@ -95,7 +95,8 @@ impl Module {
     }
 
     /// The complete source handed to NVRTC: the format constants of the table
-    /// ([`format_defines`]), then the file with `common.cu` (and, in matmul.cu, its
+    /// ([`format_defines`]) and the launch constants the host shares with the kernels
+    /// ([`shared_defines`]), then the file with `common.cu` (and, in matmul.cu, its
     /// `MATMUL_PARTS`) pasted in (and, for matmul, the format to instantiate defined first).
     pub fn source(self) -> String {
         let raw = self.text();
@@ -106,6 +107,7 @@ impl Module {
             self.name()
         );
         let mut body = format_defines();
+        body.push_str(&shared_defines());
         if let Module::Matmul(d) = self {
             body.push_str(&format!(
                 "#define DF_MM_DTYPE {}\n#define DF_MM_SUFFIX {}\n#define DF_MM_INT8 {}\n",
@@ -169,6 +171,62 @@ pub fn format_defines() -> String {
     // Format numbers of the packed layouts of int8-path weights (DT_<NAME> + DT_PACKED).
     s.push_str(&format!("#define DT_PACKED {}\n", super::pack::DT_PACKED));
     s
+}
+
+/// The launch shapes and limits the host and the kernels both use, by their kernel names, from
+/// the host's constants: each is stated once, on the host, and pasted ahead of every kernel
+/// file as `#define NAME value` ([`shared_defines`]); the .cu files never restate them.
+fn shared_constants() -> [(&'static str, usize); 29] {
+    use super::device::{
+        Epilogue, ATT_MAX_GHD, ATT_MAX_SPLITS, ATT_THREADS, MM_SEGS, MM_WARPS, NORM_Q_FEW_THREADS,
+        NORM_Q_THREADS, NORM_STAGE, NORM_THREADS, QT_BM, QT_NT, QT_NT_NARROW, QT_WARPS, TC_BM,
+        TC_BN, TC_THREADS,
+    };
+    use super::{gdn, rope_kv, sample};
+    [
+        // matmul.cu, matmul_qtc.cu, matmul_tc.cu
+        ("MM_WARPS", MM_WARPS),
+        ("MM_SEGS", MM_SEGS),
+        ("EPI_STORE", Epilogue::Store as usize),
+        ("EPI_ADD", Epilogue::Add as usize),
+        ("EPI_SWIGLU", Epilogue::Swiglu as usize),
+        ("EPI_ROPE", Epilogue::Rope as usize),
+        ("QT_WARPS", QT_WARPS),
+        ("QT_BM", QT_BM),
+        ("QT_NT", QT_NT),
+        ("QT_NT_NARROW", QT_NT_NARROW),
+        ("TC_BM", TC_BM),
+        ("TC_BN", TC_BN),
+        ("TC_THREADS", TC_THREADS as usize),
+        // ops.cu
+        ("NORM_STAGE", NORM_STAGE),
+        ("NORM_THREADS", NORM_THREADS as usize),
+        ("NORM_Q_THREADS", NORM_Q_THREADS as usize),
+        ("NORM_Q_FEW_THREADS", NORM_Q_FEW_THREADS as usize),
+        ("QKN_WARPS", rope_kv::QKN_WARPS),
+        ("QKN_MAX_DIM", rope_kv::QKN_MAX_DIM),
+        // attention.cu
+        ("ATT_WARPS", ATT_THREADS as usize / 32),
+        ("ATT_MAX_SPLITS", ATT_MAX_SPLITS),
+        ("ATT_MAX_GHD", ATT_MAX_GHD),
+        // gdn.cu
+        ("GDN_MAX_K", gdn::MAX_CONV_K),
+        ("GDN_CHUNK", crate::cpu::ops::gdn::CHUNK),
+        ("GDN_CT", gdn::CHUNK_COLS),
+        ("GDN_CTHREADS", gdn::CHUNK_THREADS as usize),
+        // sample.cu
+        ("CH_THREADS", sample::CH_THREADS as usize),
+        ("ARGMAX_CHUNK", sample::ARGMAX_CHUNK),
+        ("ARGMAX_THREADS", sample::ARGMAX_THREADS as usize),
+    ]
+}
+
+/// `#define NAME value` for every launch constant of [`shared_constants`].
+pub fn shared_defines() -> String {
+    shared_constants()
+        .iter()
+        .map(|(name, v)| format!("#define {name} {v}\n"))
+        .collect()
 }
 
 /// What a compilation produced.
@@ -584,6 +642,32 @@ mod tests {
                     d.info().kernel_name,
                     u8::from(int8)
                 )));
+            }
+        }
+    }
+
+    /// Every launch constant the host shares is defined once in every module's source, by the
+    /// host, and no kernel file defines it again.
+    #[test]
+    fn launch_constants_are_defined_once_by_the_host() {
+        let files: Vec<&str> = Module::all()
+            .into_iter()
+            .map(Module::raw_source)
+            .chain(MATMUL_PARTS.iter().map(|(_, text)| *text))
+            .chain([COMMON])
+            .collect();
+        for (name, value) in shared_constants() {
+            let define = format!("#define {name} ");
+            for m in Module::all() {
+                let s = m.source();
+                assert_eq!(s.matches(&define).count(), 1, "{name} in {}.cu", m.name());
+                assert!(s.contains(&format!("{define}{value}\n")), "{name}");
+            }
+            for text in &files {
+                assert!(
+                    !text.contains(&define),
+                    "a kernel file defines {name} itself"
+                );
             }
         }
     }

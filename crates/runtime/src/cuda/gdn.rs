@@ -27,16 +27,16 @@ use crate::cpu::ops::gdn::CHUNK;
 use crate::error::RuntimeError;
 
 /// Largest conv kernel width (GDN_MAX_K in gdn.cu).
-const MAX_CONV_K: usize = 8;
+pub(super) const MAX_CONV_K: usize = 8;
 /// k_dim values the delta kernel is instantiated for.
 const DELTA_DK: [usize; 5] = [16, 32, 64, 128, 256];
 /// k_dim values the chunked kernel is instantiated for (its shared memory grows with k_dim,
 /// 154 KiB at 128); chunked spans of wider heads run token by token.
 const CHUNK_DK: [usize; 4] = [16, 32, 64, 128];
 /// State columns per block of the chunked kernel (GDN_CT in gdn.cu).
-const CHUNK_COLS: usize = 32;
+pub(super) const CHUNK_COLS: usize = 32;
 /// Threads per block of the chunked kernel (GDN_CTHREADS in gdn.cu).
-const CHUNK_THREADS: u32 = 256;
+pub(super) const CHUNK_THREADS: u32 = 256;
 /// Words of one `GdnSpan` record.
 const SPAN_WORDS: usize = 9;
 

@@ -10,9 +10,9 @@ use super::tensor::{CudaMeta, CudaTensor};
 use crate::backend::{QkNorm, Rope};
 
 /// Warps per block of `qk_norm_rope_kv_f32` (QKN_WARPS in ops.cu): a warp per head.
-const QKN_WARPS: usize = 4;
+pub(super) const QKN_WARPS: usize = 4;
 /// Largest head size of `qk_norm_rope_kv_f32` (QKN_MAX_DIM in ops.cu: 8 values per lane).
-const QKN_MAX_DIM: usize = 256;
+pub(super) const QKN_MAX_DIM: usize = 256;
 
 /// `RopeKvParams` in ops.cu.
 #[repr(C)]

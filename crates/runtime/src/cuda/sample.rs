@@ -10,11 +10,11 @@ use super::tensor::CudaTensor;
 use crate::choice::{ChoiceParams, DraftRow, SampleRow, Verdict, VerifyRow};
 
 /// Threads of the one-block-per-row kernels (CH_THREADS in sample.cu).
-const CH_THREADS: u32 = 1024;
+pub(super) const CH_THREADS: u32 = 1024;
 /// Columns per block of the first argmax stage (ARGMAX_CHUNK in sample.cu).
-const ARGMAX_CHUNK: usize = 4096;
+pub(super) const ARGMAX_CHUNK: usize = 4096;
 /// Threads per block of the first argmax stage (ARGMAX_THREADS in sample.cu).
-const ARGMAX_THREADS: u32 = 256;
+pub(super) const ARGMAX_THREADS: u32 = 256;
 /// Words of one row's parameters (ChParams in sample.cu).
 const PARAM_WORDS: usize = 8;
 
