@@ -675,11 +675,13 @@ mod tests {
     /// Kernels are launched with programmatic stream serialization (`Device::pdl`), which is
     /// only safe when every kernel waits for the one before it before it reads anything a
     /// kernel writes, or leaves: `df_kernel_begin()` must be the first statement of every
-    /// kernel body. The one exception is the matmul kernels (`mm_body`), whose warps first
+    /// kernel body. The exceptions are the matmul kernels (`mm_body`), whose warps first
     /// read what only the host writes (parameters, weights, the step's token metadata and the
     /// KV row table, copied before the step) and then wait: `mm_body` waits on both of its
     /// paths (a warp without rows, and `mm_warp` / `mmq_warp` before its first read of x), and
-    /// so does `mmqt_body` (matmul_qtc.cu), which has no early exit.
+    /// so does `mmqt_body` (matmul_qtc.cu), which has no early exit; and the attention split
+    /// kernels, which read the metadata and row table and prefetch keys and values into L2
+    /// (never into registers) before they wait.
     #[test]
     fn every_kernel_begins_by_waiting_for_the_previous_one() {
         let mut kernels = 0;
@@ -696,8 +698,9 @@ mod tests {
                     .next()
                     .unwrap_or("")
                     .trim_matches(|c: char| c.is_whitespace() || c == '\\');
-                let waits_in_body = matches!(m, Module::Matmul(_))
-                    && (first.starts_with("mm_body<") || first.starts_with("mmqt_body<"));
+                let waits_in_body = (matches!(m, Module::Matmul(_))
+                    && (first.starts_with("mm_body<") || first.starts_with("mmqt_body<")))
+                    || (m == Module::Attention && first.starts_with("attention_split_body<"));
                 assert!(
                     first == "df_kernel_begin()" || waits_in_body,
                     "{}.cu: a kernel does not start with df_kernel_begin(): {}",
@@ -729,6 +732,17 @@ mod tests {
         assert!(
             !qt[..wait].contains("return;"),
             "mmqt_body leaves without waiting"
+        );
+        // attention_split_body reads the host's metadata and row table and prefetches into
+        // L2 first, then waits before it reads q or leaves.
+        let att = Module::Attention.raw_source();
+        let att = &att[att.find("void attention_split_body(").expect("split body")..];
+        let wait = att
+            .find("df_kernel_begin();")
+            .expect("attention_split_body waits");
+        assert!(
+            !att[..wait].contains("return") && !att[..wait].contains("p.q"),
+            "attention_split_body reads q or leaves before it waits"
         );
     }
 
