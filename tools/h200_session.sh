@@ -13,7 +13,9 @@
 #    (unless H200_PROFILE=0) ncu on three kernels, the kernel microbench and memcheck.
 # B: assembles and checks the default model; the GPU golden test (both numeric paths against
 #    transformers); CPU-vs-GPU greedy parity on 24 MT-Bench prompts (int8, the default, and
-#    f32); `dflash bench` plain decoding (kernel split by class) at prompts 128 and 512.
+#    f32); `dflash bench` plain decoding (kernel split by class) at prompts 128 and 512;
+#    (unless H200_PROFILE=0) every kernel of two decode steps timed alone by ncu
+#    (ncu_kernel_table.py).
 # C: the shipped drafter: DFlash parity on the GPU (B = 1 and B = 4); dflash bench AR vs
 #    DFlash and B = 4; llama-bench beside dflash bench, alternating; the Qwen3-4B-shaped
 #    synthetic target (H200_Q4B_ROUNDS rounds, default 2); its matmul microbench (unless
@@ -32,7 +34,7 @@ pack() {
     bash tools/gpu_check.sh --build
     rm -rf .gpu/common .gpu/A .gpu/B .gpu/C
     mkdir -p .gpu/common .gpu/A .gpu/B .gpu/C .gpu/bin
-    cp tools/h200_session.sh tools/cuda_env.sh .gpu/common/
+    cp tools/h200_session.sh tools/cuda_env.sh tools/ncu_kernel_table.py .gpu/common/
     cp data/mt_bench_first_turns.jsonl .gpu/common/prompts.jsonl
     for b in dflash examples/gpu_parity examples/cuda_microbench examples/synthetic_model; do
         cp "target/release/$b" .gpu/bin/
@@ -152,6 +154,12 @@ stage_b() {
             results "$out/bench_plain_p${p}_int8_$int8.err"
         done
     done
+    if [ "${H200_PROFILE:-1}" = 1 ] && command -v ncu > /dev/null; then
+        say "ncu: every kernel of two decode steps at context ~512, timed alone"
+        timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum --launch-skip 4000 \
+            --launch-count 500 --csv "$W/dflash" bench -m "$MODEL" --device cuda --no-draft -p 512 -n 64 \
+            -r 1 2> /dev/null | python3 "$here/ncu_kernel_table.py" --steps 2 | tee "$out/ncu_step.md"
+    fi
     say "llama.cpp build: $(cat "$W/llama/build.done" 2>/dev/null || echo running)"
     tail -n 3 "$W/llama/build.log" 2>/dev/null
 }
