@@ -382,11 +382,13 @@ __device__ __forceinline__ void attention_merge_body(const AttParams& p) {
     const int d = threadIdx.x;
     const int lane = threadIdx.x & 31;
     const int hd = p.head_dim;
+    // The token's metadata is the host's (copied before the step): read before the wait.
     const u32* meta = (const u32*)p.meta + 4 * t;
     const int start = (int)meta[2];
     const int end = (int)meta[3];
     int nsplit, tps;
     att_splits(end > start ? end - start : 0, &nsplit, &tps);
+    df_kernel_begin();
     float ms = -DF_INF, ls = 0.0f;
     if (lane < nsplit) {
         const float* ps = att_part(p, t, h, lane);
@@ -421,11 +423,9 @@ __device__ __forceinline__ void attention_merge_body(const AttParams& p) {
 }
 
 extern "C" __global__ void attention_merge(const AttParams p) {
-    df_kernel_begin();
-    attention_merge_body<false>(p);
+    attention_merge_body<false>(p); /* waits itself, after the host's metadata */
 }
 
 extern "C" __global__ void attention_merge_q8(const AttParams p) {
-    df_kernel_begin();
-    attention_merge_body<true>(p);
+    attention_merge_body<true>(p); /* waits itself */
 }
