@@ -28,8 +28,9 @@
 // last one to arrive merges the group's query heads with the merge kernel's arithmetic and
 // order (att_merge_out), so the bits do not depend on which block that is, nor on the mode.
 
-// ATT_WARPS (4), ATT_MAX_SPLITS (16) and ATT_MAX_GHD (1024: query heads per group x
-// head_dim) are defined by the host (cuda/compile.rs, `shared_constants`).
+// ATT_WARPS (4), ATT_MAX_SPLITS (16), ATT_MAX_GHD (1024: query heads per group x head_dim)
+// and ATT_PREFETCH_MAX_TOKENS (16) are defined by the host (cuda/compile.rs,
+// `shared_constants`).
 
 struct AttParams {
     u64 q;        // [T, n_heads * head_dim]
@@ -145,10 +146,10 @@ __device__ __forceinline__ void attention_split_body(const AttParams& p) {
     const int hd = p.head_dim;
     const int G = GM;  // the kernel is chosen for the model's exact group (host)
     // Before the wait for the kernel before: what only the host writes (the token's metadata
-    // and the KV row table, copied before the step) and, in launches of few tokens (EARLY),
-    // the split's keys and values requested into L2, so the reads after the wait find them
-    // there (decode +3-5% on the H200; prompt launches, whose blocks share most of their rows,
-    // lose 3-5% with it). An L2 prefetch is safe even where the kernel before writes those
+    // and the KV row table, copied before the step) and, in launches of at most
+    // ATT_PREFETCH_MAX_TOKENS tokens (decode, verify), the split's keys and values requested
+    // into L2, so the reads after the wait find them there (decode +3-5% on the H200; prompt
+    // launches, whose blocks share most of their rows, lose 3-5% with it). An L2 prefetch is safe even where the kernel before writes those
     // rows (the new tokens' keys): writes land in L2, so the lines read after the wait are
     // the written ones.
     const u32* meta = (const u32*)p.meta + 4 * t;
@@ -159,7 +160,7 @@ __device__ __forceinline__ void attention_split_body(const AttParams& p) {
     const RowDesc rd = ((const RowDesc*)p.rows)[meta[0]];
     const float* kb = (const float*)rd.base + (size_t)(2 * p.layer) * rd.cap * p.kv_dim + (size_t)kvh * hd;
     const float* vb = (const float*)rd.base + (size_t)(2 * p.layer + 1) * rd.cap * p.kv_dim + (size_t)kvh * hd;
-    if (EARLY && sp < nsplit) {
+    if ((EARLY || p.t <= ATT_PREFETCH_MAX_TOKENS) && sp < nsplit) {
         const int k0 = start + 32 * sp * tps;
         const int nk = min(32 * tps, end - k0);
         const int lines = (hd + 31) >> 5;  // 128-byte lines of a key's head_dim values

@@ -176,13 +176,13 @@ pub fn format_defines() -> String {
 /// The launch shapes and limits the host and the kernels both use, by their kernel names, from
 /// the host's constants: each is stated once, on the host, and pasted ahead of every kernel
 /// file as `#define NAME value` ([`shared_defines`]); the .cu files never restate them.
-fn shared_constants() -> [(&'static str, usize); 29] {
+fn shared_constants() -> [(&'static str, usize); 30] {
     use super::device::{
         Epilogue, ATT_MAX_GHD, ATT_MAX_SPLITS, ATT_THREADS, MM_SEGS, MM_WARPS, NORM_Q_FEW_THREADS,
         NORM_Q_THREADS, NORM_STAGE, NORM_THREADS, QT_BM, QT_NT, QT_NT_NARROW, QT_WARPS, TC_BM,
         TC_BN, TC_THREADS,
     };
-    use super::{gdn, rope_kv, sample};
+    use super::{attention, gdn, rope_kv, sample};
     [
         // matmul.cu, matmul_qtc.cu, matmul_tc.cu
         ("MM_WARPS", MM_WARPS),
@@ -209,6 +209,10 @@ fn shared_constants() -> [(&'static str, usize); 29] {
         ("ATT_WARPS", ATT_THREADS as usize / 32),
         ("ATT_MAX_SPLITS", ATT_MAX_SPLITS),
         ("ATT_MAX_GHD", ATT_MAX_GHD),
+        (
+            "ATT_PREFETCH_MAX_TOKENS",
+            attention::ATT_PREFETCH_MAX_TOKENS,
+        ),
         // gdn.cu
         ("GDN_MAX_K", gdn::MAX_CONV_K),
         ("GDN_CHUNK", crate::cpu::ops::gdn::CHUNK),
