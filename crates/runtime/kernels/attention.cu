@@ -217,7 +217,21 @@ __device__ __forceinline__ void attention_split_body(const AttParams& p) {
 
     const int q_cols = p.n_heads * hd;
     const float* qt = (const float*)p.q + (size_t)t * q_cols + (size_t)kvh * G * hd;
-    for (int i = threadIdx.x; i < G * hd; i += blockDim.x) qs[i] = qt[i];
+    // q in one round trip where it can: 16-byte loads (G * hd / 4 <= ATT_MAX_GHD / 4 = 256, two
+    // per thread at most, issued together), else one value per load.
+    if (vec4) {
+        const float4* q4 = (const float4*)qt;
+        float4* s4 = (float4*)qs;
+        const int n4 = G * hd / 4;
+        const int a = threadIdx.x, b = threadIdx.x + blockDim.x;
+        const float4 va = a < n4 ? q4[a] : make_float4(0.f, 0.f, 0.f, 0.f);
+        const float4 vb = b < n4 ? q4[b] : make_float4(0.f, 0.f, 0.f, 0.f);
+        if (a < n4) s4[a] = va;
+        if (b < n4) s4[b] = vb;
+        for (int i = threadIdx.x + 2 * blockDim.x; i < n4; i += blockDim.x) s4[i] = q4[i];
+    } else {
+        for (int i = threadIdx.x; i < G * hd; i += blockDim.x) qs[i] = qt[i];
+    }
     __syncthreads();
 
     float m[GM], l[GM], acc[GM][PER];
