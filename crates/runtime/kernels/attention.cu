@@ -28,8 +28,9 @@
 // last one to arrive merges the group's query heads with the merge kernel's arithmetic and
 // order (att_merge_out), so the bits do not depend on which block that is, nor on the mode.
 
-// ATT_WARPS (4), ATT_MAX_SPLITS (16) and ATT_MAX_GHD (1024: query heads per group x
-// head_dim) are defined by the host (cuda/compile.rs, `shared_constants`).
+// ATT_WARPS (4), ATT_MAX_SPLITS (16), ATT_MAX_GHD (1024: query heads per group x head_dim)
+// and ATT_PREFETCH_MAX_TOKENS (16) are defined by the host (cuda/compile.rs,
+// `shared_constants`).
 
 struct AttParams {
     u64 q;        // [T, n_heads * head_dim]
@@ -145,10 +146,10 @@ __device__ __forceinline__ void attention_split_body(const AttParams& p) {
     const int hd = p.head_dim;
     const int G = GM;  // the kernel is chosen for the model's exact group (host)
     // Before the wait for the kernel before: what only the host writes (the token's metadata
-    // and the KV row table, copied before the step) and, in launches of few tokens (EARLY),
-    // the split's keys and values requested into L2, so the reads after the wait find them
-    // there (decode +3-5% on the H200; prompt launches, whose blocks share most of their rows,
-    // lose 3-5% with it). An L2 prefetch is safe even where the kernel before writes those
+    // and the KV row table, copied before the step) and, in launches of at most
+    // ATT_PREFETCH_MAX_TOKENS tokens (decode, verify), the split's keys and values requested
+    // into L2, so the reads after the wait find them there (decode +3-5% on the H200; prompt
+    // launches, whose blocks share most of their rows, lose 3-5% with it). An L2 prefetch is safe even where the kernel before writes those
     // rows (the new tokens' keys): writes land in L2, so the lines read after the wait are
     // the written ones.
     const u32* meta = (const u32*)p.meta + 4 * t;
@@ -159,7 +160,7 @@ __device__ __forceinline__ void attention_split_body(const AttParams& p) {
     const RowDesc rd = ((const RowDesc*)p.rows)[meta[0]];
     const float* kb = (const float*)rd.base + (size_t)(2 * p.layer) * rd.cap * p.kv_dim + (size_t)kvh * hd;
     const float* vb = (const float*)rd.base + (size_t)(2 * p.layer + 1) * rd.cap * p.kv_dim + (size_t)kvh * hd;
-    if (EARLY && sp < nsplit) {
+    if ((EARLY || p.t <= ATT_PREFETCH_MAX_TOKENS) && sp < nsplit) {
         const int k0 = start + 32 * sp * tps;
         const int nk = min(32 * tps, end - k0);
         const int lines = (hd + 31) >> 5;  // 128-byte lines of a key's head_dim values
@@ -216,7 +217,21 @@ __device__ __forceinline__ void attention_split_body(const AttParams& p) {
 
     const int q_cols = p.n_heads * hd;
     const float* qt = (const float*)p.q + (size_t)t * q_cols + (size_t)kvh * G * hd;
-    for (int i = threadIdx.x; i < G * hd; i += blockDim.x) qs[i] = qt[i];
+    // q in one round trip where it can: 16-byte loads (G * hd / 4 <= ATT_MAX_GHD / 4 = 256, two
+    // per thread at most, issued together), else one value per load.
+    if (vec4) {
+        const float4* q4 = (const float4*)qt;
+        float4* s4 = (float4*)qs;
+        const int n4 = G * hd / 4;
+        const int a = threadIdx.x, b = threadIdx.x + blockDim.x;
+        const float4 va = a < n4 ? q4[a] : make_float4(0.f, 0.f, 0.f, 0.f);
+        const float4 vb = b < n4 ? q4[b] : make_float4(0.f, 0.f, 0.f, 0.f);
+        if (a < n4) s4[a] = va;
+        if (b < n4) s4[b] = vb;
+        for (int i = threadIdx.x + 2 * blockDim.x; i < n4; i += blockDim.x) s4[i] = q4[i];
+    } else {
+        for (int i = threadIdx.x; i < G * hd; i += blockDim.x) qs[i] = qt[i];
+    }
     __syncthreads();
 
     float m[GM], l[GM], acc[GM][PER];
@@ -382,11 +397,13 @@ __device__ __forceinline__ void attention_merge_body(const AttParams& p) {
     const int d = threadIdx.x;
     const int lane = threadIdx.x & 31;
     const int hd = p.head_dim;
+    // The token's metadata is the host's (copied before the step): read before the wait.
     const u32* meta = (const u32*)p.meta + 4 * t;
     const int start = (int)meta[2];
     const int end = (int)meta[3];
     int nsplit, tps;
     att_splits(end > start ? end - start : 0, &nsplit, &tps);
+    df_kernel_begin();
     float ms = -DF_INF, ls = 0.0f;
     if (lane < nsplit) {
         const float* ps = att_part(p, t, h, lane);
@@ -421,11 +438,9 @@ __device__ __forceinline__ void attention_merge_body(const AttParams& p) {
 }
 
 extern "C" __global__ void attention_merge(const AttParams p) {
-    df_kernel_begin();
-    attention_merge_body<false>(p);
+    attention_merge_body<false>(p); /* waits itself, after the host's metadata */
 }
 
 extern "C" __global__ void attention_merge_q8(const AttParams p) {
-    df_kernel_begin();
-    attention_merge_body<true>(p);
+    attention_merge_body<true>(p); /* waits itself */
 }

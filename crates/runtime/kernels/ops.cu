@@ -414,8 +414,7 @@ extern "C" __global__ void rope_kv_f32(const RopeKvParams p) {
 // QKN_WARPS (4) and QKN_MAX_DIM (256) are defined by the host (cuda/compile.rs).
 #define QKN_PER (QKN_MAX_DIM / 32)
 
-extern "C" __global__ void __launch_bounds__(QKN_WARPS * 32) qk_norm_rope_kv_f32(const RopeKvParams p) {
-    df_kernel_begin();
+__device__ __forceinline__ void qk_norm_rope_kv_body(const RopeKvParams& p) {
     __shared__ float sh[QKN_WARPS][QKN_MAX_DIM];
     const int t = blockIdx.x;
     const int warp = threadIdx.x >> 5;
@@ -423,24 +422,36 @@ extern "C" __global__ void __launch_bounds__(QKN_WARPS * 32) qk_norm_rope_kv_f32
     const int hd = p.head_dim;
     const int qh = p.q_cols / hd;
     const int task = blockIdx.y * QKN_WARPS + warp;
-    if (t >= p.t || task >= qh + p.kv_dim / hd) return;  // a whole warp leaves together
+    const bool live = t < p.t && task < qh + p.kv_dim / hd;
     const bool isq = task < qh;
     const int h = isq ? task : task - qh;
+    // What only the host writes (the token's position and KV row, copied before the step, and
+    // the norm's weights) is read before the wait, so the KV slot's address and the weights
+    // are at hand when q and k arrive.
+    u32 at = 0;
+    RowDesc rd = {};
+    float xv[QKN_PER], wv[QKN_PER];
+    if (live) {
+        const u32* meta = (const u32*)p.meta + 4 * t;
+        at = meta[META_POS];
+        rd = ((const RowDesc*)p.rows)[meta[META_ROW]];
+        const float* w = (const float*)(isq ? p.q_norm : p.k_norm);
+#pragma unroll
+        for (int u = 0; u < QKN_PER; u++) {
+            const int i = lane + 32 * u;
+            wv[u] = i < hd ? w[i] : 0.0f;
+        }
+    }
+    df_kernel_begin();
+    if (!live) return;  // a whole warp leaves together
 
-    const u32* meta = (const u32*)p.meta + 4 * t;
-    const u32 at = meta[META_POS];
-    const RowDesc rd = ((const RowDesc*)p.rows)[meta[META_ROW]];
     float* head = (isq ? (float*)p.q + (size_t)t * p.q_cols : (float*)p.k + (size_t)t * p.kv_dim) + (size_t)h * hd;
-    const float* w = (const float*)(isq ? p.q_norm : p.k_norm);
     float* kd = isq ? nullptr
                     : (float*)rd.base + ((size_t)(2 * p.layer) * rd.cap + at) * p.kv_dim + (size_t)h * hd;
-
-    float xv[QKN_PER], wv[QKN_PER];
 #pragma unroll
     for (int u = 0; u < QKN_PER; u++) {
         const int i = lane + 32 * u;
         xv[u] = i < hd ? head[i] : 0.0f;
-        wv[u] = i < hd ? w[i] : 0.0f;
     }
     float acc = 0.0f;
 #pragma unroll
@@ -482,6 +493,10 @@ extern "C" __global__ void __launch_bounds__(QKN_WARPS * 32) qk_norm_rope_kv_f32
         float* vd = (float*)rd.base + ((size_t)(2 * p.layer + 1) * rd.cap + at) * p.kv_dim + (size_t)h * hd;
         for (int i = lane; i < hd; i += 32) vd[i] = vt[i];
     }
+}
+
+extern "C" __global__ void __launch_bounds__(QKN_WARPS * 32) qk_norm_rope_kv_f32(const RopeKvParams p) {
+    qk_norm_rope_kv_body(p); /* waits itself, after the host's metadata */
 }
 
 // ---- KV cache ----------------------------------------------------------------------------

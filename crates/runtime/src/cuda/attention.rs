@@ -33,6 +33,12 @@ pub const FUSE_MERGE_MIN_ROWS: usize = 17;
 /// slower (more registers, fewer blocks per SM once the grid passes a wave).
 const ATT_EARLY_MAX_ROWS: usize = 8;
 
+/// Most tokens of one attention launch whose split blocks prefetch their keys and values
+/// into L2 before they wait for the kernel before (ATT_PREFETCH_MAX_TOKENS in attention.cu):
+/// decode and verify blocks; a prompt's blocks share most of their rows, and prefill lost
+/// 3-5% with the prefetch on the H200.
+pub(crate) const ATT_PREFETCH_MAX_TOKENS: usize = 16;
+
 /// `DFLASH_CUDA_FUSE_MERGE`: `auto` (or unset, empty) [`FUSE_MERGE_MIN_ROWS`], `0` / `off`
 /// never, or the fewest tokens.
 pub fn fuse_merge_min_rows(v: Option<&str>) -> Result<usize, String> {

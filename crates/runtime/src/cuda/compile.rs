@@ -176,13 +176,13 @@ pub fn format_defines() -> String {
 /// The launch shapes and limits the host and the kernels both use, by their kernel names, from
 /// the host's constants: each is stated once, on the host, and pasted ahead of every kernel
 /// file as `#define NAME value` ([`shared_defines`]); the .cu files never restate them.
-fn shared_constants() -> [(&'static str, usize); 29] {
+fn shared_constants() -> [(&'static str, usize); 30] {
     use super::device::{
         Epilogue, ATT_MAX_GHD, ATT_MAX_SPLITS, ATT_THREADS, MM_SEGS, MM_WARPS, NORM_Q_FEW_THREADS,
         NORM_Q_THREADS, NORM_STAGE, NORM_THREADS, QT_BM, QT_NT, QT_NT_NARROW, QT_WARPS, TC_BM,
         TC_BN, TC_THREADS,
     };
-    use super::{gdn, rope_kv, sample};
+    use super::{attention, gdn, rope_kv, sample};
     [
         // matmul.cu, matmul_qtc.cu, matmul_tc.cu
         ("MM_WARPS", MM_WARPS),
@@ -209,6 +209,10 @@ fn shared_constants() -> [(&'static str, usize); 29] {
         ("ATT_WARPS", ATT_THREADS as usize / 32),
         ("ATT_MAX_SPLITS", ATT_MAX_SPLITS),
         ("ATT_MAX_GHD", ATT_MAX_GHD),
+        (
+            "ATT_PREFETCH_MAX_TOKENS",
+            attention::ATT_PREFETCH_MAX_TOKENS,
+        ),
         // gdn.cu
         ("GDN_MAX_K", gdn::MAX_CONV_K),
         ("GDN_CHUNK", crate::cpu::ops::gdn::CHUNK),
@@ -680,8 +684,9 @@ mod tests {
     /// KV row table, copied before the step) and then wait: `mm_body` waits on both of its
     /// paths (a warp without rows, and `mm_warp` / `mmq_warp` before its first read of x), and
     /// so does `mmqt_body` (matmul_qtc.cu), which has no early exit; and the attention split
-    /// kernels, which read the metadata and row table and prefetch keys and values into L2
-    /// (never into registers) before they wait.
+    /// and merge kernels and the q/k norm, which read the metadata, the row table and (the
+    /// norm) its weights, and (the split) prefetch keys and values into L2, never into
+    /// registers, before they wait.
     #[test]
     fn every_kernel_begins_by_waiting_for_the_previous_one() {
         let mut kernels = 0;
@@ -700,7 +705,10 @@ mod tests {
                     .trim_matches(|c: char| c.is_whitespace() || c == '\\');
                 let waits_in_body = (matches!(m, Module::Matmul(_))
                     && (first.starts_with("mm_body<") || first.starts_with("mmqt_body<")))
-                    || (m == Module::Attention && first.starts_with("attention_split_body<"));
+                    || (m == Module::Attention
+                        && (first.starts_with("attention_split_body<")
+                            || first.starts_with("attention_merge_body<")))
+                    || (m == Module::Ops && first.starts_with("qk_norm_rope_kv_body("));
                 assert!(
                     first == "df_kernel_begin()" || waits_in_body,
                     "{}.cu: a kernel does not start with df_kernel_begin(): {}",
@@ -733,17 +741,30 @@ mod tests {
             !qt[..wait].contains("return;"),
             "mmqt_body leaves without waiting"
         );
-        // attention_split_body reads the host's metadata and row table and prefetches into
-        // L2 first, then waits before it reads q or leaves.
-        let att = Module::Attention.raw_source();
-        let att = &att[att.find("void attention_split_body(").expect("split body")..];
-        let wait = att
-            .find("df_kernel_begin();")
-            .expect("attention_split_body waits");
-        assert!(
-            !att[..wait].contains("return") && !att[..wait].contains("p.q"),
-            "attention_split_body reads q or leaves before it waits"
-        );
+        // The attention split and merge bodies and the q/k norm read the host's metadata and
+        // row table (the split also prefetches into L2) first, then wait before they read
+        // what a kernel writes (q, k, v, the split states) or leave.
+        for (m, body, written) in [
+            (
+                Module::Attention,
+                "void attention_split_body(",
+                ["p.q", "p.part"],
+            ),
+            (
+                Module::Attention,
+                "void attention_merge_body(",
+                ["p.q", "att_part("],
+            ),
+            (Module::Ops, "void qk_norm_rope_kv_body(", ["p.q ", "p.k "]),
+        ] {
+            let src = m.raw_source();
+            let b = &src[src.find(body).expect(body)..];
+            let wait = b.find("df_kernel_begin();").expect("the body waits");
+            assert!(
+                !b[..wait].contains("return") && written.iter().all(|w| !b[..wait].contains(w)),
+                "{body} reads what a kernel writes or leaves before it waits"
+            );
+        }
     }
 
     #[test]
