@@ -181,8 +181,9 @@ __device__ __forceinline__ void attention_split_body(const AttParams& p) {
     const bool vec4 = ((hd | p.kv_dim) & 3) == 0;
     const int ntile = ((end - start) + 31) >> 5;
     const int tile_end = min((sp + 1) * tps, ntile);
-    // Values of VB keys are loaded before they are added (in key order).
-    constexpr int VB = PER <= 2 ? 16 : 8;
+    // Values of VB keys are loaded before they are added (in key order). EARLY with up to 64
+    // dimensions: the whole tile's values in one round trip (a decode warp has one tile).
+    constexpr int VB = EARLY && PER <= 2 ? 32 : PER <= 2 ? 16 : 8;
     // EARLY: the first tile's keys (the first 64 dimensions, four per 16-byte load) and the
     // values of its first VB keys are requested before q is staged, so the three round trips
     // to memory overlap (a decode step's warps have one tile each at short contexts); else a
