@@ -10,6 +10,19 @@ launch is gone; the table says where the kernel time is, not the step's wall tim
 
 `--steps` divides the totals by the decode steps the launches cover (launches / launches per
 step). Lines that are not ncu's CSV (the bench's own output) are skipped.
+
+`--forwards` profiles a whole short bench instead (no --launch-skip/--launch-count; a few
+thousand launches) and compares its kinds of forward side by side, e.g. a decode step against
+the verify of 16 the bench measures:
+
+    ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+        dflash bench -m M --device cuda --no-draft -p 512 -n 4 -r 1 \
+        | python3 tools/ncu_kernel_table.py --forwards
+
+A forward ends at its `argmax_final` launch (every forward that chooses tokens has one); its
+kind is the grid of that launch (one block per row choosing) and its number of launches. For
+each kind seen at least twice, the forward with the median total (the upper one of an even
+count) is tabled, kernel by kernel.
 """
 import argparse
 import collections
@@ -19,8 +32,8 @@ import sys
 UNITS = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
 
 
-def durations(lines):
-    """(kernel name, µs) for every profiled launch in ncu's CSV lines."""
+def launches(lines):
+    """(kernel name, grid, µs) for every profiled launch in ncu's CSV lines."""
     header = None
     for row in csv.reader(lines):
         if header is None:
@@ -33,19 +46,75 @@ def durations(lines):
         if unit not in UNITS:
             raise SystemExit(f"unknown time unit {unit!r} in ncu's CSV")
         value = float(row[header["Metric Value"]].replace(",", "")) * UNITS[unit]
-        yield row[header["Kernel Name"]].split("(")[0], value
+        grid = row[header["Grid Size"]] if "Grid Size" in header else ""
+        yield row[header["Kernel Name"]].split("(")[0], grid, value
     if header is None:
         raise SystemExit("no ncu CSV header (Kernel Name, Metric Value) in the input")
+
+
+def forwards(rows):
+    """The launches cut into forwards, each ending at an `argmax_final` launch (the launches
+    after the last one are dropped): a list of (kind, launches), kind = (argmax grid, count)."""
+    out, cur = [], []
+    for name, grid, us in rows:
+        cur.append((name, us))
+        if name == "argmax_final":
+            out.append(((grid, len(cur)), cur))
+            cur = []
+    return out
+
+
+def by_kernel(launches_):
+    """{kernel name: [µs of each launch]} in first-seen order."""
+    by = collections.defaultdict(list)
+    for name, us in launches_:
+        by[name].append(us)
+    return by
+
+
+def forwards_table(rows):
+    """Markdown lines comparing the median forward of every kind seen at least twice."""
+    kinds = collections.defaultdict(list)
+    for kind, fw in forwards(rows):
+        kinds[kind].append(fw)
+    picked = []
+    for (grid, count), fws in kinds.items():
+        if len(fws) < 2:
+            continue
+        fws.sort(key=lambda f: sum(us for _, us in f))
+        picked.append((f"argmax grid {grid}, {count} launches, {len(fws)} forwards", fws[len(fws) // 2]))
+    if not picked:
+        raise SystemExit("no kind of forward (argmax_final grid, launches) occurs twice")
+    lines = []
+    for label, fw in picked:
+        lines.append(f"- {label}: {sum(us for _, us in fw):.1f} us of kernels")
+    tables = [by_kernel(fw) for _, fw in picked]
+    names = sorted({n for t in tables for n in t},
+                   key=lambda n: -max(sum(t.get(n, [0.0])) for t in tables))
+    lines.append("| kernel | " + " | ".join(f"kind {i + 1}: launches x us each = us" for i in range(len(picked))) + " |")
+    lines.append("|---|" + "---:|" * len(picked))
+    for n in names:
+        cells = []
+        for t in tables:
+            v = sorted(t.get(n, []))
+            cells.append(f"{len(v)} x {v[len(v) // 2]:.2f} = {sum(v):.1f}" if v else "")
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=float, default=1.0, help="decode steps the launches cover")
+    ap.add_argument("--forwards", action="store_true",
+                    help="compare the kinds of forward (decode step, verify block) side by side")
     args = ap.parse_args()
     if args.steps <= 0:
         raise SystemExit("--steps must be positive")
+    if args.forwards:
+        print("\n".join(forwards_table(list(launches(sys.stdin)))))
+        return
     by = collections.defaultdict(list)
-    for name, us in durations(sys.stdin):
+    for name, _, us in launches(sys.stdin):
         by[name].append(us)
     total = sum(sum(v) for v in by.values())
     print(f"{sum(len(v) for v in by.values())} launches, {total:.1f} us "
