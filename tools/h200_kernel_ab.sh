@@ -11,7 +11,10 @@
 # A DIR starts as a copy of crates/runtime/kernels with one change (its name labels the arm).
 # On the GPU machine: KAB_SHAPES ("smollm2-135m:q4_1 qwen3-4b:q4_0"), KAB_ROUNDS (3),
 # KAB_TESTS (space-separated test binaries of the runtime, e.g. "cuda_ops cuda_fused": each
-# runs once per variant with its kernels; needs `tools/gpu_check.sh --build` before --pack).
+# runs once per variant with its kernels; needs `tools/gpu_check.sh --build` before --pack),
+# KAB_MICRO (arguments of `cuda_microbench`, run for every arm before the benches, e.g.
+# "--shapes qwen3-4b --formats q4_0 --only matmul --epi add --reps 20"; its table rows are
+# printed). Other variables of the backend (DFLASH_CUDA_INT8_MMA=2, ...) apply to every arm.
 # Each arm is `dflash bench --no-draft` (-p 512 -n 128 on the default shapes, -p 128 -n 64 on
 # the 4B's; warm-up, median of 3), arms alternating within a round; one line per arm and round.
 set -uo pipefail
@@ -26,8 +29,10 @@ if [ "${1:-}" = "--pack" ]; then
     done
     cargo build --release -p dflash-cli --features cuda --bin dflash
     cargo build --release -p dflash-models --example synthetic_model
+    cargo build --release -p dflash-runtime --features cuda --example cuda_microbench
     rm -rf .gpu/kab && mkdir -p .gpu/kab/bin
-    cp target/release/dflash target/release/examples/synthetic_model .gpu/kab/bin/
+    cp target/release/dflash target/release/examples/synthetic_model \
+        target/release/examples/cuda_microbench .gpu/kab/bin/
     for t in cuda_ops cuda_fused cuda_qwen35; do
         [ -x ".gpu/tests/$t" ] && cp ".gpu/tests/$t" .gpu/kab/bin/
     done
@@ -66,6 +71,15 @@ for v in $variants; do
             | grep -E "^test .*FAILED|test result|panicked"
     done
 done
+if [ -n "${KAB_MICRO:-}" ]; then
+    for a in base $variants; do
+        dir=""
+        [ "$a" = base ] || dir="$here/variants/$a"
+        echo "== cuda_microbench $KAB_MICRO, $a"
+        # shellcheck disable=SC2086
+        DFLASH_CUDA_KERNEL_DIR="$dir" timeout 150 ./cuda_microbench $KAB_MICRO 2>&1 | grep -E "^\| [A-Z]|^#"
+    done
+fi
 for s in $shapes; do
     m="${s%%:*}.gguf"
     case "$s" in qwen3-4b*) args="-p 128 -n 64" ;; *) args="-p 512 -n 128" ;; esac
