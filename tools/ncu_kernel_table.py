@@ -113,9 +113,7 @@ def main():
     if args.forwards:
         print("\n".join(forwards_table(list(launches(sys.stdin)))))
         return
-    by = collections.defaultdict(list)
-    for name, _, us in launches(sys.stdin):
-        by[name].append(us)
+    by = by_kernel((name, us) for name, _, us in launches(sys.stdin))
     total = sum(sum(v) for v in by.values())
     print(f"{sum(len(v) for v in by.values())} launches, {total:.1f} us "
           f"({total / args.steps:.1f} us per step)")
