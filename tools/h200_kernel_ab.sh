@@ -12,6 +12,7 @@
 # On the GPU machine: KAB_SHAPES ("smollm2-135m:q4_1 qwen3-4b:q4_0"), KAB_ROUNDS (3),
 # KAB_TESTS (space-separated test binaries of the runtime, e.g. "cuda_ops cuda_fused": each
 # runs once per variant with its kernels; needs `tools/gpu_check.sh --build` before --pack),
+# KAB_TEST_VARIANTS (the variants KAB_TESTS runs with; default: every variant),
 # KAB_MICRO (arguments of `cuda_microbench`, run for every arm before the benches, e.g.
 # "--shapes qwen3-4b --formats q4_0 --only matmul --epi add --reps 20"; its table rows are
 # printed). Other variables of the backend (DFLASH_CUDA_INT8_MMA=2, ...) apply to every arm.
@@ -64,7 +65,7 @@ for s in $shapes; do
     [ -f "${s%%:*}.gguf" ] || ./synthetic_model --shape "${s%%:*}" --dtype "${s##*:}" \
         --out "${s%%:*}.gguf" > /dev/null 2>&1 || echo "synthetic_model ${s%%:*} failed"
 done
-for v in $variants; do
+for v in ${KAB_TEST_VARIANTS:-$variants}; do
     for t in ${KAB_TESTS:-}; do
         echo "== $t with $v's kernels"
         DFLASH_CUDA_KERNEL_DIR="$here/variants/$v" timeout 200 "./$t" --test-threads=1 2>&1 \

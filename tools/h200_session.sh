@@ -9,7 +9,8 @@
 #   run  carry [".gpu/common", ".gpu/C"]  command "bash .gpu/common/h200_session.sh C"
 #
 # A: unpacks the binaries, starts a llama.cpp CUDA build (Feb-2025 source, sm_90) in the
-#    background, runs the CUDA op tests (H200_TESTS, default: every CUDA test binary), then
+#    background (H200_LLAMA_AT=B: at the start of stage B instead, when stage A's timings
+#    matter), runs the CUDA op tests (H200_TESTS, default: every CUDA test binary), then
 #    (unless H200_PROFILE=0) ncu on three kernels, the kernel microbench and memcheck.
 # B: assembles and checks the default model; the GPU golden test (both numeric paths against
 #    transformers); CPU-vs-GPU greedy parity on 24 MT-Bench prompts (int8, the default, and
@@ -79,29 +80,35 @@ say() { echo "== $(date +%T) $*"; }
 # The result lines of a `dflash bench` log (its weight table comes last).
 results() { grep -E '\| (tg|AR |B=1)|verify of|kernel time' "$1" | grep -vE '^\| (target|draft) ' | tr '\n' ' '; echo; }
 
-stage_a() {
-    say "machine"
-    nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap,clocks.sm,clocks.mem --format=csv
-    tar -C "$W" -xJf "$root/.gpu/A/bins.tar.xz"
-    cp "$root/.gpu/A/model.part1" "$W/"
-    if [ -f "$root/.gpu/A/llama_src.tgz" ]; then
-        say "llama.cpp build (background)"
-        mkdir -p "$W/llama" && tar -C "$W/llama" -xzf "$root/.gpu/A/llama_src.tgz"
-        # Only the benchmark tools are archived: the top-level CMakeLists still adds pocs/.
-        [ -d "$W/llama/pocs" ] || { mkdir -p "$W/llama/pocs" && : > "$W/llama/pocs/CMakeLists.txt"; }
-        cat > "$W/llama/examples/CMakeLists.txt" <<'EOF'
+# Starts the llama.cpp CUDA build in the background (once), from the source stage A copied.
+llama_start() {
+    [ -f "$W/llama_src.tgz" ] && [ ! -d "$W/llama" ] || return 0
+    say "llama.cpp build (background)"
+    mkdir -p "$W/llama" && tar -C "$W/llama" -xzf "$W/llama_src.tgz"
+    # Only the benchmark tools are archived: the top-level CMakeLists still adds pocs/.
+    [ -d "$W/llama/pocs" ] || { mkdir -p "$W/llama/pocs" && : > "$W/llama/pocs/CMakeLists.txt"; }
+    cat > "$W/llama/examples/CMakeLists.txt" <<'EOF'
 find_package(Threads REQUIRED)
 llama_add_compile_flags()
 include_directories(${CMAKE_CURRENT_SOURCE_DIR})
 add_subdirectory(llama-bench)
 add_subdirectory(batched-bench)
 EOF
-        setsid nohup bash -c "cd '$W/llama' && cmake -B build -DGGML_CUDA=ON \
-            -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DLLAMA_CURL=OFF \
-            -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DCMAKE_BUILD_TYPE=Release \
-            > build.log 2>&1 && cmake --build build -j 14 --target llama-bench llama-batched-bench \
-            >> build.log 2>&1; echo \$? > build.done" > /dev/null 2>&1 < /dev/null &
-    fi
+    setsid nohup bash -c "cd '$W/llama' && cmake -B build -DGGML_CUDA=ON \
+        -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DLLAMA_CURL=OFF \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DCMAKE_BUILD_TYPE=Release \
+        > build.log 2>&1 && cmake --build build -j 14 --target llama-bench llama-batched-bench \
+        >> build.log 2>&1; echo \$? > build.done" > /dev/null 2>&1 < /dev/null &
+}
+
+stage_a() {
+    say "machine"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap,clocks.sm,clocks.mem --format=csv
+    tar -C "$W" -xJf "$root/.gpu/A/bins.tar.xz"
+    cp "$root/.gpu/A/model.part1" "$W/"
+    [ -f "$root/.gpu/A/llama_src.tgz" ] && cp "$root/.gpu/A/llama_src.tgz" "$W/"
+    # H200_LLAMA_AT=B: the build starts with stage B (when stage A's timings matter)
+    [ "${H200_LLAMA_AT:-A}" = B ] || llama_start
     for t in ${H200_TESTS:-cuda_ops cuda_fused cuda_token_choice cuda_gdn_ops cuda_qwen35}; do
         say "$t"
         timeout 300 "$W/$t" --test-threads=1 2>&1 | tee "$out/$t.log" | grep -E "^test |test result|panicked|skipped|error" | head -60
@@ -133,6 +140,7 @@ EOF
 }
 
 stage_b() {
+    llama_start
     cp "$root/.gpu/B/model.part2" "$W/"
     cat "$W/model.part1" "$W/model.part2" > "$MODEL"
     echo "$SHA  $MODEL" | sha256sum -c - || { say "model checksum FAILED"; return 1; }
