@@ -318,7 +318,7 @@ __device__ __forceinline__ void mmqt_body(const MmParams& p) {
 // are the host's), and a warp takes its B fragments from a stage with `ldmatrix` (one x4 for
 // the four groups of a Q4 tile, two for Q8_0: matrix q, row r is 16 code bytes of group
 // w + 8q of weight row r, whose lane (g, t) word is exactly the B fragment's). x is read from
-// memory as above, one round at a time. Same lane classes, same groups per warp, same order
+// memory as above, a stage ahead of its products. Same lane classes, same groups per warp, same order
 // and the same qt_step and qt_finish as the kernel above: the same bits.
 //
 // A staged row is its 32 groups' code bytes padded by 16 (rows 4 banks apart: conflict-free
@@ -437,17 +437,24 @@ __device__ __forceinline__ void mmqt_pipe_body(const MmParams& p) {
 #pragma unroll
                 for (int e = 0; e < 4; e++) acc[j][nt][v][e] = 0.0f;
 
+    // This warp's four groups of stage st are 32 st + w + 8j (lane class w + 8j); their x
+    // (A fragments and scales) is requested a stage ahead: a/sx hold stage st, an/sxn st + 1.
+    // (Groups past K leave theirs zero; they are never multiplied.)
+    u32 a[4][4] = {}, an[4][4] = {};
+    float2 sx[4][2] = {}, sxn[4][2] = {};
     df_kernel_begin();
-#pragma unroll 1
-    for (int st = 0; st < nst; st++) {
-        // This warp's four groups of the stage: w + 8j, lane class w + 8j.
-        const int gb = 32 * st + warp;
-        u32 a[4][4];
-        float2 sx[4][2];
+    const auto load_x = [&](int st, u32(&ax)[4][4], float2(&sxx)[4][2]) {
 #pragma unroll
         for (int j = 0; j < 4; j++) {
-            if (gb + 8 * j < groups) qt_load_x(p, xr, gb + 8 * j, t, a[j], sx[j]);
+            const int gi = 32 * st + warp + 8 * j;
+            if (gi < groups) qt_load_x(p, xr, gi, t, ax[j], sxx[j]);
         }
+    };
+    load_x(0, a, sx);
+#pragma unroll 1
+    for (int st = 0; st < nst; st++) {
+        const int gb = 32 * st + warp;
+        if (st + 1 < nst) load_x(st + 1, an, sxn);
         // Stage st has landed for every thread, and every warp is done with stage st - 1,
         // whose slot now takes stage st + S - 1.
         cp_async_wait<S - 2>();
@@ -499,6 +506,13 @@ __device__ __forceinline__ void mmqt_pipe_body(const MmParams& p) {
                     }
                 }
             }
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) a[j][i] = an[j][i];
+            sx[j][0] = sxn[j][0];
+            sx[j][1] = sxn[j][1];
+        }
     }
     cp_async_wait<0>();
     __syncthreads();  // every warp is done with the ring: it holds the sums now
