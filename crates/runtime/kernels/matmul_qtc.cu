@@ -205,6 +205,29 @@ __device__ __forceinline__ void qt_finish(const MmParams& p, const MmSeg& sg, in
     }
 }
 
+// What a block of either kernel works on: its segment, first column c0, rows m0 .. m0 + ml of
+// x, and this thread's warp and fragment coordinates (g, t), with the x rows of its A
+// fragments (g and g + 8; rows past M re-read row m0).
+struct QtBlock {
+    int si, c0, m0, ml, groups, warp, g, t;
+    size_t xr[2];
+};
+
+__device__ __forceinline__ QtBlock qt_block(const MmParams& p, int bn) {
+    QtBlock b;
+    b.si = qt_segment(p);
+    b.c0 = ((int)blockIdx.x - p.seg[b.si].block0) * bn;
+    b.m0 = (int)blockIdx.y * QT_BM;
+    b.ml = min(QT_BM, p.m - b.m0);
+    b.groups = p.k / GROUP;
+    b.warp = threadIdx.x >> 5;
+    b.g = (threadIdx.x & 31) >> 2;
+    b.t = threadIdx.x & 3;
+    b.xr[0] = (size_t)(b.m0 + (b.g < b.ml ? b.g : 0));
+    b.xr[1] = (size_t)(b.m0 + (b.g + 8 < b.ml ? b.g + 8 : 0));
+    return b;
+}
+
 // The A fragments and x scales of group gi for this thread (rows m0 + g and m0 + g + 8; rows
 // past M re-read row m0).
 __device__ __forceinline__ void qt_load_x(const MmParams& p, const size_t (&xr)[2], int gi, int t, u32 (&a)[4],
@@ -233,16 +256,10 @@ __device__ __forceinline__ void mmqt_body(const MmParams& p) {
     constexpr int SB = Sh::SB;
     __shared__ float red[QT_WARPS * W * QT_BM * BN];
 
-    const int si = qt_segment(p);
+    const QtBlock blk = qt_block(p, BN);
+    const int si = blk.si, c0 = blk.c0, m0 = blk.m0, ml = blk.ml, groups = blk.groups;
+    const int warp = blk.warp, g = blk.g, t = blk.t;
     const MmSeg& sg = p.seg[si];
-    const int c0 = ((int)blockIdx.x - sg.block0) * BN;  // the block's first column
-    const int m0 = (int)blockIdx.y * QT_BM;
-    const int ml = min(QT_BM, p.m - m0);
-    const int groups = p.k / GROUP;
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int g = lane >> 2;
-    const int t = lane & 3;
 
     // Per column tile: the B row (column g) and the scale rows of this thread's outputs
     // (columns 2t, 2t + 1), as offsets into the weights.
@@ -254,7 +271,7 @@ __device__ __forceinline__ void mmqt_body(const MmParams& p) {
         srow[nt][1] = qt_col_row<EPI>(p, sg, c0, 8 * nt + 2 * t + 1) + (size_t)groups * CB;
     }
     const u8* const wv[2] = {(const u8*)sg.w, (const u8*)sg.w2};
-    const size_t xr[2] = {(size_t)(m0 + (g < ml ? g : 0)), (size_t)(m0 + (g + 8 < ml ? g + 8 : 0))};
+    const size_t(&xr)[2] = blk.xr;
 
     // acc[j][nt][v][e]: lane class warp + 8j, column tile nt, weight v, fragment element e.
     float acc[4][NT][W][4];
@@ -336,6 +353,9 @@ struct QtPipe {
     static constexpr int STAGE = NTW * TILE;
     static constexpr int BUDGET = 46 * 1024;  // static shared memory for the ring
     static constexpr int S = BUDGET / STAGE < 8 ? BUDGET / STAGE : 8;
+    // x requested a stage ahead of its products (32 more registers a thread), or at the top
+    // of each stage.
+    static constexpr bool XAHEAD = true;
 };
 
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int bytes) {
@@ -403,18 +423,12 @@ __device__ __forceinline__ void mmqt_pipe_body(const MmParams& p) {
     __shared__ __align__(128) u8 ring_mem[S * P::STAGE];
     __shared__ size_t rows[8 * NT];  // weight row offsets of the block's columns
 
-    const int si = qt_segment(p);
+    const QtBlock blk = qt_block(p, BN);
+    const int si = blk.si, c0 = blk.c0, m0 = blk.m0, ml = blk.ml, groups = blk.groups;
+    const int warp = blk.warp, g = blk.g, t = blk.t;
     const MmSeg& sg = p.seg[si];
-    const int c0 = ((int)blockIdx.x - sg.block0) * BN;
-    const int m0 = (int)blockIdx.y * QT_BM;
-    const int ml = min(QT_BM, p.m - m0);
-    const int groups = p.k / GROUP;
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int g = lane >> 2;
-    const int t = lane & 3;
     const u8* const wv[2] = {(const u8*)sg.w, (const u8*)sg.w2};
-    const size_t xr[2] = {(size_t)(m0 + (g < ml ? g : 0)), (size_t)(m0 + (g + 8 < ml ? g + 8 : 0))};
+    const size_t(&xr)[2] = blk.xr;
     const u32 ring = (u32)__cvta_generic_to_shared(ring_mem);
     const int nst = (groups + 31) / 32;
 
@@ -437,8 +451,8 @@ __device__ __forceinline__ void mmqt_pipe_body(const MmParams& p) {
 #pragma unroll
                 for (int e = 0; e < 4; e++) acc[j][nt][v][e] = 0.0f;
 
-    // This warp's four groups of stage st are 32 st + w + 8j (lane class w + 8j); their x
-    // (A fragments and scales) is requested a stage ahead: a/sx hold stage st, an/sxn st + 1.
+    // This warp's four groups of stage st are 32 st + w + 8j (lane class w + 8j); a/sx hold
+    // their x (A fragments and scales), an/sxn stage st + 1's where it is requested ahead.
     // (Groups past K leave theirs zero; they are never multiplied.)
     u32 a[4][4] = {}, an[4][4] = {};
     float2 sx[4][2] = {}, sxn[4][2] = {};
@@ -450,11 +464,15 @@ __device__ __forceinline__ void mmqt_pipe_body(const MmParams& p) {
             if (gi < groups) qt_load_x(p, xr, gi, t, ax[j], sxx[j]);
         }
     };
-    load_x(0, a, sx);
+    if (P::XAHEAD) load_x(0, a, sx);
 #pragma unroll 1
     for (int st = 0; st < nst; st++) {
         const int gb = 32 * st + warp;
-        if (st + 1 < nst) load_x(st + 1, an, sxn);
+        if (!P::XAHEAD) {
+            load_x(st, a, sx);
+        } else if (st + 1 < nst) {
+            load_x(st + 1, an, sxn);
+        }
         // Stage st has landed for every thread, and every warp is done with stage st - 1,
         // whose slot now takes stage st + S - 1.
         cp_async_wait<S - 2>();
@@ -464,8 +482,8 @@ __device__ __forceinline__ void mmqt_pipe_body(const MmParams& p) {
 
         const u32 stage = ring + (st % S) * P::STAGE;
         const u8* stage_mem = ring_mem + (st % S) * P::STAGE;
-        const int q = lane >> 3;  // the ldmatrix matrix this lane addresses
-        const int r = lane & 7;   // and its row
+        const int q = (threadIdx.x & 31) >> 3;  // the ldmatrix matrix this lane addresses
+        const int r = threadIdx.x & 7;           // and its row
 #pragma unroll
         for (int nt = 0; nt < NT; nt++)
 #pragma unroll
@@ -506,12 +524,14 @@ __device__ __forceinline__ void mmqt_pipe_body(const MmParams& p) {
                     }
                 }
             }
+        if (P::XAHEAD) {
 #pragma unroll
-        for (int j = 0; j < 4; j++) {
+            for (int j = 0; j < 4; j++) {
 #pragma unroll
-            for (int i = 0; i < 4; i++) a[j][i] = an[j][i];
-            sx[j][0] = sxn[j][0];
-            sx[j][1] = sxn[j][1];
+                for (int i = 0; i < 4; i++) a[j][i] = an[j][i];
+                sx[j][0] = sxn[j][0];
+                sx[j][1] = sxn[j][1];
+            }
         }
     }
     cp_async_wait<0>();
