@@ -335,8 +335,8 @@ __device__ __forceinline__ void mmqt_body(const MmParams& p) {
 // are the host's), and a warp takes its B fragments from a stage with `ldmatrix` (one x4 for
 // the four groups of a Q4 tile, two for Q8_0: matrix q, row r is 16 code bytes of group
 // w + 8q of weight row r, whose lane (g, t) word is exactly the B fragment's). x is read from
-// memory as above, a stage ahead of its products. Same lane classes, same groups per warp, same order
-// and the same qt_step and qt_finish as the kernel above: the same bits.
+// memory as above, a stage ahead of its products. Same lane classes, same groups per warp,
+// same order and the same qt_step and qt_finish as the kernel above: the same bits.
 //
 // A staged row is its 32 groups' code bytes padded by 16 (rows 4 banks apart: conflict-free
 // ldmatrix), then the 32 groups' scales; tiles follow each other, then stages. Groups past K
@@ -353,9 +353,6 @@ struct QtPipe {
     static constexpr int STAGE = NTW * TILE;
     static constexpr int BUDGET = 46 * 1024;  // static shared memory for the ring
     static constexpr int S = BUDGET / STAGE < 8 ? BUDGET / STAGE : 8;
-    // x requested a stage ahead of its products (32 more registers a thread), or at the top
-    // of each stage.
-    static constexpr bool XAHEAD = true;
 };
 
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int bytes) {
@@ -464,15 +461,11 @@ __device__ __forceinline__ void mmqt_pipe_body(const MmParams& p) {
             if (gi < groups) qt_load_x(p, xr, gi, t, ax[j], sxx[j]);
         }
     };
-    if (P::XAHEAD) load_x(0, a, sx);
+    load_x(0, a, sx);
 #pragma unroll 1
     for (int st = 0; st < nst; st++) {
         const int gb = 32 * st + warp;
-        if (!P::XAHEAD) {
-            load_x(st, a, sx);
-        } else if (st + 1 < nst) {
-            load_x(st + 1, an, sxn);
-        }
+        if (st + 1 < nst) load_x(st + 1, an, sxn);
         // Stage st has landed for every thread, and every warp is done with stage st - 1,
         // whose slot now takes stage st + S - 1.
         cp_async_wait<S - 2>();
@@ -524,14 +517,12 @@ __device__ __forceinline__ void mmqt_pipe_body(const MmParams& p) {
                     }
                 }
             }
-        if (P::XAHEAD) {
 #pragma unroll
-            for (int j = 0; j < 4; j++) {
+        for (int j = 0; j < 4; j++) {
 #pragma unroll
-                for (int i = 0; i < 4; i++) a[j][i] = an[j][i];
-                sx[j][0] = sxn[j][0];
-                sx[j][1] = sxn[j][1];
-            }
+            for (int i = 0; i < 4; i++) a[j][i] = an[j][i];
+            sx[j][0] = sxn[j][0];
+            sx[j][1] = sxn[j][1];
         }
     }
     cp_async_wait<0>();
@@ -539,11 +530,16 @@ __device__ __forceinline__ void mmqt_pipe_body(const MmParams& p) {
     qt_finish<DT, EPI, T>(p, sg, si, c0, m0, ml, acc, (float*)ring_mem);
 }
 
-// The kernel of a (format, epilogue, width): the pipelined one where its ring holds two
-// stages (all but Q8_0's wide blocks), else the one above.
+// The kernel of a (format, epilogue, width): the pipelined one for the SwiGLU products (where
+// its ring holds two stages), the register one above for the rest. On the H200 the ring took
+// Qwen3-4B's 16-row gate/up product from 46 to 40 us and a verify of 16 from 6.07 to 5.74 ms,
+// but lost where fewer blocks each walk a longer K (o, down, q: by register count two of its
+// blocks fit an SM against three, and each stage waits on a barrier); with every
+// epilogue pipelined the 4B verify gained only 1% (docs/benchmarks/
+// 2026-12-03-h200-qtpipe-end-to-end.md).
 template <int DT, int EPI, int T>
 __device__ __forceinline__ void mmqt_kernel_body(const MmParams& p) {
-    if constexpr (QtPipe<DT, EPI, T>::S >= 2) {
+    if constexpr (EPI == EPI_SWIGLU && QtPipe<DT, EPI, T>::S >= 2) {
         mmqt_pipe_body<DT, EPI, T>(p);
     } else {
         mmqt_body<DT, EPI, T>(p);
