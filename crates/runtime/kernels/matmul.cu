@@ -807,7 +807,7 @@ __device__ __forceinline__ void mm_body(const MmParams& p) {
 #define MMQT_KERNEL(SUFFIX, DT, EPI, ENAME, T)                                               \
     extern "C" __global__ void __launch_bounds__(QT_WARPS * 32)                              \
         mmqt_##SUFFIX##_##ENAME##_##T(const MmParams p) {                                    \
-        mmqt_body<DT, EPI, T>(p); /* waits for the previous kernel itself */                 \
+        mmqt_kernel_body<DT, EPI, T>(p); /* waits for the previous kernel itself */          \
     }
 #define MMQT_EPIS(SUFFIX, DT, T)                    \
     MMQT_KERNEL(SUFFIX, DT, EPI_STORE, store, T)    \

@@ -79,125 +79,79 @@ __device__ __forceinline__ float qt_tree(const float* s, int stride) {
     return __fadd_rn(v[0], v[1]);
 }
 
+// Block shape of the kernels T column tiles wide (see above).
 template <int DT, int EPI, int T>
-__device__ __forceinline__ void mmqt_body(const MmParams& p) {
-    constexpr int W = EPI == EPI_SWIGLU ? 2 : 1;
-    constexpr int NT = T / W > 0 ? T / W : 1;
-    constexpr int BN = 8 * NT;
-    constexpr int CB = MmQ<DT>::CB;
-    constexpr int SB = MmQ<DT>::SB;
-    // The warps' sums: red[warp][v][m][column].
-    __shared__ float red[QT_WARPS][W][QT_BM][BN];
+struct QtShape {
+    static constexpr int W = EPI == EPI_SWIGLU ? 2 : 1;  // weights per output
+    static constexpr int NT = T / W > 0 ? T / W : 1;     // column tiles of 8 outputs
+    static constexpr int BN = 8 * NT;                     // outputs per block
+    static constexpr int CB = MmQ<DT>::CB;
+    static constexpr int SB = MmQ<DT>::SB;
+};
 
+// The segment of this block (blocks are handed out segment after segment).
+__device__ __forceinline__ int qt_segment(const MmParams& p) {
     int si = 0;
 #pragma unroll
     for (int k = 1; k < MM_SEGS; k++) {
         if (k < p.nseg && (int)blockIdx.x >= p.seg[k].block0) si = k;
     }
-    const MmSeg& sg = p.seg[si];
-    const int c0 = ((int)blockIdx.x - sg.block0) * BN;  // the block's first column
-    const int m0 = (int)blockIdx.y * QT_BM;
-    const int ml = min(QT_BM, p.m - m0);
-    const int K = p.k;
-    const int groups = K / GROUP;
+    return si;
+}
+
+// Byte offset of the weight row of column c of the block whose first column is c0 (rope: pair
+// c / 2, row ia or ib); past the end clamped to the last row (its results are not stored).
+template <int EPI>
+__device__ __forceinline__ size_t qt_col_row(const MmParams& p, const MmSeg& sg, int c0, int c) {
+    int n = c0 + c;
+    if (EPI == EPI_ROPE) {
+        const int unit = c0 / 2 + c / 2;
+        const int h = unit / p.half;
+        int ia, ib;
+        rope_offsets(unit - h * p.half, p.half, p.style, &ia, &ib);
+        n = h * p.head_dim + ((c & 1) ? ib : ia);
+    }
+    return (size_t)min(n, sg.n - 1) * sg.row_bytes;
+}
+
+// One group of one column tile and weight: the exact integer tile D = A · B by one MMA, then
+// each fragment element's float step, mmq_warp's: acc = fma(dw · dx, D, acc) (Q4_1: then
+// fma(m, ds, acc)). sx: the (d, ds) pairs of x rows g and g + 8; sw: the scale words of this
+// thread's columns 2t and 2t + 1.
+template <int DT>
+__device__ __forceinline__ void qt_step(float (&acc)[4], const u32 (&a)[4], u32 b0, u32 b1, const float2 (&sx)[2],
+                                        const u32 (&sw)[2]) {
+    int d[4];
+    mma_s8(d, a, b0, b1);
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        const float2 sc = sx[e >> 1];
+        const u32 s = sw[e & 1];
+        const float dw = f16_to_f32((u16)(s & 0xffffu));
+        float r = __fmaf_rn(__fmul_rn(dw, sc.x), (float)d[e], acc[e]);
+        if (DT == DT_Q4_1) r = __fmaf_rn(f16_to_f32((u16)(s >> 16)), sc.y, r);
+        acc[e] = r;
+    }
+}
+
+// The sums of the block's outputs from every warp's four lane classes, and the epilogue: the
+// butterfly's first two levels in each warp ((v_w + v_w+16) + (v_w+8 + v_w+24)) into `red`
+// (QT_WARPS * W * QT_BM * BN floats of shared memory, free to use), then one thread per output
+// finishes the tree (+4, +2, +1) and applies the epilogue.
+template <int DT, int EPI, int T>
+__device__ __forceinline__ void qt_finish(const MmParams& p, const MmSeg& sg, int si, int c0, int m0, int ml,
+                                          const float (&acc)[4][QtShape<DT, EPI, T>::NT][QtShape<DT, EPI, T>::W][4],
+                                          float* red) {
+    using Sh = QtShape<DT, EPI, T>;
+    constexpr int W = Sh::W;
+    constexpr int NT = Sh::NT;
+    constexpr int BN = Sh::BN;
+    constexpr int WS = W * QT_BM * BN;  // floats between two warps' sums in red
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
     const int g = lane >> 2;
     const int t = lane & 3;
-
-    // Weight row of column c of the block (rope: pair c / 2, row ia or ib), past the end
-    // clamped to the last row (its results are not stored).
-    auto col_row = [&](int c) {
-        int n = c0 + c;
-        if (EPI == EPI_ROPE) {
-            const int unit = c0 / 2 + c / 2;
-            const int h = unit / p.half;
-            int ia, ib;
-            rope_offsets(unit - h * p.half, p.half, p.style, &ia, &ib);
-            n = h * p.head_dim + ((c & 1) ? ib : ia);
-        }
-        return (size_t)min(n, sg.n - 1) * sg.row_bytes;
-    };
-    // Per column tile: the B row (column g) and the scale rows of this thread's outputs
-    // (columns 2t, 2t + 1), as offsets into the weights.
-    size_t brow[NT], srow[NT][2];
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++) {
-        brow[nt] = col_row(8 * nt + g);
-        srow[nt][0] = col_row(8 * nt + 2 * t) + (size_t)groups * CB;
-        srow[nt][1] = col_row(8 * nt + 2 * t + 1) + (size_t)groups * CB;
-    }
-    const u8* const wv[2] = {(const u8*)sg.w, (const u8*)sg.w2};
-    // x rows of this thread's A fragments and outputs (g, g + 8); rows past M re-read row m0.
-    const signed char* __restrict__ xq = (const signed char*)p.x;
-    const float2* __restrict__ xs = (const float2*)p.xs;
-    const size_t xr[2] = {(size_t)(m0 + (g < ml ? g : 0)), (size_t)(m0 + (g + 8 < ml ? g + 8 : 0))};
-
-    // acc[j][nt][v][e]: lane class warp + 8j, column tile nt, weight v, fragment element e.
-    float acc[4][NT][W][4];
-#pragma unroll
-    for (int j = 0; j < 4; j++)
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-            for (int v = 0; v < W; v++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) acc[j][nt][v][e] = 0.0f;
-
-    df_kernel_begin();
-    for (int gb = warp; gb < groups; gb += 32) {
-        // Every load of the four groups first, then their MMAs and float steps in order.
-        u32 a[4][4], b[4][NT][W][2], sw[4][NT][2][W];
-        float2 sx[4][2];
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const int gi = gb + 8 * j;
-            if (gi < groups) {
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const signed char* xg = xq + xr[h] * K + (size_t)gi * GROUP;
-                    a[j][h] = __ldg((const unsigned int*)(xg + 4 * t));
-                    a[j][2 + h] = __ldg((const unsigned int*)(xg + 16 + 4 * t));
-                    sx[j][h] = __ldg(xs + xr[h] * groups + gi);
-                }
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                    for (int v = 0; v < W; v++) {
-                        qt_b<DT>(wv[v] + brow[nt], gi, t, b[j][nt][v]);
-#pragma unroll
-                        for (int h = 0; h < 2; h++) {
-                            const u8* sp = wv[v] + srow[nt][h] + (size_t)gi * SB;
-                            sw[j][nt][h][v] =
-                                SB == 4 ? __ldg((const unsigned int*)sp) : (u32)__ldg((const unsigned short*)sp);
-                        }
-                    }
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            if (gb + 8 * j < groups) {
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                    for (int v = 0; v < W; v++) {
-                        int d[4];
-                        mma_s8(d, a[j], b[j][nt][v][0], b[j][nt][v][1]);
-#pragma unroll
-                        for (int e = 0; e < 4; e++) {
-                            const float2 sc = sx[j][e >> 1];
-                            const u32 s = sw[j][nt][e & 1][v];
-                            const float dw = f16_to_f32((u16)(s & 0xffffu));
-                            float r = __fmaf_rn(__fmul_rn(dw, sc.x), (float)d[e], acc[j][nt][v][e]);
-                            if (DT == DT_Q4_1) r = __fmaf_rn(f16_to_f32((u16)(s >> 16)), sc.y, r);
-                            acc[j][nt][v][e] = r;
-                        }
-                    }
-            }
-        }
-    }
-    // The butterfly's first two levels: classes (w, w + 16) and (w + 8, w + 24), then both.
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
@@ -206,12 +160,11 @@ __device__ __forceinline__ void mmqt_body(const MmParams& p) {
             for (int e = 0; e < 4; e++) {
                 const float lo = __fadd_rn(acc[0][nt][v][e], acc[2][nt][v][e]);
                 const float hi = __fadd_rn(acc[1][nt][v][e], acc[3][nt][v][e]);
-                red[warp][v][g + 8 * (e >> 1)][8 * nt + 2 * t + (e & 1)] = __fadd_rn(lo, hi);
+                red[warp * WS + (v * QT_BM + g + 8 * (e >> 1)) * BN + 8 * nt + 2 * t + (e & 1)] = __fadd_rn(lo, hi);
             }
     __syncthreads();
 
     float* out = (float*)sg.out;
-    constexpr int WS = W * QT_BM * BN;  // floats between two warps' sums in red
     if (EPI == EPI_ROPE) {
         // Thread (m, i): pair i of the block for token m0 + m (BN / 2 pairs).
         for (int o = tid; o < QT_BM * BN / 2; o += QT_WARPS * 32) {
@@ -223,8 +176,8 @@ __device__ __forceinline__ void mmqt_body(const MmParams& p) {
                 const int pair = unit - h * p.half;
                 int ia, ib;
                 rope_offsets(pair, p.half, p.style, &ia, &ib);
-                const float va = qt_tree(&red[0][0][m][2 * i], WS);
-                const float vb = qt_tree(&red[0][0][m][2 * i + 1], WS);
+                const float va = qt_tree(red + m * BN + 2 * i, WS);
+                const float vb = qt_tree(red + m * BN + 2 * i + 1, WS);
                 const RopeLane rl = rope_lane(p, si, pair, m0 + m);
                 float ra = va, rb = vb;
                 if (si < 2) rope_apply(va, vb, rl.c, rl.s, p.style, &ra, &rb);
@@ -246,15 +199,356 @@ __device__ __forceinline__ void mmqt_body(const MmParams& p) {
         const int c = o % BN;
         const int n = c0 + c;
         if (m < ml && n < sg.n) {
-            const float up = W == 2 ? qt_tree(&red[0][W - 1][m][c], WS) : 0.0f;
-            mm_epilogue<EPI>(out + (size_t)(m0 + m) * sg.n + n, qt_tree(&red[0][0][m][c], WS), up);
+            const float up = W == 2 ? qt_tree(red + ((W - 1) * QT_BM + m) * BN + c, WS) : 0.0f;
+            mm_epilogue<EPI>(out + (size_t)(m0 + m) * sg.n + n, qt_tree(red + m * BN + c, WS), up);
         }
+    }
+}
+
+// What a block of either kernel works on: its segment, first column c0, rows m0 .. m0 + ml of
+// x, and this thread's warp and fragment coordinates (g, t), with the x rows of its A
+// fragments (g and g + 8; rows past M re-read row m0).
+struct QtBlock {
+    int si, c0, m0, ml, groups, warp, g, t;
+    size_t xr[2];
+};
+
+__device__ __forceinline__ QtBlock qt_block(const MmParams& p, int bn) {
+    QtBlock b;
+    b.si = qt_segment(p);
+    b.c0 = ((int)blockIdx.x - p.seg[b.si].block0) * bn;
+    b.m0 = (int)blockIdx.y * QT_BM;
+    b.ml = min(QT_BM, p.m - b.m0);
+    b.groups = p.k / GROUP;
+    b.warp = threadIdx.x >> 5;
+    b.g = (threadIdx.x & 31) >> 2;
+    b.t = threadIdx.x & 3;
+    b.xr[0] = (size_t)(b.m0 + (b.g < b.ml ? b.g : 0));
+    b.xr[1] = (size_t)(b.m0 + (b.g + 8 < b.ml ? b.g + 8 : 0));
+    return b;
+}
+
+// The A fragments and x scales of group gi for this thread (rows m0 + g and m0 + g + 8; rows
+// past M re-read row m0).
+__device__ __forceinline__ void qt_load_x(const MmParams& p, const size_t (&xr)[2], int gi, int t, u32 (&a)[4],
+                                          float2 (&sx)[2]) {
+    const signed char* __restrict__ xq = (const signed char*)p.x;
+    const float2* __restrict__ xs = (const float2*)p.xs;
+    const int groups = p.k / GROUP;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const signed char* xg = xq + xr[h] * p.k + (size_t)gi * GROUP;
+        a[h] = __ldg((const unsigned int*)(xg + 4 * t));
+        a[2 + h] = __ldg((const unsigned int*)(xg + 16 + 4 * t));
+        sx[h] = __ldg(xs + xr[h] * groups + gi);
+    }
+}
+
+// The kernel with every load in registers: per round of 32 groups, warp w loads its four
+// groups' weights, scales and x, then multiplies them.
+template <int DT, int EPI, int T>
+__device__ __forceinline__ void mmqt_body(const MmParams& p) {
+    using Sh = QtShape<DT, EPI, T>;
+    constexpr int W = Sh::W;
+    constexpr int NT = Sh::NT;
+    constexpr int BN = Sh::BN;
+    constexpr int CB = Sh::CB;
+    constexpr int SB = Sh::SB;
+    __shared__ float red[QT_WARPS * W * QT_BM * BN];
+
+    const QtBlock blk = qt_block(p, BN);
+    const int si = blk.si, c0 = blk.c0, m0 = blk.m0, ml = blk.ml, groups = blk.groups;
+    const int warp = blk.warp, g = blk.g, t = blk.t;
+    const MmSeg& sg = p.seg[si];
+
+    // Per column tile: the B row (column g) and the scale rows of this thread's outputs
+    // (columns 2t, 2t + 1), as offsets into the weights.
+    size_t brow[NT], srow[NT][2];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        brow[nt] = qt_col_row<EPI>(p, sg, c0, 8 * nt + g);
+        srow[nt][0] = qt_col_row<EPI>(p, sg, c0, 8 * nt + 2 * t) + (size_t)groups * CB;
+        srow[nt][1] = qt_col_row<EPI>(p, sg, c0, 8 * nt + 2 * t + 1) + (size_t)groups * CB;
+    }
+    const u8* const wv[2] = {(const u8*)sg.w, (const u8*)sg.w2};
+    const size_t(&xr)[2] = blk.xr;
+
+    // acc[j][nt][v][e]: lane class warp + 8j, column tile nt, weight v, fragment element e.
+    float acc[4][NT][W][4];
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int v = 0; v < W; v++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc[j][nt][v][e] = 0.0f;
+
+    df_kernel_begin();
+    for (int gb = warp; gb < groups; gb += 32) {
+        // Every load of the four groups first, then their MMAs and float steps in order.
+        u32 a[4][4], b[4][NT][W][2], sw[4][NT][W][2];
+        float2 sx[4][2];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int gi = gb + 8 * j;
+            if (gi < groups) {
+                qt_load_x(p, xr, gi, t, a[j], sx[j]);
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                    for (int v = 0; v < W; v++) {
+                        qt_b<DT>(wv[v] + brow[nt], gi, t, b[j][nt][v]);
+#pragma unroll
+                        for (int h = 0; h < 2; h++) {
+                            const u8* sp = wv[v] + srow[nt][h] + (size_t)gi * SB;
+                            sw[j][nt][v][h] =
+                                SB == 4 ? __ldg((const unsigned int*)sp) : (u32)__ldg((const unsigned short*)sp);
+                        }
+                    }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            if (gb + 8 * j < groups) {
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                    for (int v = 0; v < W; v++)
+                        qt_step<DT>(acc[j][nt][v], a[j], b[j][nt][v][0], b[j][nt][v][1], sx[j], sw[j][nt][v]);
+            }
+        }
+    }
+    qt_finish<DT, EPI, T>(p, sg, si, c0, m0, ml, acc, red);
+}
+
+// ---- the pipelined kernel ----------------------------------------------------------------
+//
+// The kernel above keeps few bytes in flight: a warp requests its four groups of one round
+// (512 bytes of weights for a tile of 8 outputs) and waits for them before the next round, so
+// a product of 16 rows with Qwen3-4B's shapes reads its weights at 7% of the HBM bandwidth
+// (ncu: two thirds of the stalls wait on those loads; docs/benchmarks/
+// 2026-12-03-h200-attention-values-verify-profile.md). Here the block's weights (codes and
+// scales of its NT * W tiles) stream through a ring of S stages in shared memory with
+// `cp.async` (no registers held for bytes in flight): a stage is one round of 32 groups,
+// S - 1 stages are requested ahead (the first before the wait for the kernel before: weights
+// are the host's), and a warp takes its B fragments from a stage with `ldmatrix` (one x4 for
+// the four groups of a Q4 tile, two for Q8_0: matrix q, row r is 16 code bytes of group
+// w + 8q of weight row r, whose lane (g, t) word is exactly the B fragment's). x is read from
+// memory as above, a stage ahead of its products. Same lane classes, same groups per warp,
+// same order and the same qt_step and qt_finish as the kernel above: the same bits.
+//
+// A staged row is its 32 groups' code bytes padded by 16 (rows 4 banks apart: conflict-free
+// ldmatrix), then the 32 groups' scales; tiles follow each other, then stages. Groups past K
+// are zero-filled (cp.async with no source bytes) and never multiplied.
+template <int DT, int EPI, int T>
+struct QtPipe {
+    using Sh = QtShape<DT, EPI, T>;
+    static constexpr int NTW = Sh::NT * Sh::W;     // staged tiles of 8 weight rows
+    static constexpr int CROW = 32 * Sh::CB + 16;  // staged code bytes per row
+    static constexpr int SROW = 32 * Sh::SB;       // staged scale bytes per row
+    static constexpr int CCH = 32 * Sh::CB / 16;   // 16-byte code chunks per row
+    static constexpr int SCH = SROW / 16;          // 16-byte scale chunks per row
+    static constexpr int TILE = 8 * (CROW + SROW);
+    static constexpr int STAGE = NTW * TILE;
+    static constexpr int BUDGET = 46 * 1024;  // static shared memory for the ring
+    static constexpr int S = BUDGET / STAGE < 8 ? BUDGET / STAGE : 8;
+};
+
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4(u32 addr, u32 (&r)[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+// Requests stage st (groups 32 st ..) of the block's tiles into ring slot `slot` (every thread
+// takes a share of the 16-byte chunks).
+template <int DT, int EPI, int T>
+__device__ __forceinline__ void qt_stage(u32 ring, int slot, int st, int groups, const u8* const (&wv)[2],
+                                         const size_t* rows) {
+    using P = QtPipe<DT, EPI, T>;
+    constexpr int CB = P::Sh::CB;
+    constexpr int SB = P::Sh::SB;
+    constexpr int PER_ROW = P::CCH + P::SCH;
+    const int g0 = 32 * st;
+    for (int c = threadIdx.x; c < P::NTW * 8 * PER_ROW; c += QT_WARPS * 32) {
+        const int tv = c / (8 * PER_ROW);  // tile nt * W + v
+        const int rem = c - tv * 8 * PER_ROW;
+        const int r = rem / PER_ROW;
+        const int k = rem - r * PER_ROW;
+        const int nt = tv / P::Sh::W;
+        const u8* row = wv[tv - nt * P::Sh::W] + rows[8 * nt + r];
+        u32 dst = ring + slot * P::STAGE + tv * P::TILE;
+        const u8* src;
+        bool ok;
+        if (k < P::CCH) {
+            src = row + (size_t)g0 * CB + 16 * k;
+            dst += r * P::CROW + 16 * k;
+            ok = g0 + 16 * k / CB < groups;
+        } else {
+            const int kk = k - P::CCH;
+            src = row + (size_t)groups * CB + (size_t)g0 * SB + 16 * kk;
+            dst += 8 * P::CROW + r * P::SROW + 16 * kk;
+            ok = g0 + 16 * kk / SB < groups;
+        }
+        cp_async16(dst, ok ? src : row, ok ? 16 : 0);
+    }
+}
+
+template <int DT, int EPI, int T>
+__device__ __forceinline__ void mmqt_pipe_body(const MmParams& p) {
+    using P = QtPipe<DT, EPI, T>;
+    using Sh = typename P::Sh;
+    constexpr int W = Sh::W;
+    constexpr int NT = Sh::NT;
+    constexpr int BN = Sh::BN;
+    constexpr int SB = Sh::SB;
+    constexpr int S = P::S;
+    static_assert(S >= 2, "the ring needs two stages");
+    static_assert(QT_WARPS * W * QT_BM * BN * 4 <= S * P::STAGE, "the sums fit in the ring");
+    __shared__ __align__(128) u8 ring_mem[S * P::STAGE];
+    __shared__ size_t rows[8 * NT];  // weight row offsets of the block's columns
+
+    const QtBlock blk = qt_block(p, BN);
+    const int si = blk.si, c0 = blk.c0, m0 = blk.m0, ml = blk.ml, groups = blk.groups;
+    const int warp = blk.warp, g = blk.g, t = blk.t;
+    const MmSeg& sg = p.seg[si];
+    const u8* const wv[2] = {(const u8*)sg.w, (const u8*)sg.w2};
+    const size_t(&xr)[2] = blk.xr;
+    const u32 ring = (u32)__cvta_generic_to_shared(ring_mem);
+    const int nst = (groups + 31) / 32;
+
+    // The weights are the host's: the first S - 1 stages are requested before the wait.
+    for (int i = threadIdx.x; i < 8 * NT; i += QT_WARPS * 32) rows[i] = qt_col_row<EPI>(p, sg, c0, i);
+    __syncthreads();
+#pragma unroll 1
+    for (int s = 0; s < S - 1; s++) {
+        if (s < nst) qt_stage<DT, EPI, T>(ring, s, s, groups, wv, rows);
+        cp_async_commit();
+    }
+
+    float acc[4][NT][W][4];
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int v = 0; v < W; v++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc[j][nt][v][e] = 0.0f;
+
+    // This warp's four groups of stage st are 32 st + w + 8j (lane class w + 8j); a/sx hold
+    // their x (A fragments and scales), an/sxn stage st + 1's where it is requested ahead.
+    // (Groups past K leave theirs zero; they are never multiplied.)
+    u32 a[4][4] = {}, an[4][4] = {};
+    float2 sx[4][2] = {}, sxn[4][2] = {};
+    df_kernel_begin();
+    const auto load_x = [&](int st, u32(&ax)[4][4], float2(&sxx)[4][2]) {
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int gi = 32 * st + warp + 8 * j;
+            if (gi < groups) qt_load_x(p, xr, gi, t, ax[j], sxx[j]);
+        }
+    };
+    load_x(0, a, sx);
+#pragma unroll 1
+    for (int st = 0; st < nst; st++) {
+        const int gb = 32 * st + warp;
+        if (st + 1 < nst) load_x(st + 1, an, sxn);
+        // Stage st has landed for every thread, and every warp is done with stage st - 1,
+        // whose slot now takes stage st + S - 1.
+        cp_async_wait<S - 2>();
+        __syncthreads();
+        if (st + S - 1 < nst) qt_stage<DT, EPI, T>(ring, (st + S - 1) % S, st + S - 1, groups, wv, rows);
+        cp_async_commit();
+
+        const u32 stage = ring + (st % S) * P::STAGE;
+        const u8* stage_mem = ring_mem + (st % S) * P::STAGE;
+        const int q = (threadIdx.x & 31) >> 3;  // the ldmatrix matrix this lane addresses
+        const int r = threadIdx.x & 7;           // and its row
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int v = 0; v < W; v++) {
+                const int tv = nt * W + v;
+                const u32 tile = stage + tv * P::TILE;
+                // B words: bw[j][0] (Q4: the packed word; Q8_0: the low half), bw[j][1] (Q8_0).
+                u32 bw[4][2];
+                if (DT == DT_Q8_0) {
+                    u32 m01[4], m23[4];
+                    ldsm_x4(tile + r * P::CROW + (warp + 8 * (q >> 1)) * 32 + 16 * (q & 1), m01);
+                    ldsm_x4(tile + r * P::CROW + (warp + 8 * (2 + (q >> 1))) * 32 + 16 * (q & 1), m23);
+                    bw[0][0] = m01[0], bw[0][1] = m01[1], bw[1][0] = m01[2], bw[1][1] = m01[3];
+                    bw[2][0] = m23[0], bw[2][1] = m23[1], bw[3][0] = m23[2], bw[3][1] = m23[3];
+                } else {
+                    u32 m4[4];
+                    ldsm_x4(tile + r * P::CROW + (warp + 8 * q) * 16, m4);
+#pragma unroll
+                    for (int j = 0; j < 4; j++) bw[j][0] = bw[j][1] = m4[j];
+                }
+                const u8* scales = stage_mem + tv * P::TILE + 8 * P::CROW;
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    if (gb + 8 * j < groups) {
+                        u32 b0, b1, sw[2];
+                        if (DT == DT_Q8_0) {
+                            b0 = bw[j][0];
+                            b1 = bw[j][1];
+                        } else {
+                            q4_split<DT == DT_Q4_0>(bw[j][0], &b0, &b1);
+                        }
+#pragma unroll
+                        for (int h = 0; h < 2; h++) {
+                            const u8* sp = scales + (2 * t + h) * P::SROW + (warp + 8 * j) * SB;
+                            sw[h] = SB == 4 ? *(const unsigned int*)sp : (u32) * (const unsigned short*)sp;
+                        }
+                        qt_step<DT>(acc[j][nt][v], a[j], b0, b1, sx[j], sw);
+                    }
+                }
+            }
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) a[j][i] = an[j][i];
+            sx[j][0] = sxn[j][0];
+            sx[j][1] = sxn[j][1];
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // every warp is done with the ring: it holds the sums now
+    qt_finish<DT, EPI, T>(p, sg, si, c0, m0, ml, acc, (float*)ring_mem);
+}
+
+// The kernel of a (format, epilogue, width): the pipelined one for the SwiGLU products (where
+// its ring holds two stages), the register one above for the rest. On the H200 the ring took
+// Qwen3-4B's 16-row gate/up product from 46 to 40 us and a verify of 16 from 6.07 to 5.74 ms,
+// but lost where fewer blocks each walk a longer K (o, down, q: by register count two of its
+// blocks fit an SM against three, and each stage waits on a barrier); with every
+// epilogue pipelined the 4B verify gained only 1% (docs/benchmarks/
+// 2026-12-03-h200-qtpipe-end-to-end.md).
+template <int DT, int EPI, int T>
+__device__ __forceinline__ void mmqt_kernel_body(const MmParams& p) {
+    if constexpr (EPI == EPI_SWIGLU && QtPipe<DT, EPI, T>::S >= 2) {
+        mmqt_pipe_body<DT, EPI, T>(p);
+    } else {
+        mmqt_body<DT, EPI, T>(p);
     }
 }
 
 #else
 
 template <int DT, int EPI, int T>
-__device__ __forceinline__ void mmqt_body(const MmParams& p) {}
+__device__ __forceinline__ void mmqt_kernel_body(const MmParams& p) {}
 
 #endif

@@ -683,7 +683,9 @@ mod tests {
     /// read what only the host writes (parameters, weights, the step's token metadata and the
     /// KV row table, copied before the step) and then wait: `mm_body` waits on both of its
     /// paths (a warp without rows, and `mm_warp` / `mmq_warp` before its first read of x), and
-    /// so does `mmqt_body` (matmul_qtc.cu), which has no early exit; and the attention split
+    /// so do `mmqt_body` and `mmqt_pipe_body` (matmul_qtc.cu, through `mmqt_kernel_body`), which
+    /// have no early exit (the pipelined one requests its first weight stages before it waits);
+    /// and the attention split
     /// and merge kernels and the q/k norm, which read the metadata, the row table and (the
     /// norm) its weights, and (the split) prefetch keys and values into L2, never into
     /// registers, before they wait.
@@ -704,7 +706,7 @@ mod tests {
                     .unwrap_or("")
                     .trim_matches(|c: char| c.is_whitespace() || c == '\\');
                 let waits_in_body = (matches!(m, Module::Matmul(_))
-                    && (first.starts_with("mm_body<") || first.starts_with("mmqt_body<")))
+                    && (first.starts_with("mm_body<") || first.starts_with("mmqt_kernel_body<")))
                     || (m == Module::Attention
                         && (first.starts_with("attention_split_body<")
                             || first.starts_with("attention_merge_body<")))
@@ -732,15 +734,26 @@ mod tests {
             body.contains("df_kernel_begin();\n        return;"),
             "a warp without rows leaves mm_body without waiting"
         );
-        let qt = MATMUL_PARTS[1].1;
-        let qt = &qt[qt.find("void mmqt_body(").expect("mmqt_body")..];
-        let wait = qt.find("df_kernel_begin();").expect("mmqt_body waits");
-        let first_x = qt.find("__ldg(xs").expect("mmqt_body reads x");
-        assert!(wait < first_x, "mmqt_body reads x before it waits");
-        assert!(
-            !qt[..wait].contains("return;"),
-            "mmqt_body leaves without waiting"
-        );
+        // Both int8 tensor-core bodies read x through qt_load_x, after their wait, and never
+        // leave before it (the pipelined one requests weights, the host's, before it).
+        let qtc = MATMUL_PARTS[1].1;
+        let load_x = qtc.find("void qt_load_x(").expect("qt_load_x");
+        assert!(qtc[load_x..].contains("__ldg(xs"), "qt_load_x reads x");
+        for name in ["mmqt_body", "mmqt_pipe_body"] {
+            let at = qtc.find(&format!("void {name}(")).expect(name);
+            let body = &qtc[at..at + qtc[at..].find("\n}").expect("end of body")];
+            let wait = body.find("df_kernel_begin();").expect("waits");
+            let first_x = body.find("qt_load_x(").expect("reads x");
+            assert!(wait < first_x, "{name} reads x before it waits");
+            assert!(
+                !body[..wait].contains("return"),
+                "{name} leaves without waiting"
+            );
+            assert!(
+                !body[..wait].contains("__ldg(xs"),
+                "{name} reads x before it waits"
+            );
+        }
         // The attention split and merge bodies and the q/k norm read the host's metadata and
         // row table (the split also prefetches into L2) first, then wait before they read
         // what a kernel writes (q, k, v, the split states) or leave.
