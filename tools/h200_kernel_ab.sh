@@ -15,9 +15,16 @@
 # KAB_TEST_VARIANTS (the variants KAB_TESTS runs with; default: every variant),
 # KAB_MICRO (arguments of `cuda_microbench`, run for every arm before the benches, e.g.
 # "--shapes qwen3-4b --formats q4_0 --only matmul --epi add --reps 20"; its table rows are
-# printed). Other variables of the backend (DFLASH_CUDA_INT8_MMA=2, ...) apply to every arm.
+# printed), KAB_MEMCHECK (test binaries run under compute-sanitizer memcheck with each
+# variant's kernels, their long sweeps skipped), KAB_PARITY=1 (after the benches, per arm:
+# `gpu_parity` on a synthetic target of the default shapes with a random drafter of the
+# shipped one's shape, so every round verifies a full block: CPU vs GPU greedy, B = 4 vs
+# B = 1, DFlash block 16 B = 1 and B = 4 vs plain; the lossless check of a kernel variant
+# without carrying the real model). Other variables of the backend (DFLASH_CUDA_INT8_MMA=2,
+# ...) apply to every arm.
 # Each arm is `dflash bench --no-draft` (-p 512 -n 128 on the default shapes, -p 128 -n 64 on
 # the 4B's; warm-up, median of 3), arms alternating within a round; one line per arm and round.
+# Everything printed also goes to $OUT/kab.log (the device tool returns only the output's end).
 set -uo pipefail
 
 if [ "${1:-}" = "--pack" ]; then
@@ -31,9 +38,14 @@ if [ "${1:-}" = "--pack" ]; then
     cargo build --release -p dflash-cli --features cuda --bin dflash
     cargo build --release -p dflash-models --example synthetic_model
     cargo build --release -p dflash-runtime --features cuda --example cuda_microbench
-    rm -rf .gpu/kab && mkdir -p .gpu/kab/bin
+    cargo build --release -p dflash-cli --features cuda --example gpu_parity
+    cargo build --release -p dflash-models --example random_drafter
+    rm -rf .gpu/kab && mkdir -p .gpu/kab/bin .gpu/kab/parity
     cp target/release/dflash target/release/examples/synthetic_model \
-        target/release/examples/cuda_microbench .gpu/kab/bin/
+        target/release/examples/cuda_microbench target/release/examples/gpu_parity \
+        target/release/examples/random_drafter .gpu/kab/bin/
+    cp models/drafters/smollm2-135m-instruct-dflash/config.json .gpu/kab/parity/
+    cp data/mt_bench_first_turns.jsonl .gpu/kab/parity/prompts.jsonl
     for t in cuda_ops cuda_fused cuda_qwen35; do
         [ -x ".gpu/tests/$t" ] && cp ".gpu/tests/$t" .gpu/kab/bin/
     done
@@ -51,6 +63,9 @@ if [ "${1:-}" = "--pack" ]; then
 fi
 
 here=$(cd "$(dirname "$0")" && pwd)
+out="${OUT:-/tmp/kab_out}"
+mkdir -p "$out"
+exec > >(tee -a "$out/kab.log") 2>&1
 # shellcheck source=tools/cuda_env.sh
 source "$here/cuda_env.sh"
 W="$HOME/kab"
@@ -91,7 +106,29 @@ for s in $shapes; do
             # shellcheck disable=SC2086
             DFLASH_CUDA_KERNEL_DIR="$dir" timeout 120 ./dflash bench -m "$m" --device cuda --no-draft \
                 $args -r 3 > /dev/null 2> bench.err
-            echo "${s%%:*} round $r $a: $(grep -E '\| tg|verify of|rror' bench.err | tr '\n' ' ')"
+            echo "${s%%:*} round $r $a: $(grep -E '\| tg|verify of|rror' bench.err | tr '\n' ' ' \
+                | sed -E 's/\| synthetic \| [^|]*\| //; s/\(forward \+ greedy choice\) //')"
         done
     done
 done
+for v in $variants; do
+    for t in ${KAB_MEMCHECK:-}; do
+        echo "== memcheck: $t with $v's kernels"
+        DFLASH_CUDA_KERNEL_DIR="$here/variants/$v" timeout 200 compute-sanitizer --tool memcheck \
+            --error-exitcode 99 --print-limit 10 "./$t" --test-threads=1 --skip attention_long_context \
+            --skip matmul_every_dtype --skip every_m_from_1 --skip cublas \
+            --skip tensor_core_prefill_matches 2>&1 | grep -E "ERROR SUMMARY|test result|Invalid" | head -5
+    done
+done
+if [ "${KAB_PARITY:-0}" = 1 ]; then
+    [ -f smollm2-135m.gguf ] || ./synthetic_model --shape smollm2-135m --dtype q4_1 \
+        --out smollm2-135m.gguf > /dev/null
+    [ -d drafter ] || ./random_drafter "$here/parity" drafter 7 > /dev/null
+    for a in base $variants; do
+        dir=""
+        [ "$a" = base ] || dir="$here/variants/$a"
+        DFLASH_CUDA_KERNEL_DIR="$dir" timeout 200 ./gpu_parity --model smollm2-135m.gguf --draft drafter \
+            --prompts "$here/parity/prompts.jsonl" --count 24 --max-tokens 64 > "parity_$a.log" 2>&1
+        echo "== parity $a (exit $?): $(grep -vE '^prompt [0-9]+:' "parity_$a.log" | tail -n 7 | tr '\n' ' ')"
+    done
+fi
