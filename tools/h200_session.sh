@@ -18,9 +18,9 @@
 #    (unless H200_PROFILE=0) every kernel of two decode steps timed alone by ncu
 #    (ncu_kernel_table.py).
 # C: the shipped drafter: DFlash parity on the GPU (B = 1 and B = 4); dflash bench AR vs
-#    DFlash and B = 4; llama-bench beside dflash bench, alternating; the Qwen3-4B-shaped
-#    synthetic target (H200_Q4B_ROUNDS rounds, default 2); its matmul microbench (unless
-#    H200_PROFILE=0).
+#    DFlash and B = 4 (blocks 16 and 4); llama-bench beside dflash bench, alternating; the
+#    Qwen3-4B-shaped synthetic target (H200_Q4B_ROUNDS rounds, default 2); its matmul
+#    microbench (unless H200_PROFILE=0).
 # Logs and results go to $OUT (the device tool brings them back).
 set -uo pipefail
 
@@ -178,15 +178,17 @@ stage_c() {
     timeout 300 "$W/gpu_parity" --model "$MODEL" --draft "$W/drafter" \
         --prompts "$root/.gpu/common/prompts.jsonl" --count 24 --max-tokens 64 \
         | tee "$out/parity_dflash.log" | tail -n 8
-    say "dflash bench: AR vs DFlash B=1 (block 16), then B=4 per-row/clamp/B=1"
+    say "dflash bench: AR vs DFlash B=1 (blocks 16 and 4), then B=4 per-row/clamp/B=1 (blocks 16 and 4)"
     for bs in 16 4; do
         timeout 200 "$W/dflash" bench -m "$MODEL" --device cuda --draft "$W/drafter" --block-size $bs \
             -n 128 -r 3 > "$out/bench_dflash_b$bs.json" 2> "$out/bench_dflash_b$bs.err"
         results "$out/bench_dflash_b$bs.err"
     done
-    timeout 200 "$W/dflash" bench -m "$MODEL" --device cuda --draft "$W/drafter" --block-size 16 \
-        -n 128 -r 3 --batch 4 > "$out/bench_b4.json" 2> "$out/bench_b4.err"
-    results "$out/bench_b4.err"
+    for bs in 16 4; do
+        timeout 200 "$W/dflash" bench -m "$MODEL" --device cuda --draft "$W/drafter" --block-size $bs \
+            -n 128 -r 3 --batch 4 > "$out/bench_batch4_b$bs.json" 2> "$out/bench_batch4_b$bs.err"
+        results "$out/bench_batch4_b$bs.err"
+    done
     if [ "$(cat "$W/llama/build.done" 2>/dev/null)" = "0" ]; then
         for r in 1 2 3; do
             say "round $r: llama-bench, then dflash bench (prompt 512, 128 new tokens)"
