@@ -22,6 +22,8 @@
 # B = 1, DFlash block 16 B = 1 and B = 4 vs plain; the lossless check of a kernel variant
 # without carrying the real model). Other variables of the backend (DFLASH_CUDA_INT8_MMA=2,
 # ...) apply to every arm.
+# KAB_BASELINE=PATH at --pack: a `dflash` binary of another build (e.g. main's, before a change
+# of host code) joins the benches as arm "baseline" with its own embedded kernels.
 # Each arm is `dflash bench --no-draft` (-p 512 -n 128 on the default shapes, -p 128 -n 64 on
 # the 4B's; warm-up, median of 3), arms alternating within a round; one line per arm and round.
 # Everything printed also goes to $OUT/kab.log (the device tool returns only the output's end).
@@ -49,14 +51,17 @@ if [ "${1:-}" = "--pack" ]; then
     for t in cuda_ops cuda_fused cuda_qwen35; do
         [ -x ".gpu/tests/$t" ] && cp ".gpu/tests/$t" .gpu/kab/bin/
     done
-    strip .gpu/kab/bin/* 2> /dev/null || true
+    if [ -n "${KAB_BASELINE:-}" ]; then
+        mkdir -p .gpu/kab/bin/baseline && cp "$KAB_BASELINE" .gpu/kab/bin/baseline/dflash
+    fi
+    strip .gpu/kab/bin/* .gpu/kab/bin/baseline/* 2> /dev/null || true
     tar -C .gpu/kab/bin -cJf .gpu/kab/bins.tar.xz . && rm -rf .gpu/kab/bin
     for d in "$@"; do
         mkdir -p ".gpu/kab/variants/$(basename "$d")"
         cp "$d"/*.cu ".gpu/kab/variants/$(basename "$d")/"
     done
     cp tools/h200_kernel_ab.sh tools/cuda_env.sh .gpu/kab/
-    echo "binary $(git rev-parse --short HEAD)$(git diff --quiet || echo ' + uncommitted changes'); variants: $*" \
+    echo "binary $(git rev-parse --short HEAD)$(git diff --quiet || echo ' + uncommitted changes'); variants: $*${KAB_BASELINE:+; baseline binary: $KAB_BASELINE}" \
         > .gpu/kab/builds.txt
     du -sh .gpu/kab
     exit 0
@@ -99,12 +104,14 @@ fi
 for s in $shapes; do
     m="${s%%:*}.gguf"
     case "$s" in qwen3-4b*) args="-p 128 -n 64" ;; *) args="-p 512 -n 128" ;; esac
+    arms="base $variants"
+    [ -x baseline/dflash ] && arms="baseline $arms"
     for r in $(seq "${KAB_ROUNDS:-3}"); do
-        for a in base $variants; do
-            dir=""
-            [ "$a" = base ] || dir="$here/variants/$a"
+        for a in $arms; do
+            dir="" bin=./dflash
+            case "$a" in base) ;; baseline) bin=baseline/dflash ;; *) dir="$here/variants/$a" ;; esac
             # shellcheck disable=SC2086
-            DFLASH_CUDA_KERNEL_DIR="$dir" timeout 120 ./dflash bench -m "$m" --device cuda --no-draft \
+            DFLASH_CUDA_KERNEL_DIR="$dir" timeout 120 "$bin" bench -m "$m" --device cuda --no-draft \
                 $args -r 3 > /dev/null 2> bench.err
             echo "${s%%:*} round $r $a: $(grep -E '\| tg|verify of|rror' bench.err | tr '\n' ' ' \
                 | sed -E 's/\| synthetic \| [^|]*\| //; s/\(forward \+ greedy choice\) //')"
