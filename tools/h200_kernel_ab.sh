@@ -9,19 +9,24 @@
 #   run  carry [".gpu/kab"]  command "bash .gpu/kab/h200_kernel_ab.sh"
 #
 # A DIR starts as a copy of crates/runtime/kernels with one change (its name labels the arm).
-# On the GPU machine: KAB_SHAPES ("smollm2-135m:q4_1 qwen3-4b:q4_0"), KAB_ROUNDS (3),
+# On the GPU machine: KAB_SHAPES ("smollm2-135m:q4_1 qwen3-4b:q4_0"; NAME:DTYPE[:HEAD_DTYPE]
+# of synthetic_model), KAB_ROUNDS (3),
 # KAB_TESTS (space-separated test binaries of the runtime, e.g. "cuda_ops cuda_fused": each
 # runs once per variant with its kernels; needs `tools/gpu_check.sh --build` before --pack),
-# KAB_TEST_VARIANTS (the variants KAB_TESTS runs with; default: every variant),
+# KAB_TEST_VARIANTS (the arms KAB_TESTS and KAB_MEMCHECK run with, "base" naming the binary's
+# own kernels; default: every variant),
 # KAB_MICRO (arguments of `cuda_microbench`, run for every arm before the benches, e.g.
 # "--shapes qwen3-4b --formats q4_0 --only matmul --epi add --reps 20"; its table rows are
 # printed), KAB_MEMCHECK (test binaries run under compute-sanitizer memcheck with each
 # variant's kernels, their long sweeps skipped), KAB_PARITY=1 (after the benches, per arm:
-# `gpu_parity` on a synthetic target of the default shapes with a random drafter of the
+# `gpu_parity` on a synthetic target of the published default model's layout (Q4_1, Q8_0
+# head) with a random drafter of the
 # shipped one's shape, so every round verifies a full block: CPU vs GPU greedy, B = 4 vs
 # B = 1, DFlash block 16 B = 1 and B = 4 vs plain; the lossless check of a kernel variant
 # without carrying the real model). Other variables of the backend (DFLASH_CUDA_INT8_MMA=2,
 # ...) apply to every arm.
+# KAB_BASELINE=PATH at --pack: a `dflash` binary of another build (e.g. main's, before a change
+# of host code) joins the benches as arm "baseline" with its own embedded kernels.
 # Each arm is `dflash bench --no-draft` (-p 512 -n 128 on the default shapes, -p 128 -n 64 on
 # the 4B's; warm-up, median of 3), arms alternating within a round; one line per arm and round.
 # Everything printed also goes to $OUT/kab.log (the device tool returns only the output's end).
@@ -49,14 +54,17 @@ if [ "${1:-}" = "--pack" ]; then
     for t in cuda_ops cuda_fused cuda_qwen35; do
         [ -x ".gpu/tests/$t" ] && cp ".gpu/tests/$t" .gpu/kab/bin/
     done
-    strip .gpu/kab/bin/* 2> /dev/null || true
+    if [ -n "${KAB_BASELINE:-}" ]; then
+        mkdir -p .gpu/kab/bin/baseline && cp "$KAB_BASELINE" .gpu/kab/bin/baseline/dflash
+    fi
+    strip .gpu/kab/bin/* .gpu/kab/bin/baseline/* 2> /dev/null || true
     tar -C .gpu/kab/bin -cJf .gpu/kab/bins.tar.xz . && rm -rf .gpu/kab/bin
     for d in "$@"; do
         mkdir -p ".gpu/kab/variants/$(basename "$d")"
         cp "$d"/*.cu ".gpu/kab/variants/$(basename "$d")/"
     done
     cp tools/h200_kernel_ab.sh tools/cuda_env.sh .gpu/kab/
-    echo "binary $(git rev-parse --short HEAD)$(git diff --quiet || echo ' + uncommitted changes'); variants: $*" \
+    echo "binary $(git rev-parse --short HEAD)$(git diff --quiet || echo ' + uncommitted changes'); variants: $*${KAB_BASELINE:+; baseline binary: $KAB_BASELINE}" \
         > .gpu/kab/builds.txt
     du -sh .gpu/kab
     exit 0
@@ -76,58 +84,66 @@ export DFLASH_CACHE_DIR="$W/cache"
 cat "$here/builds.txt"
 variants=$(ls "$here/variants")
 shapes="${KAB_SHAPES:-smollm2-135m:q4_1 qwen3-4b:q4_0}"
+# A shape is NAME:DTYPE[:HEAD_DTYPE] (smollm2-135m:q4_1:q8_0 is the published model's layout);
+# its model file is named after all of it.
+model_of() { echo "$(echo "$1" | tr : _).gguf"; }
 for s in $shapes; do
-    [ -f "${s%%:*}.gguf" ] || ./synthetic_model --shape "${s%%:*}" --dtype "${s##*:}" \
-        --out "${s%%:*}.gguf" > /dev/null 2>&1 || echo "synthetic_model ${s%%:*} failed"
+    IFS=: read -r name dtype head <<< "$s"
+    [ -f "$(model_of "$s")" ] || ./synthetic_model --shape "$name" --dtype "$dtype" \
+        ${head:+--head-dtype "$head"} --out "$(model_of "$s")" > /dev/null 2>&1 \
+        || echo "synthetic_model $s failed"
 done
+# The kernel directory of arm $1 (empty for "base": the binary's embedded kernels).
+kdir() { [ "$1" = base ] || echo "$here/variants/$1"; }
 for v in ${KAB_TEST_VARIANTS:-$variants}; do
     for t in ${KAB_TESTS:-}; do
         echo "== $t with $v's kernels"
-        DFLASH_CUDA_KERNEL_DIR="$here/variants/$v" timeout 200 "./$t" --test-threads=1 2>&1 \
+        DFLASH_CUDA_KERNEL_DIR="$(kdir "$v")" timeout 200 "./$t" --test-threads=1 2>&1 \
             | grep -E "^test .*FAILED|test result|panicked"
     done
 done
 if [ -n "${KAB_MICRO:-}" ]; then
     for a in base $variants; do
-        dir=""
-        [ "$a" = base ] || dir="$here/variants/$a"
+        dir="$(kdir "$a")"
         echo "== cuda_microbench $KAB_MICRO, $a"
         # shellcheck disable=SC2086
         DFLASH_CUDA_KERNEL_DIR="$dir" timeout 150 ./cuda_microbench $KAB_MICRO 2>&1 | grep -E "^\| [A-Z]|^#"
     done
 fi
 for s in $shapes; do
-    m="${s%%:*}.gguf"
+    m="$(model_of "$s")"
     case "$s" in qwen3-4b*) args="-p 128 -n 64" ;; *) args="-p 512 -n 128" ;; esac
+    arms="base $variants"
+    [ -x baseline/dflash ] && arms="baseline $arms"
     for r in $(seq "${KAB_ROUNDS:-3}"); do
-        for a in base $variants; do
-            dir=""
-            [ "$a" = base ] || dir="$here/variants/$a"
+        for a in $arms; do
+            dir="" bin=./dflash
+            case "$a" in baseline) bin=baseline/dflash ;; *) dir="$(kdir "$a")" ;; esac
             # shellcheck disable=SC2086
-            DFLASH_CUDA_KERNEL_DIR="$dir" timeout 120 ./dflash bench -m "$m" --device cuda --no-draft \
+            DFLASH_CUDA_KERNEL_DIR="$dir" timeout 120 "$bin" bench -m "$m" --device cuda --no-draft \
                 $args -r 3 > /dev/null 2> bench.err
-            echo "${s%%:*} round $r $a: $(grep -E '\| tg|verify of|rror' bench.err | tr '\n' ' ' \
+            echo "$s round $r $a: $(grep -E '\| tg|verify of|rror' bench.err | tr '\n' ' ' \
                 | sed -E 's/\| synthetic \| [^|]*\| //; s/\(forward \+ greedy choice\) //')"
         done
     done
 done
-for v in $variants; do
+for v in ${KAB_TEST_VARIANTS:-$variants}; do
     for t in ${KAB_MEMCHECK:-}; do
         echo "== memcheck: $t with $v's kernels"
-        DFLASH_CUDA_KERNEL_DIR="$here/variants/$v" timeout 200 compute-sanitizer --tool memcheck \
+        DFLASH_CUDA_KERNEL_DIR="$(kdir "$v")" timeout 200 compute-sanitizer --tool memcheck \
             --error-exitcode 99 --print-limit 10 "./$t" --test-threads=1 --skip attention_long_context \
             --skip matmul_every_dtype --skip every_m_from_1 --skip cublas \
             --skip tensor_core_prefill_matches 2>&1 | grep -E "ERROR SUMMARY|test result|Invalid" | head -5
     done
 done
 if [ "${KAB_PARITY:-0}" = 1 ]; then
-    [ -f smollm2-135m.gguf ] || ./synthetic_model --shape smollm2-135m --dtype q4_1 \
-        --out smollm2-135m.gguf > /dev/null
+    pm="$(model_of smollm2-135m:q4_1:q8_0)"
+    [ -f "$pm" ] || ./synthetic_model --shape smollm2-135m --dtype q4_1 --head-dtype q8_0 \
+        --out "$pm" > /dev/null
     [ -d drafter ] || ./random_drafter "$here/parity" drafter 7 > /dev/null
     for a in base $variants; do
-        dir=""
-        [ "$a" = base ] || dir="$here/variants/$a"
-        DFLASH_CUDA_KERNEL_DIR="$dir" timeout 200 ./gpu_parity --model smollm2-135m.gguf --draft drafter \
+        dir="$(kdir "$a")"
+        DFLASH_CUDA_KERNEL_DIR="$dir" timeout 200 ./gpu_parity --model "$pm" --draft drafter \
             --prompts "$here/parity/prompts.jsonl" --count 24 --max-tokens 64 > "parity_$a.log" 2>&1
         echo "== parity $a (exit $?): $(grep -vE '^prompt [0-9]+:' "parity_$a.log" | tail -n 7 | tr '\n' ' ')"
     done

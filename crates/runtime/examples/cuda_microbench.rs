@@ -7,7 +7,12 @@
 //! cargo build --release -p dflash-runtime --features cuda --example cuda_microbench
 //! cuda_microbench [--shapes smollm2|qwen3-4b|all] [--formats q4_0,q4_1,...] [--reps 50]
 //!                 [--only matmul|attention|prefill] [--epi store|add|swiglu]
+//!                 [--role projection|vocab]
 //! ```
+//!
+//! `--role` is what the products' weights are uploaded as: a target projection (default; int8
+//! activations for the formats that have them) or the output head (f32 activations, the
+//! head's path in the model).
 //!
 //! `--epi` picks the products' epilogue: the plain store (default), the residual add (the
 //! o and down projections: out += x·Wᵀ), or SwiGLU (gate and up, two weights of the shape per
@@ -125,6 +130,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut reps = 50usize;
     let mut only = String::new();
     let mut epi = String::from("store");
+    let mut role = WeightRole::Projection;
     let mut formats = vec![
         DType::Q4_0,
         DType::Q4_1,
@@ -145,6 +151,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 epi = val()?;
                 if !["store", "add", "swiglu"].contains(&epi.as_str()) {
                     return Err(format!("--epi {epi}: expected store, add or swiglu").into());
+                }
+            }
+            "--role" => {
+                role = match val()?.as_str() {
+                    "projection" => WeightRole::Projection,
+                    "vocab" => WeightRole::Vocab,
+                    r => return Err(format!("--role {r}: expected projection or vocab").into()),
                 }
             }
             "--formats" => {
@@ -175,7 +188,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for sh in shapes(&which) {
         if only.is_empty() || only == "matmul" {
             println!(
-                "\n## {} matmul, {epi} epilogue: us per call (GB/s of weight, % of copy bandwidth)",
+                "\n## {} matmul, {epi} epilogue, weights as {role:?}: us per call (GB/s of weight, \
+                 % of copy bandwidth)",
                 sh.name
             );
             println!("| format | shape | M=1 | M=2 | M=4 | M=8 | M=16 |");
@@ -190,10 +204,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     let copies = (256usize << 20).div_ceil(bytes).clamp(2, 64);
                     let ws: Vec<_> = (0..copies)
                         .map(|c| {
-                            g.upload_weight(
-                                &random_weight(dtype, n, k, c as u64),
-                                WeightRole::Projection,
-                            )
+                            g.upload_weight(&random_weight(dtype, n, k, c as u64), role)
                         })
                         .collect::<Result<_, _>>()?;
                     let mut cells = Vec::new();

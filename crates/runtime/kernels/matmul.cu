@@ -22,7 +22,8 @@
 //
 // Loads. The weight bytes of P consecutive steps (P = 4 for MT <= 2, 2 for MT = 4, else 1)
 // are loaded before their products, with the widest load the format's alignment allows (16
-// bytes for f16/bf16 and f32, 8 for the Q4_K nibbles, 4 for Q4_1); with two or more rows of
+// bytes for f16/bf16 and f32, 8 for the Q4_K nibbles and packed Q8_0 codes, 4 for packed Q4_0
+// and Q4_1 codes; see "packed layouts" below); with two or more rows of
 // x, the x values of those steps are requested with them, so a warp waits on memory once per
 // P steps. x is read through the read-only path (it is small and shared by every warp).
 // (Requesting the first weights before the wait for the previous kernel, into registers or as
@@ -121,21 +122,16 @@ struct MmPart<DT_F16> : MmPartHalf<false> {};
 template <>
 struct MmPart<DT_BF16> : MmPartHalf<true> {};
 
-// Q4_0 (18 bytes: f16 d, 16 nibble bytes; 2-byte aligned): quarter s holds bytes 4s..4s+4,
-// whose low nibbles are values 4s.. and high nibbles values 16 + 4s...
+// Q4_0 (stored: 18 bytes, f16 d and 16 nibble bytes): quarter s holds code bytes 4s..4s+4,
+// whose low nibbles are values 4s.. and high nibbles values 16 + 4s... The GPU keeps Q4_0,
+// Q4_1 and Q8_0 in their packed layout, whose loaders (MmPart<DT + DT_PACKED>, below) fill
+// these decoders.
 template <>
 struct MmPart<DT_Q4_0> {
     u32 q;
     u16 d;
     static __device__ __forceinline__ int xa(int s) { return 4 * s; }
     static __device__ __forceinline__ int xb(int s) { return 16 + 4 * s; }
-    __device__ __forceinline__ void load(const u8* row, int g, int s, int) {
-        const u8* b = row + (size_t)g * DT_Q4_0_BYTES;
-        d = __ldg((const unsigned short*)b);
-        const u16 lo = __ldg((const unsigned short*)(b + 2 + 4 * s));
-        const u16 hi = __ldg((const unsigned short*)(b + 4 + 4 * s));
-        q = (u32)lo | ((u32)hi << 16);
-    }
     __device__ __forceinline__ void decode(float* w) const {
         const float df = f16_to_f32(d);
         const u32 lo = DF_LO_NIBBLES(q), hi = DF_HI_NIBBLES(q);
@@ -147,18 +143,13 @@ struct MmPart<DT_Q4_0> {
     }
 };
 
-// Q4_1 (20 bytes: f16 d, f16 m, 16 nibble bytes; 4-byte aligned): as Q4_0, value fma(q, d, m).
+// Q4_1 (stored: 20 bytes, f16 d, f16 m and 16 nibble bytes): as Q4_0, value fma(q, d, m).
 template <>
 struct MmPart<DT_Q4_1> {
     u32 q;
     u32 dm;
     static __device__ __forceinline__ int xa(int s) { return 4 * s; }
     static __device__ __forceinline__ int xb(int s) { return 16 + 4 * s; }
-    __device__ __forceinline__ void load(const u8* row, int g, int s, int) {
-        const u8* b = row + (size_t)g * DT_Q4_1_BYTES;
-        dm = __ldg((const unsigned int*)b);
-        q = __ldg((const unsigned int*)(b + 4 + 4 * s));
-    }
     __device__ __forceinline__ void decode(float* w) const {
         const float d = f16_to_f32((u16)(dm & 0xffffu));
         const float m = f16_to_f32((u16)(dm >> 16));
@@ -171,20 +162,13 @@ struct MmPart<DT_Q4_1> {
     }
 };
 
-// Q8_0 (34 bytes: f16 d, 32 signed bytes; 2-byte aligned): quarter s = bytes 8s..8s+8.
+// Q8_0 (stored: 34 bytes, f16 d and 32 signed bytes): quarter s = code bytes 8s..8s+8.
 template <>
 struct MmPart<DT_Q8_0> {
     u32 lo, hi;
     u16 d;
     static __device__ __forceinline__ int xa(int s) { return 8 * s; }
     static __device__ __forceinline__ int xb(int s) { return 8 * s + 4; }
-    __device__ __forceinline__ void load(const u8* row, int g, int s, int) {
-        const u8* b = row + (size_t)g * DT_Q8_0_BYTES;
-        d = __ldg((const unsigned short*)b);
-        const unsigned short* p = (const unsigned short*)(b + 2 + 8 * s);
-        lo = (u32)__ldg(p) | ((u32)__ldg(p + 1) << 16);
-        hi = (u32)__ldg(p + 2) | ((u32)__ldg(p + 3) << 16);
-    }
     __device__ __forceinline__ void decode(float* w) const {
         const float df = f16_to_f32(d);
         // A signed byte b xor 0x80 is the unsigned byte b + 128.
@@ -286,15 +270,17 @@ struct MmPart<DT_Q6K> {
     }
 };
 
-// ---- packed layouts of the int8-path weights ----------------------------------------------
+// ---- packed layouts ----------------------------------------------------------------------
 //
-// The target projections that take int8 activations are stored on the GPU repacked at upload
-// (cuda/pack.rs): each row is its G groups' code bytes (16 per group for Q4_0/Q4_1, 32 for
-// Q8_0, as in the stored blocks), then the groups' scales (f16 d; Q4_1: d and m), the row padded
-// to 16 bytes. Code blocks are 16-byte aligned, so the int8 kernel (mmq_warp) reads a group's
-// codes in one or two 16-byte loads. Format numbers DT + DT_PACKED name these layouts; their
-// quarter loaders below feed the tensor-core prefill kernels and the dequantizer with the same
-// values as the stored layout (same decoders).
+// Every weight in Q4_0, Q4_1 or Q8_0 (the formats with int8 kernels) is stored on the GPU
+// repacked at upload (cuda/pack.rs): each row is its G groups' code bytes (16 per group for
+// Q4_0/Q4_1, 32 for Q8_0, as in the stored blocks), then the groups' scales (f16 d; Q4_1: d and
+// m), the row padded to 16 bytes. Code blocks are 16-byte aligned, so the int8 kernel
+// (mmq_warp) reads a group's codes in one or two 16-byte loads, and a quarter of a group is one
+// 4- or 8-byte load where the stored 18/34-byte blocks allow only 2-byte ones. Format numbers
+// DT + DT_PACKED name these layouts; their quarter loaders below feed the f32-activation
+// products, the tensor-core prefill kernels and the dequantizer with the same values as the
+// stored layout (same decoders), so the products' bits do not depend on the layout.
 template <>
 struct MmPart<DT_Q4_0 + DT_PACKED> : MmPart<DT_Q4_0> {
     __device__ __forceinline__ void load(const u8* row, int g, int s, int groups) {
@@ -733,7 +719,8 @@ __device__ __forceinline__ void mmq_warp(const MmSeg& sg, const int (&nr)[R], co
 #endif
 
 // One warp per unit (R weight rows, or a rotary pair) of the segment its block belongs to;
-// Q: int8 x (mmq_warp), else f32 x (mm_warp).
+// Q: int8 x (mmq_warp; DT the stored format's number), else f32 x (mm_warp; DT the layout's:
+// for formats with int8 kernels their packed layout, DT + DT_PACKED).
 template <int DT, int MT, int R, int EPI, bool Q>
 __device__ __forceinline__ void mm_body(const MmParams& p) {
     int si = 0;
@@ -763,9 +750,12 @@ __device__ __forceinline__ void mm_body(const MmParams& p) {
         return;
     }
 #if DF_MM_INT8
-    if (Q) return mmq_warp<DT, MT, R, EPI>(sg, nr, p, (int)blockIdx.y * MT, si, pair);
+    if constexpr (Q) {
+        mmq_warp<DT, MT, R, EPI>(sg, nr, p, (int)blockIdx.y * MT, si, pair);
+        return;
+    }
 #endif
-    mm_warp<DT, MT, R, EPI>(sg, nr, p, (int)blockIdx.y * MT, si, pair);
+    if constexpr (!Q) mm_warp<DT, MT, R, EPI>(sg, nr, p, (int)blockIdx.y * MT, si, pair);
 }
 
 // Kernel names: mm_<format>_<MT>_<R>_<epilogue>. R for a tile is chosen by the host
@@ -891,22 +881,23 @@ __device__ __forceinline__ void dequant_body(const u8* __restrict__ table, i64 r
 
 // Instantiations. The Rust side compiles this file once per format, with DF_MM_DTYPE and
 // DF_MM_SUFFIX set to that format's number and name (from the format table, dtype.rs).
-// Formats with int8 kernels (DF_MM_INT8) also get the kernels of their packed layout: the int8
-// products (mmq_<format>_..., and mmqt_<format>_... on integer tensor cores), tensor-core prefill (mmtc_<format>p_...) and the dequantizer
-// (dequant_<format>p).
+// Formats with int8 kernels (DF_MM_INT8) are stored on the GPU in their packed layout, every
+// weight (cuda/pack.rs): their f32-activation products, tensor-core prefill and dequantizer
+// read that layout (same decoders, so the same values as the stored one), and they also get the
+// int8 products (mmq_<format>_..., and mmqt_<format>_... on integer tensor cores).
 #if DF_MM_INT8
-#define DF_PACKED_FORMAT(SUFFIX, DT)              \
-    MMQ_KERNELS(SUFFIX, DT)                       \
-    MMQT_KERNELS(SUFFIX, DT)                      \
-    MMTC_KERNELS(SUFFIX##p, DT + DT_PACKED)       \
-    DQ_KERNEL(SUFFIX##p, DT + DT_PACKED)
+#define DF_INT8_KERNELS(SUFFIX, DT) \
+    MMQ_KERNELS(SUFFIX, DT)         \
+    MMQT_KERNELS(SUFFIX, DT)
+#define DF_LAYOUT(DT) (DT + DT_PACKED)
 #else
-#define DF_PACKED_FORMAT(SUFFIX, DT)
+#define DF_INT8_KERNELS(SUFFIX, DT)
+#define DF_LAYOUT(DT) DT
 #endif
-#define DF_FORMAT(SUFFIX, DT)     \
-    MM_KERNELS(SUFFIX, DT)        \
-    MMTC_KERNELS(SUFFIX, DT)      \
-    DQ_KERNEL(SUFFIX, DT)         \
-    DF_PACKED_FORMAT(SUFFIX, DT)
+#define DF_FORMAT(SUFFIX, DT)             \
+    MM_KERNELS(SUFFIX, DF_LAYOUT(DT))     \
+    MMTC_KERNELS(SUFFIX, DF_LAYOUT(DT))   \
+    DQ_KERNEL(SUFFIX, DF_LAYOUT(DT))      \
+    DF_INT8_KERNELS(SUFFIX, DT)
 #define DF_FORMAT_OF(SUFFIX, DT) DF_FORMAT(SUFFIX, DT)
 DF_FORMAT_OF(DF_MM_SUFFIX, DF_MM_DTYPE)

@@ -54,20 +54,6 @@ __device__ __forceinline__ void mma_s8(int* d, const u32* a, u32 b0, u32 b1) {
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// The B fragment of group g of a packed weight row: codes k = 4t..4t+3 and 16+4t..16+4t+3,
-// as the signed weights mmq_warp's dot multiplies (Q4_0: q - 8).
-template <int DT>
-__device__ __forceinline__ void qt_b(const u8* row, int g, int t, u32* b) {
-    if (DT == DT_Q8_0) {
-        const u8* c = row + (size_t)g * 32;
-        b[0] = __ldg((const unsigned int*)(c + 4 * t));
-        b[1] = __ldg((const unsigned int*)(c + 16 + 4 * t));
-    } else {
-        const u32 w = __ldg((const unsigned int*)(row + (size_t)g * 16 + 4 * t));
-        q4_split<DT == DT_Q4_0>(w, &b[0], &b[1]);
-    }
-}
-
 // The end of warp_sum's butterfly for one output (lane 0's result), from the 8 sums the warps
 // left (s[w] = (v_w + v_w+16) + (v_w+8 + v_w+24)): + 4, + 2, + 1.
 __device__ __forceinline__ float qt_tree(const float* s, int stride) {
@@ -244,16 +230,64 @@ __device__ __forceinline__ void qt_load_x(const MmParams& p, const size_t (&xr)[
     }
 }
 
-// The kernel with every load in registers: per round of 32 groups, warp w loads its four
-// groups' weights, scales and x, then multiplies them.
+// The raw weight words and scale words of one round (groups gb + 8j) of a warp's column
+// tiles. A group's B fragment (codes k = 4t..4t+3 and 16+4t..16+4t+3, as the signed weights
+// mmq_warp's dot multiplies) is two words of Q8_0 codes, or one packed Q4 word whose nibble
+// halves q4_split makes the two (Q4_0: q - 8).
 template <int DT, int EPI, int T>
+struct QtRound {
+    using Sh = QtShape<DT, EPI, T>;
+    u32 b[4][Sh::NT][Sh::W][2], sw[4][Sh::NT][Sh::W][2];
+};
+
+// Group gi's words into slot j of a round.
+template <int DT, int EPI, int T>
+__device__ __forceinline__ void qt_load_group(QtRound<DT, EPI, T>& r, int j, int gi, int t, const u8* const (&wv)[2],
+                                              const size_t* brow, const size_t (*srow)[2]) {
+    using Sh = QtShape<DT, EPI, T>;
+#pragma unroll
+    for (int nt = 0; nt < Sh::NT; nt++)
+#pragma unroll
+        for (int v = 0; v < Sh::W; v++) {
+            const u8* row = wv[v] + brow[nt];
+            if (DT == DT_Q8_0) {
+                const u8* c = row + (size_t)gi * 32;
+                r.b[j][nt][v][0] = __ldg((const unsigned int*)(c + 4 * t));
+                r.b[j][nt][v][1] = __ldg((const unsigned int*)(c + 16 + 4 * t));
+            } else {
+                r.b[j][nt][v][0] = __ldg((const unsigned int*)(row + (size_t)gi * 16 + 4 * t));
+            }
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const u8* sp = wv[v] + srow[nt][h] + (size_t)gi * Sh::SB;
+                r.sw[j][nt][v][h] = Sh::SB == 4 ? __ldg((const unsigned int*)sp) : (u32)__ldg((const unsigned short*)sp);
+            }
+        }
+}
+
+// The round of groups gb + 8j (those below `groups`).
+template <int DT, int EPI, int T>
+__device__ __forceinline__ void qt_load_round(QtRound<DT, EPI, T>& r, int gb, int groups, int t,
+                                              const u8* const (&wv)[2], const size_t* brow,
+                                              const size_t (*srow)[2]) {
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        if (gb + 8 * j < groups) qt_load_group(r, j, gb + 8 * j, t, wv, brow, srow);
+    }
+}
+
+// The kernel with every load in registers: per round of 32 groups, warp w loads its four
+// groups' x and weights, then multiplies them. AHEAD: the round's weights were requested a
+// round earlier (the first round's before the wait: weights are the host's), and the next
+// round's are on their way during this round's MMAs; the same words go into the same MMAs, so
+// the same bits, for twice the weight registers.
+template <int DT, int EPI, int T, bool AHEAD>
 __device__ __forceinline__ void mmqt_body(const MmParams& p) {
     using Sh = QtShape<DT, EPI, T>;
     constexpr int W = Sh::W;
     constexpr int NT = Sh::NT;
     constexpr int BN = Sh::BN;
     constexpr int CB = Sh::CB;
-    constexpr int SB = Sh::SB;
     __shared__ float red[QT_WARPS * W * QT_BM * BN];
 
     const QtBlock blk = qt_block(p, BN);
@@ -284,40 +318,36 @@ __device__ __forceinline__ void mmqt_body(const MmParams& p) {
 #pragma unroll
                 for (int e = 0; e < 4; e++) acc[j][nt][v][e] = 0.0f;
 
+    QtRound<DT, EPI, T> cur, next;
+    if (AHEAD) qt_load_round(cur, warp, groups, t, wv, brow, srow);
     df_kernel_begin();
     for (int gb = warp; gb < groups; gb += 32) {
         // Every load of the four groups first, then their MMAs and float steps in order.
-        u32 a[4][4], b[4][NT][W][2], sw[4][NT][W][2];
+        u32 a[4][4];
         float2 sx[4][2];
 #pragma unroll
         for (int j = 0; j < 4; j++) {
             const int gi = gb + 8 * j;
             if (gi < groups) {
                 qt_load_x(p, xr, gi, t, a[j], sx[j]);
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                    for (int v = 0; v < W; v++) {
-                        qt_b<DT>(wv[v] + brow[nt], gi, t, b[j][nt][v]);
-#pragma unroll
-                        for (int h = 0; h < 2; h++) {
-                            const u8* sp = wv[v] + srow[nt][h] + (size_t)gi * SB;
-                            sw[j][nt][v][h] =
-                                SB == 4 ? __ldg((const unsigned int*)sp) : (u32)__ldg((const unsigned short*)sp);
-                        }
-                    }
+                if (!AHEAD) qt_load_group(cur, j, gi, t, wv, brow, srow);
             }
         }
+        if (AHEAD && gb + 32 < groups) qt_load_round(next, gb + 32, groups, t, wv, brow, srow);
 #pragma unroll
         for (int j = 0; j < 4; j++) {
             if (gb + 8 * j < groups) {
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-                    for (int v = 0; v < W; v++)
-                        qt_step<DT>(acc[j][nt][v], a[j], b[j][nt][v][0], b[j][nt][v][1], sx[j], sw[j][nt][v]);
+                    for (int v = 0; v < W; v++) {
+                        u32 b0 = cur.b[j][nt][v][0], b1 = cur.b[j][nt][v][1];
+                        if (DT != DT_Q8_0) q4_split<DT == DT_Q4_0>(cur.b[j][nt][v][0], &b0, &b1);
+                        qt_step<DT>(acc[j][nt][v], a[j], b0, b1, sx[j], cur.sw[j][nt][v]);
+                    }
             }
         }
+        if (AHEAD) cur = next;
     }
     qt_finish<DT, EPI, T>(p, sg, si, c0, m0, ml, acc, red);
 }
@@ -536,13 +566,18 @@ __device__ __forceinline__ void mmqt_pipe_body(const MmParams& p) {
 // but lost where fewer blocks each walk a longer K (o, down, q: by register count two of its
 // blocks fit an SM against three, and each stage waits on a barrier); with every
 // epilogue pipelined the 4B verify gained only 1% (docs/benchmarks/
-// 2026-12-03-h200-qtpipe-end-to-end.md).
+// 2026-12-03-h200-qtpipe-end-to-end.md). The wide blocks of the register kernel load a round
+// ahead: one of them fits an SM either way (202 or 252 registers), and on the H200 their
+// products at 8 / 16 rows took 14-20% less time so (Qwen3-4B's q and wide gate/up, the same
+// document, section 5); the narrow ones do not (88 registers instead of 80 leave two blocks an
+// SM instead of three, and the o/down products of the 4B lost a wave: +25-31%), nor do Q8_0's
+// (two weight words a group: its wide blocks would spill).
 template <int DT, int EPI, int T>
 __device__ __forceinline__ void mmqt_kernel_body(const MmParams& p) {
     if constexpr (EPI == EPI_SWIGLU && QtPipe<DT, EPI, T>::S >= 2) {
         mmqt_pipe_body<DT, EPI, T>(p);
     } else {
-        mmqt_body<DT, EPI, T>(p);
+        mmqt_body<DT, EPI, T, T == QT_NT && DT != DT_Q8_0>(p);
     }
 }
 

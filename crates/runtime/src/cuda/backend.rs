@@ -540,13 +540,8 @@ impl CudaBackend {
         }
         let first = &prods[0];
         let kernels = self.dev.loaded(first.w.dtype);
-        let f = if first.w.int8 {
-            &kernels.mmtc_packed[epi as usize]
-        } else {
-            &kernels.mmtc[epi as usize]
-        };
         self.dev.launch_with(
-            f,
+            &kernels.mmtc[epi as usize],
             &format!("matmul_tc[{}]", first.w.name),
             (blocks as u32, m.div_ceil(TC_BM) as u32, 1),
             (TC_THREADS, 1, 1),
@@ -665,14 +660,9 @@ impl CudaBackend {
         }
         let ids_arg = Arg::Ptr(ids.unwrap_or(0));
         if w.cols.is_multiple_of(32) {
-            let kernels = self.dev.loaded(w.dtype);
-            let f = match &kernels.dequant_packed {
-                Some(f) if w.int8 => f,
-                _ => &kernels.dequant,
-            };
             let threads = (w.cols / 32).clamp(32, 256).next_multiple_of(32) as u32;
             self.dev.launch(
-                f,
+                &self.dev.loaded(w.dtype).dequant,
                 "dequantize",
                 (count as u32, 1, 1),
                 (threads, 1, 1),
@@ -828,26 +818,32 @@ impl Backend for CudaBackend {
 
     /// The target's projections in Q4_0, Q4_1 or Q8_0 with at least `PANEL` rows take int8
     /// activations as the [`Int8Policy`](super::device::Int8Policy) says; every other weight
-    /// f32 activations.
+    /// f32 activations. Every weight of those formats is stored packed (cuda/pack.rs), the
+    /// only layout their kernels read; the others as read.
     fn upload_weight(&self, w: &HostWeight, role: WeightRole) -> Result<CudaWeight, RuntimeError> {
         self.dev.bind();
         self.dev.format(w.dtype).map_err(RuntimeError::Device)?;
+        let packed = if int8_format(w.dtype) {
+            let layout = pack::pack(w).zip(pack::row_bytes(w.dtype, w.cols));
+            Some(layout.ok_or_else(|| {
+                RuntimeError::Device(format!(
+                    "{}: {} columns of {} are not whole {GROUP}-value groups",
+                    w.name, w.cols, w.dtype
+                ))
+            })?)
+        } else {
+            None
+        };
         // The CPU's rule (cpu::policy::select), so both backends take one numeric path.
         let int8 = self.dev.int8.takes()
             && role == WeightRole::Projection
-            && int8_format(w.dtype)
-            && w.rows >= PANEL
-            && w.cols.is_multiple_of(GROUP);
-        // Int8-path weights are stored packed (cuda/pack.rs), the others as read.
-        let packed = int8
-            .then(|| pack::pack(w).zip(pack::row_bytes(w.dtype, w.cols)))
-            .flatten();
-        if packed.is_some() {
+            && packed.is_some()
+            && w.rows >= PANEL;
+        if int8 {
             self.dev.note_int8_k(w.cols);
         }
         let row_bytes = packed.as_ref().map_or(w.row_bytes(), |p| p.1);
-        let packed = packed.map(|p| p.0);
-        let bytes = packed.as_deref().unwrap_or(w.bytes.as_slice());
+        let bytes = packed.as_ref().map_or(w.bytes.as_slice(), |p| p.0.as_slice());
         let buf = self.dev.uninit::<u8>(bytes.len());
         self.dev.htod(bytes, self.ptr(&buf));
         Ok(CudaWeight {
@@ -857,7 +853,7 @@ impl Backend for CudaBackend {
             cols: w.cols,
             row_bytes,
             buf,
-            int8: packed.is_some(),
+            int8,
         })
     }
 

@@ -168,7 +168,8 @@ pub fn format_defines() -> String {
             f.block_bytes
         ));
     }
-    // Format numbers of the packed layouts of int8-path weights (DT_<NAME> + DT_PACKED).
+    // Format numbers of the packed layouts (DT_<NAME> + DT_PACKED: the GPU layout of every
+    // weight of a format with int8 kernels).
     s.push_str(&format!("#define DT_PACKED {}\n", super::pack::DT_PACKED));
     s
 }

@@ -275,7 +275,9 @@ pub(crate) struct Kernels {
 
 /// The kernels of one weight format (matmul.cu compiled for it), loaded on first use.
 pub(crate) struct FormatKernels {
-    /// `mm[tile index][epilogue index]` for the tiles of `MM_TILES`.
+    /// `mm[tile index][epilogue index]` for the tiles of `MM_TILES`. These, `mmtc` and
+    /// `dequant` read the format's GPU layout: packed for the formats with int8 kernels
+    /// (cuda/pack.rs), else as stored.
     pub mm: Vec<Vec<CudaFunction>>,
     /// `mmq[tile index][epilogue index]`: the int8-activation kernels, on the packed layout
     /// (empty for formats without them, see [`int8_format`]).
@@ -286,9 +288,6 @@ pub(crate) struct FormatKernels {
     pub mmqt: Vec<Vec<CudaFunction>>,
     /// `mmtc[epilogue index]`: the tensor-core kernels of prompt rows (matmul_tc.cu).
     pub mmtc: Vec<CudaFunction>,
-    /// The tensor-core kernels and the dequantizer of the packed layout (int8 formats).
-    pub mmtc_packed: Vec<CudaFunction>,
-    pub dequant_packed: Option<CudaFunction>,
     pub dequant: CudaFunction,
 }
 
@@ -712,22 +711,11 @@ impl Device {
             .iter()
             .map(|e| get(&format!("mmtc_{sfx}_{}", e.name())))
             .collect::<Result<_, _>>()?;
-        let (mmtc_packed, dequant_packed) = if int8_format(d) {
-            let tc = Epilogue::TENSOR
-                .iter()
-                .map(|e| get(&format!("mmtc_{sfx}p_{}", e.name())))
-                .collect::<Result<_, _>>()?;
-            (tc, Some(get(&format!("dequant_{sfx}p"))?))
-        } else {
-            (Vec::new(), None)
-        };
         Ok(FormatKernels {
             mm,
             mmq,
             mmqt,
             mmtc,
-            mmtc_packed,
-            dequant_packed,
             dequant: get(&format!("dequant_{sfx}"))?,
         })
     }
