@@ -203,9 +203,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     let bytes = weights * n * dtype.row_bytes(k).expect("whole blocks");
                     let copies = (256usize << 20).div_ceil(bytes).clamp(2, 64);
                     let ws: Vec<_> = (0..copies)
-                        .map(|c| {
-                            g.upload_weight(&random_weight(dtype, n, k, c as u64), role)
-                        })
+                        .map(|c| g.upload_weight(&random_weight(dtype, n, k, c as u64), role))
                         .collect::<Result<_, _>>()?;
                     let mut cells = Vec::new();
                     for m in [1usize, 2, 4, 8, 16] {

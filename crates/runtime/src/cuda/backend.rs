@@ -843,7 +843,9 @@ impl Backend for CudaBackend {
             self.dev.note_int8_k(w.cols);
         }
         let row_bytes = packed.as_ref().map_or(w.row_bytes(), |p| p.1);
-        let bytes = packed.as_ref().map_or(w.bytes.as_slice(), |p| p.0.as_slice());
+        let bytes = packed
+            .as_ref()
+            .map_or(w.bytes.as_slice(), |p| p.0.as_slice());
         let buf = self.dev.uninit::<u8>(bytes.len());
         self.dev.htod(bytes, self.ptr(&buf));
         Ok(CudaWeight {
