@@ -79,6 +79,7 @@ source "$here/cuda_env.sh"
 W="$HOME/kab"
 mkdir -p "$W"
 cd "$W" || exit 1
+rm -rf "$W/baseline"  # a warm machine keeps the last pack's files
 tar -C "$W" -xJf "$here/bins.tar.xz"
 export DFLASH_CACHE_DIR="$W/cache"
 cat "$here/builds.txt"
