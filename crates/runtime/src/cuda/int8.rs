@@ -76,7 +76,8 @@ pub(crate) fn int8_mma_width(v: &str) -> Result<Option<usize>, String> {
 }
 
 /// Whether format `d` has int8-activation kernels (`mmq_*`, built with `DF_MM_INT8`): the
-/// formats of the CPU's int8 kernels.
+/// formats of the CPU's int8 kernels. The GPU stores every weight of these formats in the
+/// packed layout (cuda/pack.rs), whatever its activations.
 pub(crate) fn int8_format(d: DType) -> bool {
     Int8Format::of(d).is_some()
 }
