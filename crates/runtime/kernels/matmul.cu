@@ -23,10 +23,9 @@
 // Loads. The weight bytes of P consecutive steps (P = 4 for MT <= 2, 2 for MT = 4, else 1)
 // are loaded before their products, with the widest load the format's alignment allows (16
 // bytes for f16/bf16 and f32, 8 for the Q4_K nibbles and packed Q8_0 codes, 4 for packed Q4_0
-// and Q4_1 codes; see "packed layouts" below); with 8 or 16 rows of x, the x values of
-// those steps are requested with them, so a warp waits on memory once per P steps; smaller
-// tiles read x after decoding the weights (fewer registers, more warps). x is read through
-// the read-only path (it is small and shared by every warp).
+// and Q4_1 codes; see "packed layouts" below); with two or more rows of
+// x, the x values of those steps are requested with them, so a warp waits on memory once per
+// P steps. x is read through the read-only path (it is small and shared by every warp).
 // (Requesting the first weights before the wait for the previous kernel, into registers or as
 // L2 prefetches, and keeping two batches in flight were measured on the H200 and dropped: no
 // gain for the default model's shapes, 2-10% slower for the Qwen3-4B shape.)
@@ -484,16 +483,9 @@ __device__ __forceinline__ void mm_warp(const MmSeg& sg, const int (&nr)[R], con
 
     // P steps' weight bytes are loaded before any of their products (P more loads in flight
     // per lane); the products then run in step order, so the sum is the same for every P.
-    // XH: tiles of 8 and 16 rows request x with the weights; smaller ones after the decode
-    // (x is an L1 hit), which keeps their P steps of x out of the registers: the 2-row tile
-    // takes 55 registers instead of 114, and on the H200 the f32 head at 2 rows took 24.4
-    // instead of 35.9 us (49152x576 Q4_0; Qwen3-4B's 151936x2560: 217 instead of 275), at 4
-    // rows 29 instead of 33 (235 instead of 273); loading x row by row at 8 rows as well
-    // (96 registers instead of 168) cost the 4B's head 14% there
-    // (docs/benchmarks/2026-12-03-h200-packed-head.md).
     // The rope epilogue's per-token lookups run before the wait for the previous kernel.
     constexpr int P = MT <= 2 ? 4 : (MT <= 4 ? 2 : 1);
-    constexpr bool XH = MT >= 8;
+    constexpr bool XH = MT >= 2;
     RopeLane rl = {1.0f, 0.0f, nullptr};
     if (EPI == EPI_ROPE && lane < ml) rl = rope_lane(p, seg, pair, m0 + lane);
     df_kernel_begin();
