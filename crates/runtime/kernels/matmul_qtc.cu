@@ -341,8 +341,13 @@ __device__ __forceinline__ void mmqt_body(const MmParams& p) {
                 for (int nt = 0; nt < NT; nt++)
 #pragma unroll
                     for (int v = 0; v < W; v++) {
-                        u32 b0 = cur.b[j][nt][v][0], b1 = cur.b[j][nt][v][1];
-                        if (DT != DT_Q8_0) q4_split<DT == DT_Q4_0>(cur.b[j][nt][v][0], &b0, &b1);
+                        u32 b0, b1;
+                        if (DT == DT_Q8_0) {
+                            b0 = cur.b[j][nt][v][0];
+                            b1 = cur.b[j][nt][v][1];
+                        } else {
+                            q4_split<DT == DT_Q4_0>(cur.b[j][nt][v][0], &b0, &b1);
+                        }
                         qt_step<DT>(acc[j][nt][v], a[j], b0, b1, sx[j], cur.sw[j][nt][v]);
                     }
             }
