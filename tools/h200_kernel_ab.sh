@@ -4,8 +4,8 @@
 # DFLASH_CUDA_KERNEL_DIR (the host still pastes its shared launch constants ahead of them,
 # so a variant may change kernel code, not the parameter structs or constants).
 #
-#   bash tools/h200_kernel_ab.sh --pack DIR...   # here: builds dflash + synthetic_model of the
-#                                                # working tree, copies each DIR's .cu files
+#   bash tools/h200_kernel_ab.sh --pack [DIR...]  # here: builds dflash + synthetic_model of the
+#                                                 # working tree, copies each DIR's .cu files
 #   run  carry [".gpu/kab"]  command "bash .gpu/kab/h200_kernel_ab.sh"
 #
 # A DIR starts as a copy of crates/runtime/kernels with one change (its name labels the arm).
@@ -25,6 +25,9 @@
 # B = 1, DFlash block 16 B = 1 and B = 4 vs plain; the lossless check of a kernel variant
 # without carrying the real model). Other variables of the backend (DFLASH_CUDA_INT8_MMA=2,
 # ...) apply to every arm.
+# KAB_ENV_ARMS ("NAME:VAR=VALUE[,VAR=VALUE...] ..."): arms that run the binary's own kernels with
+# those environment variables (e.g. "nox2:DFLASH_CUDA_FLOAT_MMA=0"), in the microbench, the
+# benches and the parity runs; KAB_TEST_VARIANTS may name them too.
 # KAB_BASELINE=PATH at --pack: a `dflash` binary of another build (e.g. main's, before a change
 # of host code) joins the benches as arm "baseline" with its own embedded kernels.
 # Each arm is `dflash bench --no-draft` (-p 512 -n 128 on the default shapes, -p 128 -n 64 on
@@ -35,7 +38,6 @@ set -uo pipefail
 if [ "${1:-}" = "--pack" ]; then
     set -e
     shift
-    [ $# -gt 0 ] || { echo "usage: $0 --pack DIR..." >&2; exit 2; }
     cd "$(dirname "$0")/.."
     for d in "$@"; do
         ls "$d"/*.cu > /dev/null 2>&1 || { echo "$d: no .cu files" >&2; exit 2; }
@@ -45,7 +47,7 @@ if [ "${1:-}" = "--pack" ]; then
     cargo build --release -p dflash-runtime --features cuda --example cuda_microbench
     cargo build --release -p dflash-cli --features cuda --example gpu_parity
     cargo build --release -p dflash-models --example random_drafter
-    rm -rf .gpu/kab && mkdir -p .gpu/kab/bin .gpu/kab/parity
+    rm -rf .gpu/kab && mkdir -p .gpu/kab/bin .gpu/kab/parity .gpu/kab/variants
     cp target/release/dflash target/release/examples/synthetic_model \
         target/release/examples/cuda_microbench target/release/examples/gpu_parity \
         target/release/examples/random_drafter .gpu/kab/bin/
@@ -94,34 +96,47 @@ for s in $shapes; do
         ${head:+--head-dtype "$head"} --out "$(model_of "$s")" > /dev/null 2>&1 \
         || echo "synthetic_model $s failed"
 done
-# The kernel directory of arm $1 (empty for "base": the binary's embedded kernels).
-kdir() { [ "$1" = base ] || echo "$here/variants/$1"; }
+# The environment assignments of arm $1 when it is one of KAB_ENV_ARMS (none otherwise).
+envof() {
+    local e
+    for e in ${KAB_ENV_ARMS:-}; do
+        [ "${e%%:*}" = "$1" ] && echo "${e#*:}" | tr , ' '
+    done
+    return 0
+}
+envarms=""
+for e in ${KAB_ENV_ARMS:-}; do envarms="$envarms ${e%%:*}"; done
+# The kernel directory of arm $1 (empty for "base" and the environment arms: the binary's
+# embedded kernels).
+kdir() { [ "$1" = base ] || [ -n "$(envof "$1")" ] || echo "$here/variants/$1"; }
 for v in ${KAB_TEST_VARIANTS:-$variants}; do
     for t in ${KAB_TESTS:-}; do
         echo "== $t with $v's kernels"
-        DFLASH_CUDA_KERNEL_DIR="$(kdir "$v")" timeout 200 "./$t" --test-threads=1 2>&1 \
+        # shellcheck disable=SC2046
+        env $(envof "$v") DFLASH_CUDA_KERNEL_DIR="$(kdir "$v")" timeout 200 "./$t" --test-threads=1 2>&1 \
             | grep -E "^test .*FAILED|test result|panicked"
     done
 done
 if [ -n "${KAB_MICRO:-}" ]; then
-    for a in base $variants; do
+    for a in base $variants $envarms; do
         dir="$(kdir "$a")"
         echo "== cuda_microbench $KAB_MICRO, $a"
-        # shellcheck disable=SC2086
-        DFLASH_CUDA_KERNEL_DIR="$dir" timeout 150 ./cuda_microbench $KAB_MICRO 2>&1 | grep -E "^\| [A-Z]|^#"
+        # shellcheck disable=SC2086,SC2046
+        env $(envof "$a") DFLASH_CUDA_KERNEL_DIR="$dir" timeout 150 ./cuda_microbench $KAB_MICRO 2>&1 \
+            | grep -E "^\| [A-Z]|^#"
     done
 fi
 for s in $shapes; do
     m="$(model_of "$s")"
     case "$s" in qwen3-4b*) args="-p 128 -n 64" ;; *) args="-p 512 -n 128" ;; esac
-    arms="base $variants"
+    arms="base $variants $envarms"
     [ -x baseline/dflash ] && arms="baseline $arms"
     for r in $(seq "${KAB_ROUNDS:-3}"); do
         for a in $arms; do
             dir="" bin=./dflash
             case "$a" in baseline) bin=baseline/dflash ;; *) dir="$(kdir "$a")" ;; esac
-            # shellcheck disable=SC2086
-            DFLASH_CUDA_KERNEL_DIR="$dir" timeout 120 "$bin" bench -m "$m" --device cuda --no-draft \
+            # shellcheck disable=SC2086,SC2046
+            env $(envof "$a") DFLASH_CUDA_KERNEL_DIR="$dir" timeout 120 "$bin" bench -m "$m" --device cuda --no-draft \
                 $args -r 3 > /dev/null 2> bench.err
             echo "$s round $r $a: $(grep -E '\| tg|verify of|rror' bench.err | tr '\n' ' ' \
                 | sed -E 's/\| synthetic \| [^|]*\| //; s/\(forward \+ greedy choice\) //')"
@@ -131,7 +146,8 @@ done
 for v in ${KAB_TEST_VARIANTS:-$variants}; do
     for t in ${KAB_MEMCHECK:-}; do
         echo "== memcheck: $t with $v's kernels"
-        DFLASH_CUDA_KERNEL_DIR="$(kdir "$v")" timeout 200 compute-sanitizer --tool memcheck \
+        # shellcheck disable=SC2046
+        env $(envof "$v") DFLASH_CUDA_KERNEL_DIR="$(kdir "$v")" timeout 200 compute-sanitizer --tool memcheck \
             --error-exitcode 99 --print-limit 10 "./$t" --test-threads=1 --skip attention_long_context \
             --skip matmul_every_dtype --skip every_m_from_1 --skip cublas \
             --skip tensor_core_prefill_matches 2>&1 | grep -E "ERROR SUMMARY|test result|Invalid" | head -5
@@ -142,9 +158,10 @@ if [ "${KAB_PARITY:-0}" = 1 ]; then
     [ -f "$pm" ] || ./synthetic_model --shape smollm2-135m --dtype q4_1 --head-dtype q8_0 \
         --out "$pm" > /dev/null
     [ -d drafter ] || ./random_drafter "$here/parity" drafter 7 > /dev/null
-    for a in base $variants; do
+    for a in base $variants $envarms; do
         dir="$(kdir "$a")"
-        DFLASH_CUDA_KERNEL_DIR="$dir" timeout 200 ./gpu_parity --model "$pm" --draft drafter \
+        # shellcheck disable=SC2046
+        env $(envof "$a") DFLASH_CUDA_KERNEL_DIR="$dir" timeout 200 ./gpu_parity --model "$pm" --draft drafter \
             --prompts "$here/parity/prompts.jsonl" --count 24 --max-tokens 64 > "parity_$a.log" 2>&1
         echo "== parity $a (exit $?): $(grep -vE '^prompt [0-9]+:' "parity_$a.log" | tail -n 7 | tr '\n' ' ')"
     done

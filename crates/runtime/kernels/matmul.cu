@@ -132,14 +132,21 @@ struct MmPart<DT_Q4_0> {
     u16 d;
     static __device__ __forceinline__ int xa(int s) { return 4 * s; }
     static __device__ __forceinline__ int xb(int s) { return 16 + 4 * s; }
-    __device__ __forceinline__ void decode(float* w) const {
-        const float df = f16_to_f32(d);
+    // The 8 integer codes q - 8 (exact floats) and the scale: value = code * scale.
+    __device__ __forceinline__ void codes(float* c) const {
         const u32 lo = DF_LO_NIBBLES(q), hi = DF_HI_NIBBLES(q);
 #pragma unroll
         for (int k = 0; k < 4; k++) {
-            w[k] = __fmul_rn(byte_to_f32<8>(lo, k), df);
-            w[4 + k] = __fmul_rn(byte_to_f32<8>(hi, k), df);
+            c[k] = byte_to_f32<8>(lo, k);
+            c[4 + k] = byte_to_f32<8>(hi, k);
         }
+    }
+    __device__ __forceinline__ float scale() const { return f16_to_f32(d); }
+    __device__ __forceinline__ void decode(float* w) const {
+        codes(w);
+        const float df = scale();
+#pragma unroll
+        for (int k = 0; k < 8; k++) w[k] = __fmul_rn(w[k], df);
     }
 };
 
@@ -150,15 +157,22 @@ struct MmPart<DT_Q4_1> {
     u32 dm;
     static __device__ __forceinline__ int xa(int s) { return 4 * s; }
     static __device__ __forceinline__ int xb(int s) { return 16 + 4 * s; }
-    __device__ __forceinline__ void decode(float* w) const {
-        const float d = f16_to_f32((u16)(dm & 0xffffu));
-        const float m = f16_to_f32((u16)(dm >> 16));
+    // The 8 codes q (exact floats), the scale d and the minimum m: value = fma(q, d, m).
+    __device__ __forceinline__ void codes(float* c) const {
         const u32 lo = DF_LO_NIBBLES(q), hi = DF_HI_NIBBLES(q);
 #pragma unroll
         for (int k = 0; k < 4; k++) {
-            w[k] = __fmaf_rn(byte_to_f32<0>(lo, k), d, m);
-            w[4 + k] = __fmaf_rn(byte_to_f32<0>(hi, k), d, m);
+            c[k] = byte_to_f32<0>(lo, k);
+            c[4 + k] = byte_to_f32<0>(hi, k);
         }
+    }
+    __device__ __forceinline__ float scale() const { return f16_to_f32((u16)(dm & 0xffffu)); }
+    __device__ __forceinline__ float minimum() const { return f16_to_f32((u16)(dm >> 16)); }
+    __device__ __forceinline__ void decode(float* w) const {
+        codes(w);
+        const float d = scale(), m = minimum();
+#pragma unroll
+        for (int k = 0; k < 8; k++) w[k] = __fmaf_rn(w[k], d, m);
     }
 };
 
@@ -169,15 +183,22 @@ struct MmPart<DT_Q8_0> {
     u16 d;
     static __device__ __forceinline__ int xa(int s) { return 8 * s; }
     static __device__ __forceinline__ int xb(int s) { return 8 * s + 4; }
-    __device__ __forceinline__ void decode(float* w) const {
-        const float df = f16_to_f32(d);
+    // The 8 signed codes (exact floats) and the scale: value = code * scale.
+    __device__ __forceinline__ void codes(float* c) const {
         // A signed byte b xor 0x80 is the unsigned byte b + 128.
         const u32 ulo = lo ^ 0x80808080u, uhi = hi ^ 0x80808080u;
 #pragma unroll
         for (int k = 0; k < 4; k++) {
-            w[k] = __fmul_rn(byte_to_f32<128>(ulo, k), df);
-            w[4 + k] = __fmul_rn(byte_to_f32<128>(uhi, k), df);
+            c[k] = byte_to_f32<128>(ulo, k);
+            c[4 + k] = byte_to_f32<128>(uhi, k);
         }
+    }
+    __device__ __forceinline__ float scale() const { return f16_to_f32(d); }
+    __device__ __forceinline__ void decode(float* w) const {
+        codes(w);
+        const float df = scale();
+#pragma unroll
+        for (int k = 0; k < 8; k++) w[k] = __fmul_rn(w[k], df);
     }
 };
 
@@ -351,6 +372,9 @@ __device__ __forceinline__ void mm_epilogue(float* o, float s, float u) {
 
 // Prompt (prefill) rows on tensor cores: mmtc_body, reusing MmPart, swiglu and mm_epilogue above.
 #include "matmul_tc.cu"
+
+// f32-activation rows of packed weights on TF32 tensor cores, x split in two: mmx2_body.
+#include "matmul_x2.cu"
 
 // What lane m of a rope-epilogue warp needs for token m0 + m, found before the wait (the
 // metadata, the KV row table and the frequencies are written by the host before the step):
@@ -822,6 +846,16 @@ __device__ __forceinline__ void mm_body(const MmParams& p) {
     MMTC_KERNEL(SUFFIX, DT, EPI_ADD, add)        \
     MMTC_KERNEL(SUFFIX, DT, EPI_SWIGLU, swiglu)
 
+// Kernel names: mmx2_<format>_<epilogue> (f32 x, packed formats, matmul_x2.cu).
+#define MMX2_KERNEL(SUFFIX, DT, EPI, ENAME)                                      \
+    extern "C" __global__ void __launch_bounds__(X2_WARPS * 32)                  \
+        mmx2_##SUFFIX##_##ENAME(const MmParams p) {                              \
+        mmx2_body<DT, EPI>(p); /* waits for the previous kernel itself */        \
+    }
+#define MMX2_KERNELS(SUFFIX, DT)               \
+    MMX2_KERNEL(SUFFIX, DT, EPI_STORE, store)  \
+    MMX2_KERNEL(SUFFIX, DT, EPI_ADD, add)
+
 // ---- dequantization --------------------------------------------------------------------
 //
 // out[t] = row ids[t] of the table (or row row0 + t when ids is null), as f32; cols must be a
@@ -884,11 +918,13 @@ __device__ __forceinline__ void dequant_body(const u8* __restrict__ table, i64 r
 // Formats with int8 kernels (DF_MM_INT8) are stored on the GPU in their packed layout, every
 // weight (cuda/pack.rs): their f32-activation products, tensor-core prefill and dequantizer
 // read that layout (same decoders, so the same values as the stored one), and they also get the
-// int8 products (mmq_<format>_..., and mmqt_<format>_... on integer tensor cores).
+// int8 products (mmq_<format>_..., and mmqt_<format>_... on integer tensor cores) and the
+// f32-activation products on TF32 tensor cores (mmx2_<format>_...).
 #if DF_MM_INT8
 #define DF_INT8_KERNELS(SUFFIX, DT) \
     MMQ_KERNELS(SUFFIX, DT)         \
-    MMQT_KERNELS(SUFFIX, DT)
+    MMQT_KERNELS(SUFFIX, DT)        \
+    MMX2_KERNELS(SUFFIX, DT + DT_PACKED)
 #define DF_LAYOUT(DT) (DT + DT_PACKED)
 #else
 #define DF_INT8_KERNELS(SUFFIX, DT)

@@ -25,11 +25,15 @@ fn every_m_from_1_to_20_gives_the_bits_of_m_1() {
     // K = 576 (18 groups: a partial last step of 8 groups) and 1536; N not a multiple of any
     // block's rows.
     for (k, n) in [(576usize, 197usize), (1536, 61)] {
-        // Projections (int8 activations in Q4_0/Q4_1/Q8_0) and drafter weights (f32).
-        for (dtype, role) in DType::ALL
-            .into_iter()
-            .flat_map(|d| [(d, WeightRole::Projection), (d, WeightRole::Draft)])
-        {
+        // Projections (int8 activations in Q4_0/Q4_1/Q8_0), drafter weights (f32) and the
+        // output head (f32; TF32 tensor cores in Q4_0/Q4_1/Q8_0).
+        for (dtype, role) in DType::ALL.into_iter().flat_map(|d| {
+            [
+                (d, WeightRole::Projection),
+                (d, WeightRole::Draft),
+                (d, WeightRole::Vocab),
+            ]
+        }) {
             let k = if dtype.block_len() == 256 { 1536 } else { k };
             let w = g
                 .upload_weight(&random_weight(dtype, n, k, 7 + k as u64), role)

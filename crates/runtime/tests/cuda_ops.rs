@@ -187,10 +187,11 @@ fn matmul_every_dtype_matches_cpu_and_is_batch_invariant() {
     let Some(g) = gpu() else { return };
     let c = cpu();
     let ms = [1usize, 2, 5, 16, 100];
-    // Projections of the int8 formats take the int8 kernels; drafter weights the f32 ones.
+    // Projections of the int8 formats take the int8 kernels; drafter weights the f32 ones on
+    // CUDA cores, the output head the f32 ones on TF32 tensor cores (x split in two terms).
     let cases = DType::ALL.into_iter().enumerate().flat_map(|(di, d)| {
         let roles: &[WeightRole] = if matches!(d, DType::Q4_0 | DType::Q4_1 | DType::Q8_0) {
-            &[WeightRole::Projection, WeightRole::Draft]
+            &[WeightRole::Projection, WeightRole::Draft, WeightRole::Vocab]
         } else {
             &[WeightRole::Projection]
         };
@@ -246,6 +247,20 @@ fn matmul_every_dtype_matches_cpu_and_is_batch_invariant() {
                 2e-6,
                 1e-6,
             );
+            if m == 5 {
+                // The add epilogue: bit-identical to the product then `add`.
+                let base = random_vec(m * n, -3.0, 3.0, 17);
+                let mut fused = g.upload(&base, m, n);
+                let mut scratch = g.tensor(0, 0);
+                g.matmul_add(&xg, &wg, &mut fused, &mut scratch);
+                let mut sep = g.upload(&base, m, n);
+                g.add(&mut sep, &og);
+                assert_eq!(
+                    bits(&g.to_host(&fused)),
+                    bits(&g.to_host(&sep)),
+                    "matmul_add {dtype} as {role:?}"
+                );
+            }
             if m == 100 {
                 full = got;
             } else {
@@ -273,7 +288,8 @@ fn matmul_every_dtype_matches_cpu_and_is_batch_invariant() {
 
 /// The numeric path of each weight: int8 activations for the target's projections in Q4_0,
 /// Q4_1 and Q8_0 (as on the CPU), f32 for the vocabulary projection, drafter weights and
-/// other formats.
+/// other formats; the vocabulary projection of those three formats on TF32 tensor cores
+/// (sm_80 and later).
 #[test]
 fn weight_paths_follow_role_and_format() {
     let Some(g) = gpu() else { return };
@@ -293,10 +309,13 @@ fn weight_paths_follow_role_and_format() {
                 },
                 "{dtype} as {role:?}"
             );
+            let packed = matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q8_0);
             if int8 {
                 assert!(path.kernel.starts_with("cuda dp4a"), "{}", path.kernel);
+            } else if role == WeightRole::Vocab && packed && g.compute_capability().0 >= 8 {
+                assert_eq!(path.kernel, "cuda tf32x2 mma", "{dtype} as {role:?}");
             } else {
-                assert_eq!(path.kernel, "cuda");
+                assert_eq!(path.kernel, "cuda", "{dtype} as {role:?}");
             }
         }
     }

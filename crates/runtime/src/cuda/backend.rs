@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use super::device::{
     ck, ensure, int, long, Arg, CudaOptions, Device, Epilogue, PrefillGemm, MM_SEGS, MM_TILES,
     MM_WARPS, NORM_Q_FEW_ROWS, NORM_Q_FEW_THREADS, NORM_Q_THREADS, NORM_STAGE, NORM_THREADS, QT_BM,
-    QT_WARPS, QT_WIDTHS, TC_BM, TC_BN, TC_THREADS,
+    QT_WARPS, QT_WIDTHS, TC_BM, TC_BN, TC_THREADS, X2_BM, X2_NT, X2_WARPS,
 };
 use super::gdn::CudaGdn;
 use super::graph::Graphs;
@@ -386,6 +386,19 @@ impl CudaBackend {
     ) {
         let first = &prods[0];
         let kernels = self.dev.loaded(first.w.dtype);
+        if let Some(f) = self.float_mma_kernel(first.w, epi) {
+            let (p, blocks) = self.mm_params(x_ptr, m, k, prods, row0, X2_WARPS * X2_NT * 16);
+            if blocks > 0 {
+                self.dev.launch_with(
+                    f,
+                    &format!("matmul[{}]", first.w.name),
+                    (blocks as u32, m.div_ceil(X2_BM) as u32, 1),
+                    ((X2_WARPS * 32) as u32, 1, 1),
+                    &p,
+                );
+            }
+            return;
+        }
         let ti = self.mm_tile(m);
         let mma = first.w.int8 && m >= self.dev.int8_mma_min_m;
         // The int8 tensor-core kernels' width (index into QT_WIDTHS): as forced, else the wide
@@ -447,6 +460,18 @@ impl CudaBackend {
                 self.dev.fresh_x.note(q);
             }
         }
+    }
+
+    /// The f32-activation TF32 tensor-core kernel (matmul_x2.cu) of `w`'s products with
+    /// epilogue `epi`, when they take it: weights uploaded for it (`CudaWeight::float_mma`),
+    /// store or add. The rule does not look at M, so every M of a weight runs one kernel (one
+    /// summation order).
+    fn float_mma_kernel(&self, w: &CudaWeight, epi: Epilogue) -> Option<&cudarc::driver::CudaFunction> {
+        if !w.float_mma {
+            return None;
+        }
+        let i = Epilogue::FLOAT_MMA.iter().position(|&e| e == epi)?;
+        self.dev.loaded(w.dtype).mmx2.get(i)
     }
 
     /// Blocks per row tile of x of the int8 tensor-core kernels `tiles` column tiles wide.
@@ -842,6 +867,8 @@ impl Backend for CudaBackend {
         if int8 {
             self.dev.note_int8_k(w.cols);
         }
+        // The vocabulary projection of a packed format on TF32 tensor cores (matmul_x2.cu).
+        let float_mma = self.dev.float_mma && role == WeightRole::Vocab && packed.is_some();
         let row_bytes = packed.as_ref().map_or(w.row_bytes(), |p| p.1);
         let bytes = packed
             .as_ref()
@@ -856,6 +883,7 @@ impl Backend for CudaBackend {
             row_bytes,
             buf,
             int8,
+            float_mma,
         })
     }
 
@@ -870,10 +898,11 @@ impl Backend for CudaBackend {
                 },
             }
         } else {
+            let tf32 = self.float_mma_kernel(w, Epilogue::Store).is_some();
             WeightPath {
                 format: w.dtype,
                 activations: Activations::F32,
-                kernel: "cuda".into(),
+                kernel: if tf32 { "cuda tf32x2 mma" } else { "cuda" }.into(),
             }
         }
     }

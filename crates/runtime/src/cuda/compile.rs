@@ -31,10 +31,11 @@ use crate::dtype::{DType, FORMATS};
 const COMMON: &str = include_str!("../../kernels/common.cu");
 const INCLUDE_COMMON: &str = "#include \"common.cu\"";
 /// Parts of matmul.cu kept in their own files, pasted where it includes them: the
-/// tensor-core products of prompt rows, and the int8 products of verify rows on integer
-/// tensor cores.
-const MATMUL_PARTS: [(&str, &str); 2] = [
+/// tensor-core products of prompt rows, the f32-activation products of packed weights on TF32
+/// tensor cores, and the int8 products of verify rows on integer tensor cores.
+const MATMUL_PARTS: [(&str, &str); 3] = [
     ("matmul_tc.cu", include_str!("../../kernels/matmul_tc.cu")),
+    ("matmul_x2.cu", include_str!("../../kernels/matmul_x2.cu")),
     ("matmul_qtc.cu", include_str!("../../kernels/matmul_qtc.cu")),
 ];
 
@@ -177,15 +178,15 @@ pub fn format_defines() -> String {
 /// The launch shapes and limits the host and the kernels both use, by their kernel names, from
 /// the host's constants: each is stated once, on the host, and pasted ahead of every kernel
 /// file as `#define NAME value` ([`shared_defines`]); the .cu files never restate them.
-fn shared_constants() -> [(&'static str, usize); 30] {
+fn shared_constants() -> [(&'static str, usize); 33] {
     use super::device::{
         Epilogue, ATT_MAX_GHD, ATT_MAX_SPLITS, ATT_THREADS, MM_SEGS, MM_WARPS, NORM_Q_FEW_THREADS,
         NORM_Q_THREADS, NORM_STAGE, NORM_THREADS, QT_BM, QT_NT, QT_NT_NARROW, QT_WARPS, TC_BM,
-        TC_BN, TC_THREADS,
+        TC_BN, TC_THREADS, X2_BM, X2_NT, X2_WARPS,
     };
     use super::{attention, gdn, rope_kv, sample};
     [
-        // matmul.cu, matmul_qtc.cu, matmul_tc.cu
+        // matmul.cu, matmul_qtc.cu, matmul_tc.cu, matmul_x2.cu
         ("MM_WARPS", MM_WARPS),
         ("MM_SEGS", MM_SEGS),
         ("EPI_STORE", Epilogue::Store as usize),
@@ -199,6 +200,9 @@ fn shared_constants() -> [(&'static str, usize); 30] {
         ("TC_BM", TC_BM),
         ("TC_BN", TC_BN),
         ("TC_THREADS", TC_THREADS as usize),
+        ("X2_WARPS", X2_WARPS),
+        ("X2_NT", X2_NT),
+        ("X2_BM", X2_BM),
         // ops.cu
         ("NORM_STAGE", NORM_STAGE),
         ("NORM_THREADS", NORM_THREADS as usize),

@@ -152,6 +152,11 @@ pub(crate) const MM_TILES: [MmTile; 5] = [
 pub(crate) const TC_BM: usize = 64;
 pub(crate) const TC_BN: usize = 32;
 pub(crate) const TC_THREADS: u32 = 128;
+/// Warps per block, tiles of 16 weight rows per warp and rows of x per block of the
+/// f32-activation TF32 tensor-core kernels (X2_WARPS, X2_NT, X2_BM in matmul_x2.cu).
+pub(crate) const X2_WARPS: usize = 4;
+pub(crate) const X2_NT: usize = 2;
+pub(crate) const X2_BM: usize = 16;
 /// The longest row the RMS norm holds in shared memory (NORM_STAGE in ops.cu): only such
 /// rows can be written as int8 x by the norm too.
 pub(crate) const NORM_STAGE: usize = 4096;
@@ -200,6 +205,8 @@ impl Epilogue {
     ];
     /// The epilogues of the tensor-core kernels (`mmtc[epilogue index]`).
     pub const TENSOR: [Epilogue; 3] = [Epilogue::Store, Epilogue::Add, Epilogue::Swiglu];
+    /// The epilogues of the f32-activation TF32 kernels (`mmx2[epilogue index]`).
+    pub const FLOAT_MMA: [Epilogue; 2] = [Epilogue::Store, Epilogue::Add];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -288,6 +295,9 @@ pub(crate) struct FormatKernels {
     pub mmqt: Vec<Vec<CudaFunction>>,
     /// `mmtc[epilogue index]`: the tensor-core kernels of prompt rows (matmul_tc.cu).
     pub mmtc: Vec<CudaFunction>,
+    /// `mmx2[epilogue index]` for [`Epilogue::FLOAT_MMA`]: the f32-activation products on
+    /// TF32 tensor cores (matmul_x2.cu; empty as `mmq` is).
+    pub mmx2: Vec<CudaFunction>,
     pub dequant: CudaFunction,
 }
 
@@ -417,6 +427,11 @@ pub(crate) struct Device {
     pub int8_mma_min_m: usize,
     /// [`CudaOptions::int8_mma_width`].
     pub int8_mma_width: Option<usize>,
+    /// The vocabulary projection (the output head) of packed Q4_0, Q4_1 and Q8_0 weights runs
+    /// on TF32 tensor cores with x split in two terms (`mmx2_*`, matmul_x2.cu) for every M,
+    /// unless `DFLASH_CUDA_FLOAT_MMA=0`; needs sm_80 in the chip and the target. Either way one
+    /// kernel serves every M of a weight.
+    pub float_mma: bool,
     pub name: String,
     pub compute_capability: (i32, i32),
     /// Streaming multiprocessors: a product whose wide int8 tensor-core blocks are fewer takes
@@ -556,6 +571,8 @@ impl Device {
         };
 
         let fuse_rope = switch_on("DFLASH_CUDA_FUSE_ROPE").map_err(dev_err)?;
+        let float_mma =
+            switch_on("DFLASH_CUDA_FLOAT_MMA").map_err(dev_err)? && cc.0 >= 8 && target.arch >= 80;
         let int8_handoff = switch_on("DFLASH_CUDA_INT8_HANDOFF").map_err(dev_err)?;
 
         let int8_mma_min_m =
@@ -600,6 +617,7 @@ impl Device {
             int8: opts.int8,
             int8_mma_min_m,
             int8_mma_width: opts.int8_mma_width,
+            float_mma,
             int8_handoff,
             name,
             compute_capability: cc,
@@ -711,11 +729,20 @@ impl Device {
             .iter()
             .map(|e| get(&format!("mmtc_{sfx}_{}", e.name())))
             .collect::<Result<_, _>>()?;
+        let mmx2 = if int8_format(d) {
+            Epilogue::FLOAT_MMA
+                .iter()
+                .map(|e| get(&format!("mmx2_{sfx}_{}", e.name())))
+                .collect::<Result<_, _>>()?
+        } else {
+            Vec::new()
+        };
         Ok(FormatKernels {
             mm,
             mmq,
             mmqt,
             mmtc,
+            mmx2,
             dequant: get(&format!("dequant_{sfx}"))?,
         })
     }

@@ -44,13 +44,16 @@ pub struct CudaWeight {
     pub(crate) buf: CudaSlice<u8>,
     /// Multiplied with int8-quantized activations (the `mmq_*` kernels), fixed at upload.
     pub(crate) int8: bool,
+    /// Multiplied on TF32 tensor cores with x split in two terms (the `mmx2_*` kernels: the
+    /// vocabulary projection of a packed format, `Device::float_mma`), fixed at upload.
+    pub(crate) float_mma: bool,
 }
 
 impl CudaWeight {
     /// What picks this weight's CUDA-core kernels: its format and activation type. Products
     /// share a launch only when this is the same.
-    pub(crate) fn kernels(&self) -> (DType, bool) {
-        (self.dtype, self.int8)
+    pub(crate) fn kernels(&self) -> (DType, bool, bool) {
+        (self.dtype, self.int8, self.float_mma)
     }
 }
 
