@@ -373,9 +373,6 @@ __device__ __forceinline__ void mm_epilogue(float* o, float s, float u) {
 // Prompt (prefill) rows on tensor cores: mmtc_body, reusing MmPart, swiglu and mm_epilogue above.
 #include "matmul_tc.cu"
 
-// f32-activation rows of packed weights on TF32 tensor cores, x split in two: mmx2_body.
-#include "matmul_x2.cu"
-
 // What lane m of a rope-epilogue warp needs for token m0 + m, found before the wait (the
 // metadata, the KV row table and the frequencies are written by the host before the step):
 // the pair's cos and sin at the token's position, and the token's KV slot for the segment
@@ -740,6 +737,9 @@ __device__ __forceinline__ void mmq_warp(const MmSeg& sg, const int (&nr)[R], co
 
 // 2..16 rows of int8 x on integer tensor cores, same bits: mmqt_body.
 #include "matmul_qtc.cu"
+
+// The output head (f32 x) of packed weights on TF32 tensor cores, x split in two: mmx2_body.
+#include "matmul_x2.cu"
 #endif
 
 // One warp per unit (R weight rows, or a rotary pair) of the segment its block belongs to;
@@ -846,15 +846,18 @@ __device__ __forceinline__ void mm_body(const MmParams& p) {
     MMTC_KERNEL(SUFFIX, DT, EPI_ADD, add)        \
     MMTC_KERNEL(SUFFIX, DT, EPI_SWIGLU, swiglu)
 
-// Kernel names: mmx2_<format>_<epilogue> (f32 x, packed formats, matmul_x2.cu).
-#define MMX2_KERNEL(SUFFIX, DT, EPI, ENAME)                                      \
+// Kernel names: mmx2_<format>_<epilogue>_<MT> (f32 x, packed formats, matmul_x2.cu; MT column
+// tiles of 8 rows of x).
+#define MMX2_KERNEL(SUFFIX, DT, EPI, ENAME, MT)                                  \
     extern "C" __global__ void __launch_bounds__(X2_WARPS * 32)                  \
-        mmx2_##SUFFIX##_##ENAME(const MmParams p) {                              \
-        mmx2_body<DT, EPI>(p); /* waits for the previous kernel itself */        \
+        mmx2_##SUFFIX##_##ENAME##_##MT(const MmParams p) {                       \
+        mmx2_body<DT, EPI, MT>(p); /* waits for the previous kernel itself */    \
     }
-#define MMX2_KERNELS(SUFFIX, DT)               \
-    MMX2_KERNEL(SUFFIX, DT, EPI_STORE, store)  \
-    MMX2_KERNEL(SUFFIX, DT, EPI_ADD, add)
+#define MMX2_KERNELS(SUFFIX, DT)                   \
+    MMX2_KERNEL(SUFFIX, DT, EPI_STORE, store, 1)   \
+    MMX2_KERNEL(SUFFIX, DT, EPI_ADD, add, 1)       \
+    MMX2_KERNEL(SUFFIX, DT, EPI_STORE, store, 2)   \
+    MMX2_KERNEL(SUFFIX, DT, EPI_ADD, add, 2)
 
 // ---- dequantization --------------------------------------------------------------------
 //

@@ -386,7 +386,7 @@ impl CudaBackend {
     ) {
         let first = &prods[0];
         let kernels = self.dev.loaded(first.w.dtype);
-        if let Some(f) = self.float_mma_kernel(first.w, epi) {
+        if let Some(f) = self.float_mma_kernel(first.w, epi, m) {
             let (p, blocks) = self.mm_params(x_ptr, m, k, prods, row0, X2_WARPS * X2_NT * 16);
             if blocks > 0 {
                 self.dev.launch_with(
@@ -462,16 +462,22 @@ impl CudaBackend {
         }
     }
 
-    /// The f32-activation TF32 tensor-core kernel (matmul_x2.cu) of `w`'s products with
-    /// epilogue `epi`, when they take it: weights uploaded for it (`CudaWeight::float_mma`),
-    /// store or add. The rule does not look at M, so every M of a weight runs one kernel (one
-    /// summation order).
-    fn float_mma_kernel(&self, w: &CudaWeight, epi: Epilogue) -> Option<&cudarc::driver::CudaFunction> {
+    /// The TF32 tensor-core kernel (matmul_x2.cu) of `w`'s products of `m` rows with epilogue
+    /// `epi`, when they take it: weights uploaded for it (`CudaWeight::float_mma`), store or
+    /// add. Whether they take it does not depend on M, and the kernels for one and two column
+    /// tiles give a row the same bits, so every M of a weight has one summation order.
+    fn float_mma_kernel(
+        &self,
+        w: &CudaWeight,
+        epi: Epilogue,
+        m: usize,
+    ) -> Option<&cudarc::driver::CudaFunction> {
         if !w.float_mma {
             return None;
         }
         let i = Epilogue::FLOAT_MMA.iter().position(|&e| e == epi)?;
-        self.dev.loaded(w.dtype).mmx2.get(i)
+        let tiles = if m > 8 { 2 } else { 1 };
+        self.dev.loaded(w.dtype).mmx2.get(tiles - 1)?.get(i)
     }
 
     /// Blocks per row tile of x of the int8 tensor-core kernels `tiles` column tiles wide.
@@ -898,7 +904,7 @@ impl Backend for CudaBackend {
                 },
             }
         } else {
-            let tf32 = self.float_mma_kernel(w, Epilogue::Store).is_some();
+            let tf32 = self.float_mma_kernel(w, Epilogue::Store, 1).is_some();
             WeightPath {
                 format: w.dtype,
                 activations: Activations::F32,

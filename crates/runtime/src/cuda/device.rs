@@ -295,9 +295,10 @@ pub(crate) struct FormatKernels {
     pub mmqt: Vec<Vec<CudaFunction>>,
     /// `mmtc[epilogue index]`: the tensor-core kernels of prompt rows (matmul_tc.cu).
     pub mmtc: Vec<CudaFunction>,
-    /// `mmx2[epilogue index]` for [`Epilogue::FLOAT_MMA`]: the f32-activation products on
-    /// TF32 tensor cores (matmul_x2.cu; empty as `mmq` is).
-    pub mmx2: Vec<CudaFunction>,
+    /// `mmx2[column tiles - 1][epilogue index]` for 1 and 2 column tiles of 8 rows of x and
+    /// the epilogues of [`Epilogue::FLOAT_MMA`]: the output head on TF32 tensor cores
+    /// (matmul_x2.cu; empty as `mmq` is).
+    pub mmx2: Vec<Vec<CudaFunction>>,
     pub dequant: CudaFunction,
 }
 
@@ -730,9 +731,13 @@ impl Device {
             .map(|e| get(&format!("mmtc_{sfx}_{}", e.name())))
             .collect::<Result<_, _>>()?;
         let mmx2 = if int8_format(d) {
-            Epilogue::FLOAT_MMA
-                .iter()
-                .map(|e| get(&format!("mmx2_{sfx}_{}", e.name())))
+            (1..=2)
+                .map(|mt| {
+                    Epilogue::FLOAT_MMA
+                        .iter()
+                        .map(|e| get(&format!("mmx2_{sfx}_{}_{mt}", e.name())))
+                        .collect::<Result<_, _>>()
+                })
                 .collect::<Result<_, _>>()?
         } else {
             Vec::new()
