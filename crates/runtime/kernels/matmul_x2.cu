@@ -12,14 +12,15 @@
 // them, so a verify block's logits equal decode logits bit for bit.
 //
 // Numbers. A weight is code · d (Q4_0: code q - 8; Q8_0: the signed byte; Q4_1: q · d + m)
-// with the code a small integer, exact in TF32. x is split into hi = tf32(x) and
-// lo = tf32(x - hi) (x - hi is exact in f32), so hi + lo is within 2^-22 |x| of x. For each
-// 32-value group and output (m, n), P = Σ code·hi + Σ code·lo over the group's four k-steps
-// of 8 (per k-step the hi product, then the lo one, added by the MMA into one f32 fragment
-// that starts at zero; products of TF32 values are exact), then acc = fma(d, P, acc); for
-// Q4_1 also acc = fma(m, S, acc), S = Σ x over the group by the same MMAs with all-one
-// weights. Groups run in increasing order. The result is within about
-// (2^-22 + K·2^-23) · Σ_k |x_k w_k| of the exact product, as an f32 dot product on CUDA cores
+// with the code a small integer, exact in TF32. x is split into hi = x rounded to TF32 and
+// lo = x - hi (exact in f32; the MMA reads it truncated to TF32), so the MMA sees x within
+// 2^-21 |x|. For each
+// 32-value group and output (m, n), P = Σ code·hi + Σ code·lo: the group's four k-steps of 8
+// added by the MMA into an f32 fragment that starts at zero, one fragment for the hi products
+// and one for the lo ones (products of TF32 values are exact), the two then added; then
+// acc = fma(d, P, acc); for Q4_1 also acc = fma(m, S, acc), S = Σ x over the group by the
+// same MMAs with all-one weights. Groups run in increasing order. The result is within about
+// (2^-21 + K·2^-23) · Σ_k |x_k w_k| of the exact product, as an f32 dot product on CUDA cores
 // would be (tests/cuda_ops.rs checks it against the CPU); the order depends on K alone, not
 // on M, the block or the tile.
 //
@@ -65,10 +66,12 @@ struct X2Fmt {
 
 #if __CUDA_ARCH__ >= 800
 
-// hi = tf32(v), lo = tf32(v - hi).
+// hi = v rounded to TF32 (10 explicit mantissa bits; ties away from zero, by integer arithmetic
+// on the bits: cvt.rna.tf32.f32 is a sequence of 4-5 instructions on sm_90), lo = v - hi
+// (exact), whose low 13 bits the MMA ignores (it reads a TF32 operand's top 19 bits).
 __device__ __forceinline__ void tf32_split(float v, u32* hi, u32* lo) {
-    *hi = tf32_of(v);
-    *lo = tf32_of(__fsub_rn(v, __uint_as_float(*hi)));
+    *hi = (__float_as_uint(v) + 0x1000u) & 0xffffe000u;
+    *lo = __float_as_uint(__fsub_rn(v, __uint_as_float(*hi)));
 }
 
 // cp.async of `size` (4, 8 or 16) bytes through L1, of which the first `bytes` are read and the
@@ -223,16 +226,19 @@ __device__ __forceinline__ void mmx2_body(const MmParams& p) {
                         x2_part<DT>(part[i][h], stage, 16 * i + 8 * h + g, gi, t);
                         part[i][h].codes(code[i][h]);
                     }
-                float sum[X2_NT][MT][4];
-                float xsum[MT][4];
+                // [0]: the hi products, [1]: the lo ones (two chains of 4 MMAs, not one of 8)
+                float sum[2][X2_NT][MT][4];
+                float xsum[2][MT][4];
 #pragma unroll
-                for (int c = 0; c < MT; c++)
+                for (int v = 0; v < 2; v++)
 #pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        xsum[c][e] = 0.0f;
+                    for (int c = 0; c < MT; c++)
 #pragma unroll
-                        for (int i = 0; i < X2_NT; i++) sum[i][c][e] = 0.0f;
-                    }
+                        for (int e = 0; e < 4; e++) {
+                            xsum[v][c][e] = 0.0f;
+#pragma unroll
+                            for (int i = 0; i < X2_NT; i++) sum[v][i][c][e] = 0.0f;
+                        }
 #pragma unroll
                 for (int s = 0; s < 4; s++) {
 #pragma unroll
@@ -241,12 +247,12 @@ __device__ __forceinline__ void mmx2_body(const MmParams& p) {
                         for (int i = 0; i < X2_NT; i++) {
                             const u32 a[4] = {__float_as_uint(code[i][0][s]), __float_as_uint(code[i][1][s]),
                                               __float_as_uint(code[i][0][4 + s]), __float_as_uint(code[i][1][4 + s])};
-                            mma_tf32(sum[i][c], a, xh[c][s], xh[c][4 + s]);
-                            mma_tf32(sum[i][c], a, xl[c][s], xl[c][4 + s]);
+                            mma_tf32(sum[0][i][c], a, xh[c][s], xh[c][4 + s]);
+                            mma_tf32(sum[1][i][c], a, xl[c][s], xl[c][4 + s]);
                         }
                         if (MIN) {
-                            mma_tf32(xsum[c], ones, xh[c][s], xh[c][4 + s]);
-                            mma_tf32(xsum[c], ones, xl[c][s], xl[c][4 + s]);
+                            mma_tf32(xsum[0][c], ones, xh[c][s], xh[c][4 + s]);
+                            mma_tf32(xsum[1][c], ones, xl[c][s], xl[c][4 + s]);
                         }
                     }
                 }
@@ -259,8 +265,12 @@ __device__ __forceinline__ void mmx2_body(const MmParams& p) {
                         for (int c = 0; c < MT; c++)
 #pragma unroll
                             for (int e = 2 * h; e < 2 * h + 2; e++) {
-                                float a = __fmaf_rn(d, sum[i][c][e], acc[i][c][e]);
-                                if constexpr (MIN) a = __fmaf_rn(part[i][h].minimum(), xsum[c][e], a);
+                                const float pe = __fadd_rn(sum[0][i][c][e], sum[1][i][c][e]);
+                                float a = __fmaf_rn(d, pe, acc[i][c][e]);
+                                if constexpr (MIN) {
+                                    const float se = __fadd_rn(xsum[0][c][e], xsum[1][c][e]);
+                                    a = __fmaf_rn(part[i][h].minimum(), se, a);
+                                }
                                 acc[i][c][e] = a;
                             }
                     }
