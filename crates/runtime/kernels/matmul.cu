@@ -77,6 +77,17 @@ struct MmParams {
     int pad2;
 };
 
+// The segment of this block (blocks are handed out segment after segment), for every
+// product kernel.
+__device__ __forceinline__ int mm_segment(const MmParams& p) {
+    int si = 0;
+#pragma unroll
+    for (int k = 1; k < MM_SEGS; k++) {
+        if (k < p.nseg && (int)blockIdx.x >= p.seg[k].block0) si = k;
+    }
+    return si;
+}
+
 // The 8 values of quarter s of group g: weights in w[0..8], matching x at offsets
 // 32g + xa .. +4 and 32g + xb .. +4.
 template <int DT>
@@ -126,6 +137,15 @@ struct MmPart<DT_BF16> : MmPartHalf<true> {};
 // whose low nibbles are values 4s.. and high nibbles values 16 + 4s... The GPU keeps Q4_0,
 // Q4_1 and Q8_0 in their packed layout, whose loaders (MmPart<DT + DT_PACKED>, below) fill
 // these decoders.
+// w = codes · scale, for the formats whose values are that (Q4_0, Q8_0).
+template <class P>
+__device__ __forceinline__ void decode_scaled(const P& part, float* w) {
+    part.codes(w);
+    const float df = part.scale();
+#pragma unroll
+    for (int k = 0; k < 8; k++) w[k] = __fmul_rn(w[k], df);
+}
+
 template <>
 struct MmPart<DT_Q4_0> {
     u32 q;
@@ -142,12 +162,7 @@ struct MmPart<DT_Q4_0> {
         }
     }
     __device__ __forceinline__ float scale() const { return f16_to_f32(d); }
-    __device__ __forceinline__ void decode(float* w) const {
-        codes(w);
-        const float df = scale();
-#pragma unroll
-        for (int k = 0; k < 8; k++) w[k] = __fmul_rn(w[k], df);
-    }
+    __device__ __forceinline__ void decode(float* w) const { decode_scaled(*this, w); }
 };
 
 // Q4_1 (stored: 20 bytes, f16 d, f16 m and 16 nibble bytes): as Q4_0, value fma(q, d, m).
@@ -194,12 +209,7 @@ struct MmPart<DT_Q8_0> {
         }
     }
     __device__ __forceinline__ float scale() const { return f16_to_f32(d); }
-    __device__ __forceinline__ void decode(float* w) const {
-        codes(w);
-        const float df = scale();
-#pragma unroll
-        for (int k = 0; k < 8; k++) w[k] = __fmul_rn(w[k], df);
-    }
+    __device__ __forceinline__ void decode(float* w) const { decode_scaled(*this, w); }
 };
 
 // Byte i (0..12) of three little-endian words, without an indexed (local-memory) array.
@@ -747,11 +757,7 @@ __device__ __forceinline__ void mmq_warp(const MmSeg& sg, const int (&nr)[R], co
 // for formats with int8 kernels their packed layout, DT + DT_PACKED).
 template <int DT, int MT, int R, int EPI, bool Q>
 __device__ __forceinline__ void mm_body(const MmParams& p) {
-    int si = 0;
-#pragma unroll
-    for (int k = 1; k < MM_SEGS; k++) {
-        if (k < p.nseg && (int)blockIdx.x >= p.seg[k].block0) si = k;
-    }
+    const int si = mm_segment(p);
     const MmSeg& sg = p.seg[si];
     const int warp = threadIdx.x >> 5;
     const int unit = ((int)blockIdx.x - sg.block0) * MM_WARPS + warp;  // R rows, or a pair

@@ -75,16 +75,6 @@ struct QtShape {
     static constexpr int SB = MmQ<DT>::SB;
 };
 
-// The segment of this block (blocks are handed out segment after segment).
-__device__ __forceinline__ int qt_segment(const MmParams& p) {
-    int si = 0;
-#pragma unroll
-    for (int k = 1; k < MM_SEGS; k++) {
-        if (k < p.nseg && (int)blockIdx.x >= p.seg[k].block0) si = k;
-    }
-    return si;
-}
-
 // Byte offset of the weight row of column c of the block whose first column is c0 (rope: pair
 // c / 2, row ia or ib); past the end clamped to the last row (its results are not stored).
 template <int EPI>
@@ -201,7 +191,7 @@ struct QtBlock {
 
 __device__ __forceinline__ QtBlock qt_block(const MmParams& p, int bn) {
     QtBlock b;
-    b.si = qt_segment(p);
+    b.si = mm_segment(p);
     b.c0 = ((int)blockIdx.x - p.seg[b.si].block0) * bn;
     b.m0 = (int)blockIdx.y * QT_BM;
     b.ml = min(QT_BM, p.m - b.m0);

@@ -149,11 +149,7 @@ __device__ __forceinline__ void mmtc_body(const MmParams& p) {
     __shared__ __align__(16) u32 xs[TC_BM * TC_LD];
     __shared__ __align__(16) u32 ws[W][TC_BN * TC_LD];
 
-    int si = 0;
-#pragma unroll
-    for (int k = 1; k < MM_SEGS; k++) {
-        if (k < p.nseg && (int)blockIdx.x >= p.seg[k].block0) si = k;
-    }
+    const int si = mm_segment(p);
     const MmSeg& sg = p.seg[si];
     const int n0 = ((int)blockIdx.x - sg.block0) * TC_BN;
     if (n0 >= sg.n) return;  // the whole block leaves, before any barrier

@@ -133,11 +133,7 @@ __device__ __forceinline__ void mmx2_body(const MmParams& p) {
     static_assert(S >= 2, "the ring needs two stages");
     __shared__ __align__(16) u8 ring_mem[X2_WARPS][S * F::STAGE];
 
-    int si = 0;
-#pragma unroll
-    for (int k = 1; k < MM_SEGS; k++) {
-        if (k < p.nseg && (int)blockIdx.x >= p.seg[k].block0) si = k;
-    }
+    const int si = mm_segment(p);
     const MmSeg& sg = p.seg[si];
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;

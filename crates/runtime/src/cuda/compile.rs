@@ -689,7 +689,9 @@ mod tests {
     /// KV row table, copied before the step) and then wait: `mm_body` waits on both of its
     /// paths (a warp without rows, and `mm_warp` / `mmq_warp` before its first read of x), and
     /// so do `mmqt_body` and `mmqt_pipe_body` (matmul_qtc.cu, through `mmqt_kernel_body`), which
-    /// have no early exit (the pipelined one requests its first weight stages before it waits);
+    /// have no early exit (the pipelined one requests its first weight stages before it waits),
+    /// and `mmx2_body` (matmul_x2.cu: weight stages requested first; a warp without rows waits
+    /// before it leaves);
     /// and the attention split
     /// and merge kernels and the q/k norm, which read the metadata, the row table and (the
     /// norm) its weights, and (the split) prefetch keys and values into L2, never into
@@ -711,7 +713,9 @@ mod tests {
                     .unwrap_or("")
                     .trim_matches(|c: char| c.is_whitespace() || c == '\\');
                 let waits_in_body = (matches!(m, Module::Matmul(_))
-                    && (first.starts_with("mm_body<") || first.starts_with("mmqt_kernel_body<")))
+                    && (first.starts_with("mm_body<")
+                        || first.starts_with("mmqt_kernel_body<")
+                        || first.starts_with("mmx2_body<")))
                     || (m == Module::Attention
                         && (first.starts_with("attention_split_body<")
                             || first.starts_with("attention_merge_body<")))
@@ -741,7 +745,14 @@ mod tests {
         );
         // Both int8 tensor-core bodies read x through qt_load_x, after their wait, and never
         // leave before it (the pipelined one requests weights, the host's, before it).
-        let qtc = MATMUL_PARTS[1].1;
+        let part = |file: &str| {
+            MATMUL_PARTS
+                .iter()
+                .find(|(f, _)| *f == file)
+                .expect("a matmul part")
+                .1
+        };
+        let qtc = part("matmul_qtc.cu");
         let load_x = qtc.find("void qt_load_x(").expect("qt_load_x");
         assert!(qtc[load_x..].contains("__ldg(xs"), "qt_load_x reads x");
         for name in ["mmqt_body", "mmqt_pipe_body"] {
@@ -759,6 +770,21 @@ mod tests {
                 "{name} reads x before it waits"
             );
         }
+        // The head's TF32 body requests weight stages (the host's) before its wait, reads x
+        // after it, and its one early exit (a warp without rows) waits first.
+        let x2 = part("matmul_x2.cu");
+        let at = x2.find("void mmx2_body(").expect("mmx2_body");
+        let body = &x2[at..at + x2[at..].find("\n}").expect("end of mmx2_body")];
+        let wait = body.rfind("df_kernel_begin();").expect("mmx2_body waits");
+        assert!(
+            wait < body.find("__ldg(").expect("mmx2_body reads x"),
+            "mmx2_body reads x before it waits"
+        );
+        assert_eq!(body[..wait].matches("return").count(), 1);
+        assert!(
+            body.contains("df_kernel_begin();\n        return;"),
+            "a warp without rows leaves mmx2_body without waiting"
+        );
         // The attention split and merge bodies and the q/k norm read the host's metadata and
         // row table (the split also prefetches into L2) first, then wait before they read
         // what a kernel writes (q, k, v, the split states) or leave.
