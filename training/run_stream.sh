@@ -10,8 +10,8 @@
 #   bash run_stream.sh run     # stage + assemble the target; once per machine: bf16/fp32 greedy
 #                              # agreement beside the first shard (picks the dtype of later calls);
 #                              # gen_data on GPU 0 and stream_train on the last GPU (both on GPU 0
-#                              # with one GPU) until TOTAL_S; with 2+ GPUs and KD_ALPHA != 0 a second
-#                              # trainer with distillation shares GPU 0 (A/B; the best walk tau ships)
+#                              # with one GPU) until TOTAL_S; with 2+ GPUs (or KD_AB=1) and KD_ALPHA != 0
+#                              # a second trainer with distillation shares GPU 0 (A/B; the best walk tau ships)
 #   bash run_stream.sh eval    # dflash eval / bench of the best drafter (carried CUDA build)
 #
 # The script may live anywhere (the device call carries it); it finds dflash_train next to itself.
@@ -26,6 +26,8 @@
 #                       agreement with fp32 is >= AGREE_MIN, else float32)
 #   AGREE_MIN=0.99      (AGREE=0 skips the agreement check; then set GEN_DTYPE)
 #   EVAL_SPECS / BENCH_BLOCKS  mode eval: "name file limit;..." prompt sets, blocks for dflash bench
+#   EVAL_RUNS=          mode eval: the runs to evaluate ("train train_kd"; default: the best walk tau)
+#   KD_AB=0             1: the distillation arm (KD_ALPHA) beside the plain trainer on a one-GPU machine
 #   GEN_ARGS= / TRAIN_ARGS=   extra arguments for gen_data / stream_train (after the bench call's
 #                       choices; a carried */init_drafter.tar.xz export starts the trainer from it)
 #   BENCH_ARGS= / TRAIN_BENCH_ARGS=   extra arguments for bench_gen throughput / bench_train (mode bench)
@@ -80,31 +82,35 @@ if [ "$MODE" = "eval" ]; then
   BIN=("$IN"/*/dflash); BIN="${BIN[0]}"; chmod +x "$BIN"
   [ -f "$HERE/cuda_env.sh" ] && source "$HERE/cuda_env.sh"
   M=("$W"/stage/*.gguf); M="${M[0]}"
-  D="$W/$(cat "$W/best_run.txt" 2>/dev/null || echo train)/best"
-  E="$W/engine"; mkdir -p "$E"
+  for RUN in ${EVAL_RUNS:-$(cat "$W/best_run.txt" 2>/dev/null || echo train)}; do
+  D="$W/$RUN/best"
+  E="$W/engine_$RUN"; mkdir -p "$E"
   log "eval of $D with $BIN"
   IFS=';' read -ra SPECS <<< "${EVAL_SPECS:-mt-bench mt_bench_first_turns.jsonl 80;sharegpt-heldout sharegpt_heldout.jsonl 20}"
   for spec in "${SPECS[@]}"; do
     set -- $spec
-    for T in 0 1; do for BS in ${EVAL_BLOCKS:-16 8}; do
+    for T in ${EVAL_TEMPS:-0 1}; do for BS in ${EVAL_BLOCKS:-16 8}; do
       [ "$(left)" -lt 40 ] && { log "out of time"; break 3; }
       timeout $(( $(left) - 20 )) "$BIN" eval --prompts "$W/stage/eval/$2" --limit "$3" -m "$M" --device cuda \
         --draft "$D" --block-size "$BS" --temperature "$T" --seed 1 --max-tokens 256 --batch 4 \
         --output-format json > "$E/eval_$1_T${T}_B${BS}.json" 2> "$E/eval_$1_T${T}_B${BS}.err"
-      log "eval $1 T=$T B=$BS rc $?: $(python3 -c "import json,sys; d=json.load(open('$E/eval_$1_T${T}_B${BS}.json')); print({k: d.get(k) for k in ('tau', 'tokens', 'rounds')})" 2>&1 | tail -1)"
+      log "eval $RUN $1 T=$T B=$BS rc $?: $(python3 -c "import json,sys; d=json.load(open('$E/eval_$1_T${T}_B${BS}.json')); print({k: d.get(k) for k in ('tau', 'tokens', 'rounds')})" 2>&1 | tail -1)"
     done; done
   done
   # AR vs DFlash (the command times both arms) for the new drafter and, when carried, the one it
-  # started from, at each of BENCH_BLOCKS
+  # started from (once), at each of BENCH_BLOCKS
   for DD in "$D" "$W/init_drafter"; do for BS in ${BENCH_BLOCKS:-16}; do
     [ -f "$DD/config.json" ] || continue
+    [ -e "$W/engine_init_B$BS" ] && [ "$DD" = "$W/init_drafter" ] && continue
     [ "$(left)" -lt 30 ] && break 2
     echo "== $DD block $BS" >> "$E/bench.txt"
     timeout $(( $(left) - 10 )) "$BIN" bench -m "$M" --device cuda --draft "$DD" --block-size "$BS" -n 128 -r 3 \
       > "$E/bench_$(basename "$DD")_B$BS.txt" 2>&1
+    [ "$DD" = "$W/init_drafter" ] && touch "$W/engine_init_B$BS"
     grep -E "^\| (AR|.*tg128)" "$E/bench_$(basename "$DD")_B$BS.txt" | tee -a "$E/bench.txt"
   done; done
-  tar -czf "$OUTDIR/engine.tgz" -C "$W" engine
+  tar -czf "$OUTDIR/engine_$RUN.tgz" -C "$W" "engine_$RUN"
+  done
   log "eval done"; exit 0
 fi
 
@@ -168,7 +174,7 @@ KV=$([ "$NGPU" -gt 1 ] && echo 80 || echo 56)
 # A/B: with two GPUs, a second trainer with distillation (KD_ALPHA) shares GPU 0 with the generator
 KD_ALPHA="${KD_ALPHA:-0.5}"
 KD_PID=
-if [ "$NGPU" -gt 1 ] && [ "$KD_ALPHA" != "0" ]; then
+if { [ "$NGPU" -gt 1 ] || [ "${KD_AB:-0}" = 1 ]; } && [ "$KD_ALPHA" != "0" ]; then
   mkdir -p "$W/train_kd"
   ( python3 -m dflash_train.stream_train --target "$TARGET" --data-dir "$W/data" --work "$W/train_kd" \
       --time-limit-s "$BUDGET" --device cuda:0 --log-every 50 --kd-alpha "$KD_ALPHA" ${TRAIN_ARGS:-} 2>&1 \
