@@ -6,6 +6,8 @@
 //!   f16, bf16, f32) and tiny shapes (fewer than 16 output rows) keep the f32 kernels.
 //! - `int8-vocab`: as `auto`, and the vocabulary projection too (for measurements; drafts
 //!   then also read int8 vocabulary logits).
+//! - `int8-draft`: as `auto`, and the drafter's own projections too (fc, q, k, v, o, gate,
+//!   up, down); the draft head keeps f32 activations.
 //! - `reference`: the f32 kernels everywhere.
 //!
 //! A weight's path is fixed when it is uploaded, so every product with it, whatever the
@@ -30,6 +32,7 @@ pub enum MatmulMode {
     #[default]
     Auto,
     Int8Vocab,
+    Int8Draft,
     Reference,
 }
 
@@ -40,9 +43,10 @@ impl FromStr for MatmulMode {
         match s {
             "" | "auto" => Ok(MatmulMode::Auto),
             "int8-vocab" => Ok(MatmulMode::Int8Vocab),
+            "int8-draft" => Ok(MatmulMode::Int8Draft),
             "reference" => Ok(MatmulMode::Reference),
             other => Err(RuntimeError::Device(format!(
-                "{ENV}={other:?}: expected auto, int8-vocab or reference"
+                "{ENV}={other:?}: expected auto, int8-vocab, int8-draft or reference"
             ))),
         }
     }
@@ -53,6 +57,7 @@ impl fmt::Display for MatmulMode {
         f.write_str(match self {
             MatmulMode::Auto => "auto",
             MatmulMode::Int8Vocab => "int8-vocab",
+            MatmulMode::Int8Draft => "int8-draft",
             MatmulMode::Reference => "reference",
         })
     }
@@ -69,6 +74,7 @@ impl MatmulMode {
             (MatmulMode::Reference, _) => false,
             (_, WeightRole::Projection) => true,
             (MatmulMode::Int8Vocab, WeightRole::Vocab) => true,
+            (MatmulMode::Int8Draft, WeightRole::Draft) => true,
             _ => false,
         }
     }
@@ -130,6 +136,10 @@ mod tests {
             "int8-vocab".parse::<MatmulMode>().unwrap(),
             MatmulMode::Int8Vocab
         );
+        assert_eq!(
+            "int8-draft".parse::<MatmulMode>().unwrap(),
+            MatmulMode::Int8Draft
+        );
         let e = "fast".parse::<MatmulMode>().unwrap_err().to_string();
         assert!(
             e.contains("DFLASH_MATMUL") && e.contains("reference"),
@@ -164,6 +174,16 @@ mod tests {
         // Drafter weights, other formats, tiny shapes, reference mode, no int8 family: f32.
         assert_eq!(
             sel(auto, WeightRole::Draft, DType::Q4_1, 576, 576),
+            CpuPath::F32(isa)
+        );
+        // `int8-draft` moves the drafter's projections (fc 576x2880 too) but not any head.
+        let draft = MatmulMode::Int8Draft;
+        for (n, k) in [(576, 2880), (576, 576), (1536, 576), (576, 1536)] {
+            let p = sel(draft, WeightRole::Draft, DType::Q4_1, n, k);
+            assert_eq!(p, CpuPath::Int8(Int8Kernel::Avx2));
+        }
+        assert_eq!(
+            sel(draft, WeightRole::Vocab, head.0, head.1, head.2),
             CpuPath::F32(isa)
         );
         for d in [DType::Q4K, DType::Q6K, DType::BF16, DType::F16, DType::F32] {
