@@ -75,6 +75,10 @@ struct MmParams {
     int style;
     int kv_dim;
     int pad2;
+    // mmqs (SwiGLU that also writes the int8 copy of its output, q8_block): codes [M, n] and
+    // the (d, ds) pairs [M, n / 32]; else 0.
+    u64 oc;
+    u64 os;
 };
 
 // The segment of this block (blocks are handed out segment after segment), for every
@@ -745,6 +749,33 @@ __device__ __forceinline__ void mmq_warp(const MmSeg& sg, const int (&nr)[R], co
     mm_finish<MT, R, W, EPI>(acc, sg, nr, p, m0, seg, ml, rl);
 }
 
+// SwiGLU products of int8 x that also write the int8 copy of their output for the down
+// projection after them (cuda/int8_x.rs), saving its quantizer launch. A block is SQ_WARPS
+// warps of SQ_R gate/up row pairs (SQ_WARPS * SQ_R = GROUP), so it owns one whole 32-value
+// block of every row of x: mmq_warp writes the outputs, and after the block's barrier (which
+// makes them visible to the block) warp m quantizes row m0 + m's block with the quantizer's
+// own code (q8_block): the copy has the quantizer's bits, and the outputs mmq_warp's, which do
+// not depend on R. The host takes these for the dp4a tiles (MT <= 4) of products whose width
+// is a whole number of blocks (no warp leaves early, so every warp reaches the barrier).
+template <int DT, int MT>
+__device__ __forceinline__ void mmqs_body(const MmParams& p) {
+    const MmSeg& sg = p.seg[0];
+    const int warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
+    const int n0 = (int)blockIdx.x * GROUP;
+    const int m0 = (int)blockIdx.y * MT;
+    int nr[SQ_R];
+#pragma unroll
+    for (int r = 0; r < SQ_R; r++) nr[r] = n0 + warp * SQ_R + r;
+    mmq_warp<DT, MT, SQ_R, EPI_SWIGLU>(sg, nr, p, m0, 0, 0);
+    __syncthreads();
+    if (warp < min(MT, p.m - m0)) {
+        const size_t i = (size_t)(m0 + warp) * sg.n + n0 + lane;
+        const float y = ((const float*)sg.out)[i];
+        q8_block(y, lane, (signed char*)p.oc + i, (float2*)p.os + i / GROUP);
+    }
+}
+
 // 2..16 rows of int8 x on integer tensor cores, same bits: mmqt_body.
 #include "matmul_qtc.cu"
 
@@ -821,6 +852,17 @@ __device__ __forceinline__ void mm_body(const MmParams& p) {
     EPIS(SUFFIX, DT, 16, 4, 2)
 #define MM_KERNELS(SUFFIX, DT) MM_TILES_OF(MM_EPIS, SUFFIX, DT)
 #define MMQ_KERNELS(SUFFIX, DT) MM_TILES_OF(MMQ_EPIS, SUFFIX, DT)
+
+// Kernel names: mmqs_<format>_<MT> (int8 SwiGLU writing the int8 copy of its output; the
+// dp4a tiles, MT <= 4).
+#define MMQS_KERNEL(SUFFIX, DT, MT)                                                          \
+    extern "C" __global__ void __launch_bounds__(SQ_WARPS * 32) mmqs_##SUFFIX##_##MT(const MmParams p) { \
+        mmqs_body<DT, MT>(p); /* waits for the previous kernel itself (mmq_warp) */          \
+    }
+#define MMQS_KERNELS(SUFFIX, DT) \
+    MMQS_KERNEL(SUFFIX, DT, 1)   \
+    MMQS_KERNEL(SUFFIX, DT, 2)   \
+    MMQS_KERNEL(SUFFIX, DT, 4)
 
 // Kernel names: mmqt_<format>_<epilogue>_<T> (int8 x on integer tensor cores, matmul_qtc.cu;
 // T column tiles of 8 per block: QT_NT and QT_NT_NARROW).
@@ -927,11 +969,13 @@ __device__ __forceinline__ void dequant_body(const u8* __restrict__ table, i64 r
 // Formats with int8 kernels (DF_MM_INT8) are stored on the GPU in their packed layout, every
 // weight (cuda/pack.rs): their f32-activation products, tensor-core prefill and dequantizer
 // read that layout (same decoders, so the same values as the stored one), and they also get the
-// int8 products (mmq_<format>_..., and mmqt_<format>_... on integer tensor cores) and the
+// int8 products (mmq_<format>_..., mmqs_<format>_... for SwiGLU with the int8 copy of its output,
+// and mmqt_<format>_... on integer tensor cores) and the
 // f32-activation products on TF32 tensor cores (mmx2_<format>_...).
 #if DF_MM_INT8
 #define DF_INT8_KERNELS(SUFFIX, DT) \
     MMQ_KERNELS(SUFFIX, DT)         \
+    MMQS_KERNELS(SUFFIX, DT)        \
     MMQT_KERNELS(SUFFIX, DT)        \
     MMX2_KERNELS(SUFFIX, DT + DT_PACKED)
 #define DF_LAYOUT(DT) (DT + DT_PACKED)

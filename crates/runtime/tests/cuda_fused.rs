@@ -805,3 +805,77 @@ fn int8_x_from_norm_and_attention_equals_the_quantizer() {
         }
     }
 }
+
+#[test]
+fn int8_x_from_swiglu_equals_the_quantizer() {
+    if gpu().is_none() {
+        return;
+    }
+    // Backends of their own (launch counts are this test's alone): the SwiGLU product writes
+    // the int8 copy of its output (`mmqs_*`) or leaves it to the quantizer.
+    let backend = |swiglu_q8| {
+        CudaBackend::with_options(CudaOptions {
+            int8: Int8Policy::All,
+            swiglu_q8,
+            ..CudaOptions::from_env().unwrap()
+        })
+        .unwrap()
+    };
+    let (on, off) = (&backend(true), &backend(false));
+    // The default model's MLP: K = 576, 1,536 gate/up rows; a down projection of 61 rows.
+    let (k, n, nd) = (576usize, 1536usize, 61usize);
+    for (di, dtype) in [DType::Q4_0, DType::Q4_1, DType::Q8_0]
+        .into_iter()
+        .enumerate()
+    {
+        let seed = 170 + 10 * di as u64;
+        let host = [
+            random_weight(dtype, n, k, seed),
+            random_weight(dtype, n, k, seed + 1),
+            random_weight(dtype, nd, n, seed + 2),
+        ];
+        let weights = |g: &CudaBackend| {
+            host.clone()
+                .map(|w| g.upload_weight(&w, WeightRole::Projection).unwrap())
+        };
+        let (w_on, w_off) = (weights(on), weights(off));
+        // 1, 2, 3, 4 rows (the dp4a tiles: the copy comes from the SwiGLU kernel), 5 and 16
+        // (integer tensor cores: the quantizer runs).
+        for m in [1usize, 2, 3, 4, 5, 16] {
+            let what = format!("{dtype} M={m}");
+            let x = random_vec(m * k, -3.0, 3.0, seed + m as u64);
+            // SwiGLU of x from the host, then the down product of its output: both outputs'
+            // bits and the quantizer launches.
+            let run = |g: &CudaBackend, w: &[_; 3]| {
+                let xg = g.upload(&x, m, k);
+                // Outputs at their size up front: an allocation would forget the int8 copy.
+                let (mut h, mut s, mut o) = (g.tensor(m, n), g.tensor(m, n), g.tensor(m, nd));
+                g.set_profiling(true);
+                g.matmul_swiglu(&xg, &w[0], &w[1], &mut h, &mut s);
+                g.matmul(&h, &w[2], &mut o);
+                let profile = g.take_profile();
+                g.set_profiling(false);
+                let h_host = g.to_host(&h);
+                // The down product of the same values uploaded from the host (the quantizer).
+                let mut r = g.tensor(0, 0);
+                g.matmul(&g.upload(&h_host, m, n), &w[2], &mut r);
+                (
+                    bits(&h_host),
+                    bits(&g.to_host(&o)),
+                    bits(&g.to_host(&r)),
+                    launches(&profile, "quant_q8"),
+                )
+            };
+            let (h1, o1, r1, q1) = run(on, &w_on);
+            let (h0, o0, r0, q0) = run(off, &w_off);
+            assert_eq!(h1, h0, "{what}: SwiGLU outputs");
+            assert_eq!(o1, r1, "{what}: down product after the SwiGLU kernel's copy");
+            assert_eq!(o0, r0, "{what}: down product after the quantizer");
+            assert_eq!(o1, o0, "{what}: down products");
+            // x of the SwiGLU product always takes the quantizer (an upload); its output's
+            // copy only from 5 rows (or with the copy off).
+            assert_eq!(q1, if m <= 4 { 1 } else { 2 }, "{what}: quantizer launches");
+            assert_eq!(q0, 2, "{what}: quantizer launches, copy off");
+        }
+    }
+}

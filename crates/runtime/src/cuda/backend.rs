@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use super::device::{
     ck, ensure, int, long, Arg, CudaOptions, Device, Epilogue, PrefillGemm, MM_SEGS, MM_TILES,
     MM_WARPS, NORM_Q_FEW_ROWS, NORM_Q_FEW_THREADS, NORM_Q_THREADS, NORM_STAGE, NORM_THREADS, QT_BM,
-    QT_WARPS, QT_WIDTHS, TC_BM, TC_BN, TC_THREADS, X2_BM, X2_NT, X2_WARPS,
+    QT_WARPS, QT_WIDTHS, SQ_R, SQ_WARPS, TC_BM, TC_BN, TC_THREADS, X2_BM, X2_NT, X2_WARPS,
 };
 use super::gdn::CudaGdn;
 use super::graph::Graphs;
@@ -73,6 +73,9 @@ pub(super) struct MmParams {
     pad: i32,
     /// The rope epilogue's fields (zero for the others): see [`RopeEpi`].
     pub(super) rope: RopeEpi,
+    /// `mmqs` kernels: where the int8 copy of the output goes (codes, pairs); else 0.
+    oc: u64,
+    os: u64,
 }
 
 /// The fields of `MmParams` (matmul.cu) that only the rope epilogue reads.
@@ -401,6 +404,18 @@ impl CudaBackend {
         }
         let ti = self.mm_tile(m);
         let mma = first.w.int8 && m >= self.dev.int8_mma_min_m;
+        // An int8 SwiGLU product on the dp4a kernels also writes the int8 copy of its output
+        // for the down projection, when its blocks can own whole 32-value blocks.
+        let n = first.w.rows;
+        let out_copy = (epi == Epilogue::Swiglu
+            && first.w.int8
+            && !mma
+            && self.dev.swiglu_q8
+            && prods.len() == 1
+            && n.is_multiple_of(GROUP)
+            && ti < kernels.mmqs.len()
+            && self.wants_int8_copy(m, n))
+        .then(|| self.int8_out_buffer(m, n));
         // The int8 tensor-core kernels' width (index into QT_WIDTHS): as forced, else the wide
         // blocks unless they would leave SMs idle, then the narrow ones.
         let qt = match self.dev.int8_mma_width {
@@ -411,6 +426,8 @@ impl CudaBackend {
         };
         let per_block = if mma {
             epi.qt_outputs(QT_WIDTHS[qt])
+        } else if out_copy.is_some() {
+            SQ_WARPS * SQ_R
         } else {
             MM_WARPS * MM_TILES[ti].r_of(epi)
         };
@@ -429,8 +446,13 @@ impl CudaBackend {
                 None => self.quantize_x(p.x, m, k),
             };
         }
+        if let Some((oc, os)) = out_copy {
+            (p.oc, p.os) = (oc, os);
+        }
         let (f, rows_per_block, threads) = if mma {
             (&kernels.mmqt[qt][epi as usize], QT_BM, QT_WARPS * 32)
+        } else if out_copy.is_some() {
+            (&kernels.mmqs[ti], MM_TILES[ti].mt, SQ_WARPS * 32)
         } else if first.w.int8 {
             (
                 &kernels.mmq[ti][epi as usize],
@@ -459,6 +481,15 @@ impl CudaBackend {
             if !writes_x {
                 self.dev.fresh_x.note(q);
             }
+        }
+        if let Some((codes, pairs)) = out_copy {
+            self.dev.fresh_x.note(QuantizedX {
+                x: p.seg[0].out,
+                rows: m,
+                k: n,
+                codes,
+                pairs,
+            });
         }
     }
 
@@ -512,11 +543,25 @@ impl CudaBackend {
         (base, base + pairs as u64)
     }
 
+    /// The scratch buffer for the int8 copy a SwiGLU product writes of its `m` rows of `k`
+    /// outputs (apart from [`Self::int8_x_buffer`], which holds its x): codes, pairs.
+    fn int8_out_buffer(&self, m: usize, k: usize) -> (u64, u64) {
+        let (pairs, bytes) = int8_x_bytes(m, k);
+        let mut s = self.dev.scratch.lock().expect("scratch lock");
+        let base = ensure(&self.dev.stream, &self.dev.epoch, &mut s.xq_out, bytes);
+        (base, base + pairs as u64)
+    }
+
     /// Where a kernel writing `rows` rows of `k` values should also write their int8 copy
     /// (codes, pairs), when an int8 product of that width may read them next.
     pub(super) fn int8_copy_for(&self, rows: usize, k: usize) -> Option<(u64, u64)> {
-        (self.dev.int8_handoff && rows > 0 && k.is_multiple_of(GROUP) && self.dev.int8_k(k))
+        self.wants_int8_copy(rows, k)
             .then(|| self.int8_x_buffer(rows, k))
+    }
+
+    /// Whether an int8 product may read an int8 copy of `rows` rows of `k` values next.
+    fn wants_int8_copy(&self, rows: usize, k: usize) -> bool {
+        self.dev.int8_handoff && rows > 0 && k.is_multiple_of(GROUP) && self.dev.int8_k(k)
     }
 
     /// The launch parameters of products over `m` rows of x at `x_ptr` (row `row0` of the

@@ -15,6 +15,7 @@ use super::int8_x::FreshX;
 use super::profile::Profiler;
 use crate::dtype::DType;
 use crate::error::RuntimeError;
+use crate::quant::GROUP;
 
 /// How large products (prefill) are computed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -48,6 +49,10 @@ pub struct CudaOptions {
     /// (the default): the wide blocks where they fill the SMs, else the narrow ones. The bits
     /// are the same either way.
     pub int8_mma_width: Option<usize>,
+    /// Int8 SwiGLU products of at most four rows of x write the int8 copy of their output for
+    /// the down projection (`mmqs_*`, matmul.cu) instead of leaving it to the quantizer,
+    /// unless `DFLASH_CUDA_SWIGLU_Q8=0`; the bits are the same either way.
+    pub swiglu_q8: bool,
 }
 
 impl Default for CudaOptions {
@@ -58,6 +63,7 @@ impl Default for CudaOptions {
             int8: Int8Policy::All,
             fuse_merge_min_rows: FUSE_MERGE_MIN_ROWS,
             int8_mma_width: None,
+            swiglu_q8: true,
         }
     }
 }
@@ -68,13 +74,14 @@ impl CudaOptions {
     /// `DFLASH_CUDA_INT8` ([`Int8Policy`]), `DFLASH_CUDA_FUSE_MERGE` (when the split
     /// attention merges by itself: `auto`, `0` or the fewest tokens; cuda/attention.rs) and
     /// `DFLASH_CUDA_INT8_MMA_WIDTH` (`auto`, or the column tiles per block of the int8
-    /// tensor-core kernels: 4 or 1).
+    /// tensor-core kernels: 4 or 1) and `DFLASH_CUDA_SWIGLU_Q8` (`0` or `1`).
     pub fn from_env() -> Result<Self, RuntimeError> {
         let mut o = Self {
             fuse_merge_min_rows: fuse_merge_min_rows(
                 std::env::var("DFLASH_CUDA_FUSE_MERGE").ok().as_deref(),
             )
             .map_err(RuntimeError::Device)?,
+            swiglu_q8: switch_on("DFLASH_CUDA_SWIGLU_Q8").map_err(RuntimeError::Device)?,
             ..Self::default()
         };
         if let Ok(v) = std::env::var("DFLASH_CUDA_INT8") {
@@ -167,6 +174,13 @@ pub(crate) const NORM_THREADS: u32 = 128;
 pub(crate) const NORM_Q_THREADS: u32 = 256;
 pub(crate) const NORM_Q_FEW_THREADS: u32 = 1024;
 pub(crate) const NORM_Q_FEW_ROWS: usize = 16;
+/// Warps per block and gate/up row pairs per warp of the int8 SwiGLU kernels that also write
+/// the int8 copy of their output (SQ_WARPS, SQ_R in matmul.cu): a block owns one 32-value
+/// block of every row of x.
+pub(crate) const SQ_WARPS: usize = 16;
+pub(crate) const SQ_R: usize = GROUP / SQ_WARPS;
+/// Those kernels exist for the dp4a tiles of `MM_TILES` up to this many rows of x.
+pub(crate) const SQ_MAX_MT: usize = 4;
 /// Warps per matmul block (MM_WARPS in matmul.cu).
 pub(crate) const MM_WARPS: usize = 4;
 /// Column tiles of 8 outputs, rows of x and warps per block of the int8 tensor-core kernels
@@ -289,6 +303,9 @@ pub(crate) struct FormatKernels {
     /// `mmq[tile index][epilogue index]`: the int8-activation kernels, on the packed layout
     /// (empty for formats without them, see [`int8_format`]).
     pub mmq: Vec<Vec<CudaFunction>>,
+    /// `mmqs[tile index]` for the tiles of `MM_TILES` up to `SQ_MAX_MT` rows: the int8 SwiGLU
+    /// kernels that also write the int8 copy of their output (empty as `mmq` is).
+    pub mmqs: Vec<CudaFunction>,
     /// `mmqt[width index][epilogue index]` for the widths of `QT_WIDTHS`: the int8-activation
     /// kernels of several rows on integer tensor cores, with the bits of `mmq` (matmul_qtc.cu;
     /// empty as `mmq` is).
@@ -346,6 +363,9 @@ pub(crate) struct Scratch {
     pub att_count: Option<CudaSlice<u32>>,
     /// x of an int8 product, quantized: codes, then (d, ds) per 32-value block.
     pub xq: Option<CudaSlice<u8>>,
+    /// The int8 copy a SwiGLU product writes of its output (as `xq`), apart from `xq`, which
+    /// holds that product's own x.
+    pub xq_out: Option<CudaSlice<u8>>,
 }
 
 /// Returns `slot`'s buffer, reallocated (zeroed) when shorter than `n`; kept contents are the last user's. A
@@ -422,6 +442,8 @@ pub(crate) struct Device {
     /// product after them (cuda/int8_x.rs), unless `DFLASH_CUDA_INT8_HANDOFF=0` (then every
     /// int8 product launches the quantizer; the bits are the same either way).
     pub int8_handoff: bool,
+    /// [`CudaOptions::swiglu_q8`] (with the handoff on).
+    pub swiglu_q8: bool,
     /// Int8-activation products of at least this many rows of x run on integer tensor cores
     /// (`mmqt_*`, same bits as `mmq_*`): `DFLASH_CUDA_INT8_MMA` = `auto` (`int8::INT8_MMA_MIN_M`),
     /// a number, or `0` (never; also below sm_80).
@@ -620,6 +642,7 @@ impl Device {
             int8_mma_width: opts.int8_mma_width,
             float_mma,
             int8_handoff,
+            swiglu_q8: opts.swiglu_q8 && int8_handoff,
             name,
             compute_capability: cc,
             sm_count,
@@ -713,6 +736,15 @@ impl Device {
         } else {
             Vec::new()
         };
+        let mmqs = if int8_format(d) {
+            MM_TILES
+                .iter()
+                .filter(|t| t.mt <= SQ_MAX_MT)
+                .map(|t| get(&format!("mmqs_{sfx}_{}", t.mt)))
+                .collect::<Result<_, _>>()?
+        } else {
+            Vec::new()
+        };
         let mmqt = if int8_format(d) {
             QT_WIDTHS
                 .iter()
@@ -745,6 +777,7 @@ impl Device {
         Ok(FormatKernels {
             mm,
             mmq,
+            mmqs,
             mmqt,
             mmtc,
             mmx2,
