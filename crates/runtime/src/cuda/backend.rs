@@ -405,7 +405,12 @@ impl CudaBackend {
         let ti = self.mm_tile(m);
         let mma = first.w.int8 && m >= self.dev.int8_mma_min_m;
         // An int8 SwiGLU product on the dp4a kernels also writes the int8 copy of its output
-        // for the down projection, when its blocks can own whole 32-value blocks.
+        // for the down projection, when its blocks can own whole 32-value blocks and there
+        // are no more of those blocks than SMs: the kernel's blocks are 4x the product's usual
+        // ones, and where they queue for SMs (Qwen3-4B's 9,728 outputs: 304 blocks) the
+        // product lost more than the quantizer launch it saves (H200: decode 1.91 -> 2.09
+        // ms a step), where they do not (the default model's 1,536: 48 blocks) the step
+        // gained 2% (docs/benchmarks/2026-12-04-h200-swiglu-q8.md).
         let n = first.w.rows;
         let out_copy = (epi == Epilogue::Swiglu
             && first.w.int8
@@ -413,6 +418,7 @@ impl CudaBackend {
             && self.dev.swiglu_q8
             && prods.len() == 1
             && n.is_multiple_of(GROUP)
+            && n / GROUP <= self.dev.sm_count
             && ti < kernels.mmqs.len()
             && self.wants_int8_copy(m, n))
         .then(|| self.int8_out_buffer(m, n));

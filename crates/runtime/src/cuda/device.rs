@@ -49,9 +49,10 @@ pub struct CudaOptions {
     /// (the default): the wide blocks where they fill the SMs, else the narrow ones. The bits
     /// are the same either way.
     pub int8_mma_width: Option<usize>,
-    /// Int8 SwiGLU products of at most four rows of x write the int8 copy of their output for
-    /// the down projection (`mmqs_*`, matmul.cu) instead of leaving it to the quantizer,
-    /// unless `DFLASH_CUDA_SWIGLU_Q8=0`; the bits are the same either way.
+    /// Int8 SwiGLU products of at most four rows of x, whose outputs make at most one
+    /// 32-value block per SM, write the int8 copy of their output for the down projection
+    /// (`mmqs_*`, matmul.cu) instead of leaving it to the quantizer, unless
+    /// `DFLASH_CUDA_SWIGLU_Q8=0`; the bits are the same either way.
     pub swiglu_q8: bool,
 }
 
