@@ -689,8 +689,9 @@ mod tests {
     /// kernel body. The exceptions are the matmul kernels (`mm_body`), whose warps first
     /// read what only the host writes (parameters, weights, the step's token metadata and the
     /// KV row table, copied before the step) and then wait: `mm_body` waits on both of its
-    /// paths (a warp without rows, and `mm_warp` / `mmq_warp` before its first read of x), and
-    /// so do `mmqt_body` and `mmqt_pipe_body` (matmul_qtc.cu, through `mmqt_kernel_body`), which
+    /// paths (a warp without rows, and `mm_warp` / `mmq_warp` before its first read of x),
+    /// `mmqs_body` through `mmq_warp`, which every one of its warps reaches (it has no early
+    /// exit), and so do `mmqt_body` and `mmqt_pipe_body` (matmul_qtc.cu, through `mmqt_kernel_body`), which
     /// have no early exit (the pipelined one requests its first weight stages before it waits),
     /// and `mmx2_body` (matmul_x2.cu: weight stages requested first; a warp without rows waits
     /// before it leaves);
@@ -716,6 +717,7 @@ mod tests {
                     .trim_matches(|c: char| c.is_whitespace() || c == '\\');
                 let waits_in_body = (matches!(m, Module::Matmul(_))
                     && (first.starts_with("mm_body<")
+                        || first.starts_with("mmqs_body<")
                         || first.starts_with("mmqt_kernel_body<")
                         || first.starts_with("mmx2_body<")))
                     || (m == Module::Attention
@@ -744,6 +746,20 @@ mod tests {
         assert!(
             body.contains("df_kernel_begin();\n        return;"),
             "a warp without rows leaves mm_body without waiting"
+        );
+        // mmqs_body: every warp goes straight into mmq_warp (which waits before its first read
+        // of x), with no way out before it.
+        let qs = &mm[mm.find("void mmqs_body(").expect("mmqs_body")..];
+        let qs = &qs[..qs.find("mmq_warp<").expect("mmqs_body runs mmq_warp")];
+        assert!(
+            !qs.contains("return"),
+            "mmqs_body may leave before it waits"
+        );
+        let warp = &mm[mm.find("void mmq_warp(").expect("mmq_warp")..];
+        let wait = warp.find("df_kernel_begin();").expect("mmq_warp waits");
+        assert!(
+            wait < warp.find("__ldg(x4)").expect("mmq_warp reads x"),
+            "mmq_warp reads x before it waits"
         );
         // Both int8 tensor-core bodies read x through qt_load_x, after their wait, and never
         // leave before it (the pipelined one requests weights, the host's, before it).
