@@ -5,9 +5,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::device::{
-    ck, ensure, int, long, Arg, CudaOptions, Device, Epilogue, PrefillGemm, MM_SEGS, MM_TILES,
-    MM_WARPS, NORM_Q_FEW_ROWS, NORM_Q_FEW_THREADS, NORM_Q_THREADS, NORM_STAGE, NORM_THREADS, QT_BM,
-    QT_WARPS, QT_WIDTHS, SQ_R, SQ_WARPS, TC_BM, TC_BN, TC_THREADS, X2_BM, X2_NT, X2_WARPS,
+    ck, ensure, int, long, Arg, CudaOptions, Device, Epilogue, PrefillGemm, Scratch, MM_SEGS,
+    MM_TILES, MM_WARPS, NORM_Q_FEW_ROWS, NORM_Q_FEW_THREADS, NORM_Q_THREADS, NORM_STAGE,
+    NORM_THREADS, QT_BM, QT_WARPS, QT_WIDTHS, SQ_R, SQ_WARPS, TC_BM, TC_BN, TC_THREADS, X2_BM,
+    X2_NT, X2_WARPS,
 };
 use super::gdn::CudaGdn;
 use super::graph::Graphs;
@@ -543,18 +544,25 @@ impl CudaBackend {
     /// The scratch buffer for an int8 copy of `m` rows of `k` values (cuda/int8_x.rs): the
     /// addresses of its codes and of its (d, ds) pairs.
     fn int8_x_buffer(&self, m: usize, k: usize) -> (u64, u64) {
-        let (pairs, bytes) = int8_x_bytes(m, k);
-        let mut s = self.dev.scratch.lock().expect("scratch lock");
-        let base = ensure(&self.dev.stream, &self.dev.epoch, &mut s.xq, bytes);
-        (base, base + pairs as u64)
+        self.int8_scratch(m, k, |s| &mut s.xq)
     }
 
     /// The scratch buffer for the int8 copy a SwiGLU product writes of its `m` rows of `k`
     /// outputs (apart from [`Self::int8_x_buffer`], which holds its x): codes, pairs.
     fn int8_out_buffer(&self, m: usize, k: usize) -> (u64, u64) {
+        self.int8_scratch(m, k, |s| &mut s.xq_out)
+    }
+
+    /// An int8 copy of `m` rows of `k` values in the scratch slot `slot` picks: codes, pairs.
+    fn int8_scratch(
+        &self,
+        m: usize,
+        k: usize,
+        slot: impl FnOnce(&mut Scratch) -> &mut Option<cudarc::driver::CudaSlice<u8>>,
+    ) -> (u64, u64) {
         let (pairs, bytes) = int8_x_bytes(m, k);
         let mut s = self.dev.scratch.lock().expect("scratch lock");
-        let base = ensure(&self.dev.stream, &self.dev.epoch, &mut s.xq_out, bytes);
+        let base = ensure(&self.dev.stream, &self.dev.epoch, slot(&mut s), bytes);
         (base, base + pairs as u64)
     }
 
