@@ -5,7 +5,8 @@
 //! widths against each other, split attention across split boundaries, and
 //! a step replayed from a CUDA graph against the same step run eagerly; rows gathered into an
 //! offset of a larger tensor; the int8 x the norm and the attention merge hand to the next
-//! product against the quantizer's.
+//! product against the quantizer's; the RMS norm made in the next product's prologue against
+//! its own launch.
 //!
 //! Every test prints "skipped: no CUDA device (<reason>)" and returns when there is none.
 #![cfg(feature = "cuda")]
@@ -880,6 +881,150 @@ fn int8_x_from_swiglu_equals_the_quantizer() {
             // copy only from 5 rows (or with the copy off).
             assert_eq!(q1, if m <= 4 { 1 } else { 2 }, "{what}: quantizer launches");
             assert_eq!(q0, 2, "{what}: quantizer launches, copy off");
+        }
+    }
+}
+
+/// The RMS norm of a few rows made in the prologue of the int8 product after it (`mmqn_*`,
+/// `mmqsn_*`, cuda/norm_fuse.rs) against the norm launch followed by the plain product: the same
+/// bits for every output — a store product and a second product of the same x (reading the
+/// int8 copy the first one wrote), SwiGLU with and without the int8 copy of its output, the
+/// q/k/v products with RoPE and the KV write — and for the normalised rows; no norm launch for
+/// 1 to 4 rows of x of 576 values, where the tile's shared memory fits (2,560 values: 1 and 2
+/// rows), and one per norm otherwise (5 rows run on integer tensor cores).
+#[test]
+fn norm_prologue_equals_the_norm_launch() {
+    if gpu().is_none() {
+        return;
+    }
+    // Backends of their own (launch counts are this test's alone), the prologue on or off.
+    let backend = |norm_fuse_max_k| {
+        CudaBackend::with_options(CudaOptions {
+            int8: Int8Policy::All,
+            norm_fuse_max_k,
+            ..CudaOptions::from_env().unwrap()
+        })
+        .unwrap()
+    };
+    let (on, off) = (&backend(4096), &backend(0));
+    // The default model's attention: 9 heads of 64 over 3 KV heads.
+    let (n_heads, n_kv_heads, head_dim) = (9usize, 3usize, 64usize);
+    let (q_cols, kv_dim) = (n_heads * head_dim, n_kv_heads * head_dim);
+    let cases = [
+        (576usize, DType::Q4_1, false),
+        (576, DType::Q4_0, true),
+        (576, DType::Q8_0, false),
+        (2560, DType::Q4_0, false),
+    ];
+    for (ci, (k, dtype, zero_centred)) in cases.into_iter().enumerate() {
+        let seed = 300 + 20 * ci as u64;
+        let norm_host = if zero_centred {
+            random_vec(k, -0.5, 0.5, seed)
+        } else {
+            random_vec(k, 0.5, 1.5, seed)
+        };
+        // (outputs of the products, 640-wide SwiGLU takes the kernel with the int8 copy of its
+        // output, 200-wide the plain one)
+        let widths = [197usize, 61, 640, 640, 200, 200, q_cols, kv_dim, kv_dim];
+        let host: Vec<_> = widths
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| random_weight(dtype, n, k, seed + 1 + i as u64))
+            .chain([random_weight(dtype, 61, 640, seed + 19)])
+            .collect();
+        for m in 1usize..=5 {
+            let what = format!("{dtype} K={k} M={m}");
+            let x_host = random_vec(m * k, -3.0, 3.0, seed + 10 + m as u64);
+            let run = |g: &CudaBackend| -> (Vec<Vec<u32>>, usize) {
+                let w: Vec<_> = host
+                    .iter()
+                    .map(|h| g.upload_weight(h, WeightRole::Projection).unwrap())
+                    .collect();
+                let nw = g.upload(&norm_host, 1, k);
+                let mut x = g.upload(&x_host, m, k);
+                let lens = [200usize, 37];
+                let (meta, spans) = two_row_tokens(m, &lens);
+                let mg = g.upload_meta(&meta);
+                let mut kv = kv_setup(g, kv_dim, &lens);
+                let inv = rope_freqs(g, head_dim);
+                let rope = Rope {
+                    inv_freq: &inv,
+                    head_dim,
+                    style: RopeStyle::Neox,
+                };
+                // Outputs at their size up front (an allocation launches a pending norm).
+                let mut t: Vec<_> = [k, 197, 61, 640, 640, 61, 200, 200, q_cols, kv_dim, kv_dim]
+                    .iter()
+                    .map(|&n| g.tensor(m, n))
+                    .collect();
+                let mut outs = Vec::new();
+                g.set_profiling(true);
+                let [h, a, b, s1, u1, d1, s2, u2, q, kk, v] = &mut t[..] else {
+                    unreachable!()
+                };
+                g.rms_norm(&mut x, &nw, 1e-5, zero_centred, Some(&mut *h));
+                g.matmul(h, &w[0], a);
+                g.matmul(h, &w[1], b);
+                outs.extend([
+                    bits(&g.to_host(h)),
+                    bits(&g.to_host(a)),
+                    bits(&g.to_host(b)),
+                ]);
+                g.rms_norm(&mut x, &nw, 1e-5, zero_centred, Some(&mut *h));
+                g.matmul_swiglu(h, &w[2], &w[3], s1, u1);
+                g.matmul(s1, &w[9], d1);
+                outs.extend([bits(&g.to_host(s1)), bits(&g.to_host(d1))]);
+                g.rms_norm(&mut x, &nw, 1e-5, zero_centred, Some(&mut *h));
+                g.matmul_swiglu(h, &w[4], &w[5], s2, u2);
+                outs.push(bits(&g.to_host(s2)));
+                g.rms_norm(&mut x, &nw, 1e-5, zero_centred, Some(&mut *h));
+                g.step_qkv_rope_kv(
+                    h,
+                    [&w[6], &w[7], &w[8]],
+                    [&mut *q, &mut *kk, &mut *v],
+                    &mut kv,
+                    0,
+                    &mg,
+                    rope,
+                    &spans,
+                );
+                outs.extend([
+                    bits(&g.to_host(q)),
+                    bits(&g.to_host(kk)),
+                    bits(&g.to_host(v)),
+                ]);
+                outs.push(bits(&g.to_host(h)));
+                let profile = g.take_profile();
+                g.set_profiling(false);
+                (outs, launches(&profile, "rms_norm"))
+            };
+            let (got, norms_on) = run(on);
+            let (want, norms_off) = run(off);
+            let names = [
+                "norm",
+                "a",
+                "b",
+                "swiglu+copy",
+                "down",
+                "swiglu",
+                "q",
+                "k",
+                "v",
+                "norm",
+            ];
+            for ((g, w), name) in got.iter().zip(&want).zip(names) {
+                assert_eq!(g, w, "{what}: {name}");
+            }
+            assert_eq!(norms_off, 4, "{what}: norm launches, prologue off");
+            // The tiles: 1, 2, 4 rows; shared memory of a tile of MT rows of K values.
+            let mt = if m <= 2 { m } else { 4 };
+            let fits = 4 * mt * k + 4 * k + mt * k + 8 * mt * (k / 32) <= 48 * 1024;
+            let fused = m <= 4 && fits;
+            assert_eq!(
+                norms_on,
+                if fused { 0 } else { 4 },
+                "{what}: norm launches, prologue on"
+            );
         }
     }
 }

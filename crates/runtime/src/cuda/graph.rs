@@ -62,9 +62,15 @@ impl Graphs {
 
     /// Runs `f` for `key`: eagerly, by capture then replay, or by replay (see the module docs).
     pub fn run(&mut self, dev: &Device, key: GraphKey, f: &mut dyn FnMut()) {
-        // A replay runs no host code: no int8 copy of x is known before or after it.
+        // A replay runs no host code: no int8 copy of x is known before or after it, and no
+        // norm is left pending across its edges (a step's last one is launched inside it).
+        dev.flush_norm();
         dev.fresh_x.forget();
-        self.run_step(dev, key, f);
+        let mut step = || {
+            f();
+            dev.flush_norm();
+        };
+        self.run_step(dev, key, &mut step);
         dev.fresh_x.forget();
     }
 
