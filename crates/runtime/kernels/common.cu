@@ -330,20 +330,6 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// The RMS norm's ending (ops.cu, and the norm prologue of the int8 products, matmul_norm.cu):
-// 1 / sqrt(ss / dim + eps) from the sixteen partials held by lanes 0..15 (lane 0 returns it).
-__device__ __forceinline__ float norm_inv(float acc, int dim, float eps) {
-#pragma unroll
-    for (int off = 8; off > 0; off >>= 1) {
-        acc = __fadd_rn(acc, __shfl_down_sync(DF_FULL_MASK, acc, off, 16));
-    }
-    return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(acc, (float)dim), eps)));
-}
-
-__device__ __forceinline__ float norm_weight(float w, int zero_centred) {
-    return zero_centred ? __fadd_rn(1.0f, w) : w;
-}
-
 // ---- int8 activations ----------------------------------------------------------------------
 //
 // One 32-value block of x quantized to int8 as the CPU defines it (cpu/int8/quantize.rs), bit

@@ -79,14 +79,6 @@ struct MmParams {
     // the (d, ds) pairs [M, n / 32]; else 0.
     u64 oc;
     u64 os;
-    // mmqn / mmqsn (the RMS norm as the product's prologue, matmul_norm.cu): x as f32 rows
-    // [M, K] before the norm, the norm's weight [K], where the normalised rows go [M, K]; x and
-    // xs then receive the int8 copy. Else 0.
-    u64 nx;
-    u64 nw;
-    u64 nout;
-    float neps;
-    int nzc;  // zero-centred weight (1 + w)
 };
 
 // The segment of this block (blocks are handed out segment after segment), for every
@@ -661,31 +653,19 @@ struct MmQ<DT_Q8_0> {
     }
 };
 
-// A load of x codes or pairs: from shared memory (SX: the norm prologue's copy) or through
-// the read-only path (global memory).
-template <bool SX, class T>
-__device__ __forceinline__ T mm_ld_x(const T* a) {
-    if constexpr (SX) {
-        return *a;
-    } else {
-        return __ldg(a);
-    }
-}
-
-// mm_warp for int8 x and packed weights (see above). x: the codes and pairs of row m0 on, in
-// global memory (p.x, p.xs), or with SX those of the block's tile in shared memory (sxq, sxs).
-template <int DT, int MT, int R, int EPI, bool SX = false>
+// mm_warp for int8 x and packed weights (see above).
+template <int DT, int MT, int R, int EPI>
 __device__ __forceinline__ void mmq_warp(const MmSeg& sg, const int (&nr)[R], const MmParams& p, int m0, int seg,
-                                         int pair, const signed char* sxq = nullptr, const float2* sxs = nullptr) {
+                                         int pair) {
     constexpr int W = EPI == EPI_SWIGLU ? 2 : 1;
     constexpr int CB = MmQ<DT>::CB;
     constexpr int SB = MmQ<DT>::SB;
     constexpr int NC = CB / 16;  // 16-byte code loads per group
+    const signed char* __restrict__ xq = (const signed char*)p.x;
+    const float2* __restrict__ xs = (const float2*)p.xs;
     const int K = p.k;
     const int lane = threadIdx.x & 31;
     const int groups = K / GROUP;
-    const signed char* __restrict__ xq = SX ? sxq : (const signed char*)p.x + (size_t)m0 * K;
-    const float2* __restrict__ xs = SX ? sxs : (const float2*)p.xs + (size_t)m0 * groups;
     const int ml = min(MT, p.m - m0);
     const u8* rows[R][W];
     mm_weight_rows<R, W>(sg, nr, rows);
@@ -722,11 +702,11 @@ __device__ __forceinline__ void mmq_warp(const MmSeg& sg, const int (&nr)[R], co
                 if (XH) {
 #pragma unroll
                     for (int m = 0; m < XP; m++) {
-                        const size_t xr = (size_t)(m < ml ? m : 0);
+                        const size_t xr = (size_t)(m0 + (m < ml ? m : 0));
                         const int4* x4 = (const int4*)(xq + xr * K + (size_t)g * GROUP);
-                        xl[q][m] = mm_ld_x<SX>(x4);
-                        xh[q][m] = mm_ld_x<SX>(x4 + 1);
-                        sx[q][m] = mm_ld_x<SX>(xs + xr * groups + g);
+                        xl[q][m] = __ldg(x4);
+                        xh[q][m] = __ldg(x4 + 1);
+                        sx[q][m] = __ldg(xs + xr * groups + g);
                     }
                 }
             }
@@ -745,11 +725,11 @@ __device__ __forceinline__ void mmq_warp(const MmSeg& sg, const int (&nr)[R], co
                             b = xh[q][m % XP];
                             sc = sx[q][m % XP];
                         } else {
-                            const size_t xr = (size_t)m;
+                            const size_t xr = (size_t)(m0 + m);
                             const int4* x4 = (const int4*)(xq + xr * K + (size_t)g * GROUP);
-                            a = mm_ld_x<SX>(x4);
-                            b = mm_ld_x<SX>(x4 + 1);
-                            sc = mm_ld_x<SX>(xs + xr * groups + g);
+                            a = __ldg(x4);
+                            b = __ldg(x4 + 1);
+                            sc = __ldg(xs + xr * groups + g);
                         }
 #pragma unroll
                         for (int r = 0; r < R; r++)
@@ -769,9 +749,6 @@ __device__ __forceinline__ void mmq_warp(const MmSeg& sg, const int (&nr)[R], co
     mm_finish<MT, R, W, EPI>(acc, sg, nr, p, m0, seg, ml, rl);
 }
 
-// The RMS norm as the prologue of an int8 product: mm_norm_x.
-#include "matmul_norm.cu"
-
 // SwiGLU products of int8 x that also write the int8 copy of their output for the down
 // projection after them (cuda/int8_x.rs), saving its quantizer launch. A block is SQ_WARPS
 // warps of SQ_R gate/up row pairs (SQ_WARPS * SQ_R = GROUP), so it owns one whole 32-value
@@ -780,8 +757,7 @@ __device__ __forceinline__ void mmq_warp(const MmSeg& sg, const int (&nr)[R], co
 // own code (q8_block): the copy has the quantizer's bits, and the outputs mmq_warp's, which do
 // not depend on R. The host takes these for the dp4a tiles (MT <= 4) of products whose width
 // is a whole number of blocks (no warp leaves early, so every warp reaches the barrier).
-// NX: x arrives before its RMS norm, which the block makes first (mm_norm_x, matmul_norm.cu).
-template <int DT, int MT, bool NX>
+template <int DT, int MT>
 __device__ __forceinline__ void mmqs_body(const MmParams& p) {
     const MmSeg& sg = p.seg[0];
     const int warp = threadIdx.x >> 5;
@@ -791,12 +767,7 @@ __device__ __forceinline__ void mmqs_body(const MmParams& p) {
     int nr[SQ_R];
 #pragma unroll
     for (int r = 0; r < SQ_R; r++) nr[r] = n0 + warp * SQ_R + r;
-    if constexpr (NX) {
-        const NormSmem ns = mm_norm_x<MT>(p, m0);
-        mmq_warp<DT, MT, SQ_R, EPI_SWIGLU, true>(sg, nr, p, m0, 0, 0, ns.codes, ns.pairs);
-    } else {
-        mmq_warp<DT, MT, SQ_R, EPI_SWIGLU>(sg, nr, p, m0, 0, 0);
-    }
+    mmq_warp<DT, MT, SQ_R, EPI_SWIGLU>(sg, nr, p, m0, 0, 0);
     __syncthreads();
     if (warp < min(MT, p.m - m0)) {
         const size_t i = (size_t)(m0 + warp) * sg.n + n0 + lane;
@@ -812,64 +783,41 @@ __device__ __forceinline__ void mmqs_body(const MmParams& p) {
 #include "matmul_x2.cu"
 #endif
 
-// The unit (R weight rows, or a rotary pair) of this warp in the segment its block belongs
-// to: its output rows nr and rotary pair; false when the warp has none.
-template <int R, int EPI>
-__device__ __forceinline__ bool mm_unit(const MmParams& p, int* si, int (&nr)[R], int* pair) {
-    *si = mm_segment(p);
-    const MmSeg& sg = p.seg[*si];
+// One warp per unit (R weight rows, or a rotary pair) of the segment its block belongs to;
+// Q: int8 x (mmq_warp; DT the stored format's number), else f32 x (mm_warp; DT the layout's:
+// for formats with int8 kernels their packed layout, DT + DT_PACKED).
+template <int DT, int MT, int R, int EPI, bool Q>
+__device__ __forceinline__ void mm_body(const MmParams& p) {
+    const int si = mm_segment(p);
+    const MmSeg& sg = p.seg[si];
     const int warp = threadIdx.x >> 5;
     const int unit = ((int)blockIdx.x - sg.block0) * MM_WARPS + warp;  // R rows, or a pair
-    *pair = 0;
+    int nr[R];
+    int pair = 0;
     if (EPI == EPI_ROPE) {
         // Pair `pair` of head h: rows h * head_dim + ia and + ib.
         const int h = unit / p.half;
-        *pair = unit - h * p.half;
+        pair = unit - h * p.half;
         int ia, ib;
-        rope_offsets(*pair, p.half, p.style, &ia, &ib);
+        rope_offsets(pair, p.half, p.style, &ia, &ib);
         nr[0] = h * p.head_dim + ia;
         nr[R - 1] = h * p.head_dim + ib;
     } else {
 #pragma unroll
         for (int r = 0; r < R; r++) nr[r] = unit * R + r;
     }
-    return unit * R < sg.n;
-}
-
-// One warp per unit of the segment its block belongs to (mm_unit); Q: int8 x (mmq_warp; DT
-// the stored format's number), else f32 x (mm_warp; DT the layout's: for formats with int8
-// kernels their packed layout, DT + DT_PACKED).
-template <int DT, int MT, int R, int EPI, bool Q>
-__device__ __forceinline__ void mm_body(const MmParams& p) {
-    int si, pair;
-    int nr[R];
-    if (!mm_unit<R, EPI>(p, &si, nr, &pair)) {  // a whole warp leaves together (no shuffle is left waiting)
+    if (unit * R >= sg.n) {  // a whole warp leaves together (no shuffle is left waiting)
         df_kernel_begin();
         return;
     }
 #if DF_MM_INT8
     if constexpr (Q) {
-        mmq_warp<DT, MT, R, EPI>(p.seg[si], nr, p, (int)blockIdx.y * MT, si, pair);
+        mmq_warp<DT, MT, R, EPI>(sg, nr, p, (int)blockIdx.y * MT, si, pair);
         return;
     }
 #endif
-    if constexpr (!Q) mm_warp<DT, MT, R, EPI>(p.seg[si], nr, p, (int)blockIdx.y * MT, si, pair);
+    if constexpr (!Q) mm_warp<DT, MT, R, EPI>(sg, nr, p, (int)blockIdx.y * MT, si, pair);
 }
-
-#if DF_MM_INT8
-// mm_body for int8 x that arrives before its RMS norm: the block makes the norm and the int8
-// copy first (mm_norm_x, every warp), then each warp with a unit runs mmq_warp on the copy in
-// shared memory.
-template <int DT, int MT, int R, int EPI>
-__device__ __forceinline__ void mmn_body(const MmParams& p) {
-    const int m0 = (int)blockIdx.y * MT;
-    const NormSmem ns = mm_norm_x<MT>(p, m0);
-    int si, pair;
-    int nr[R];
-    if (!mm_unit<R, EPI>(p, &si, nr, &pair)) return;
-    mmq_warp<DT, MT, R, EPI, true>(p.seg[si], nr, p, m0, si, pair, ns.codes, ns.pairs);
-}
-#endif
 
 // Kernel names: mm_<format>_<MT>_<R>_<epilogue>. R for a tile is chosen by the host
 // (MM_TILES in cuda/device.rs): wider R shares each x load among more weight rows.
@@ -891,42 +839,25 @@ __device__ __forceinline__ void mmn_body(const MmParams& p) {
     KERNEL(SUFFIX, DT, MT, R, EPI_ADD, add)           \
     KERNEL(SUFFIX, DT, MT, RS, EPI_SWIGLU, swiglu)    \
     KERNEL(SUFFIX, DT, MT, 2, EPI_ROPE, rope)
-// Kernel names: mmqn_<format>_<MT>_<R>_<epilogue> (int8 x normalised in the prologue; the
-// tiles of at most SQ_MAX_MT rows).
-#define MMQN_KERNEL(SUFFIX, DT, MT, R, EPI, ENAME)                                             \
-    extern "C" __global__ void __launch_bounds__(MM_WARPS * 32)                                \
-        mmqn_##SUFFIX##_##MT##_##R##_##ENAME(const MmParams p) {                               \
-        mmn_body<DT, MT, R, EPI>(p); /* waits for the previous kernel itself (mm_norm_x) */    \
-    }
-
 #define MM_EPIS(SUFFIX, DT, MT, R, RS) MM_EPIS_OF(MM_KERNEL, SUFFIX, DT, MT, R, RS)
 #define MMQ_EPIS(SUFFIX, DT, MT, R, RS) MM_EPIS_OF(MMQ_KERNEL, SUFFIX, DT, MT, R, RS)
-#define MMQN_EPIS(SUFFIX, DT, MT, R, RS) MM_EPIS_OF(MMQN_KERNEL, SUFFIX, DT, MT, R, RS)
 
 // (MT, R for store/add, R for SwiGLU; the rope epilogue always has R = 2, one rotary pair):
-// keep each warp at most 64 accumulators. The few-row tiles (up to SQ_MAX_MT rows of x) also
-// exist with the norm prologue.
-#define MM_TILES_FEW_OF(EPIS, SUFFIX, DT) \
-    EPIS(SUFFIX, DT, 1, 1, 1)              \
-    EPIS(SUFFIX, DT, 2, 1, 1)              \
-    EPIS(SUFFIX, DT, 4, 2, 1)
+// keep each warp at most 64 accumulators.
 #define MM_TILES_OF(EPIS, SUFFIX, DT) \
-    MM_TILES_FEW_OF(EPIS, SUFFIX, DT)  \
+    EPIS(SUFFIX, DT, 1, 1, 1)          \
+    EPIS(SUFFIX, DT, 2, 1, 1)          \
+    EPIS(SUFFIX, DT, 4, 2, 1)          \
     EPIS(SUFFIX, DT, 8, 4, 2)          \
     EPIS(SUFFIX, DT, 16, 4, 2)
 #define MM_KERNELS(SUFFIX, DT) MM_TILES_OF(MM_EPIS, SUFFIX, DT)
 #define MMQ_KERNELS(SUFFIX, DT) MM_TILES_OF(MMQ_EPIS, SUFFIX, DT)
-#define MMQN_KERNELS(SUFFIX, DT) MM_TILES_FEW_OF(MMQN_EPIS, SUFFIX, DT)
 
 // Kernel names: mmqs_<format>_<MT> (int8 SwiGLU writing the int8 copy of its output; the
 // dp4a tiles, MT <= 4).
-// mmqsn_<format>_<MT>: the same with the norm prologue.
 #define MMQS_KERNEL(SUFFIX, DT, MT)                                                          \
     extern "C" __global__ void __launch_bounds__(SQ_WARPS * 32) mmqs_##SUFFIX##_##MT(const MmParams p) { \
-        mmqs_body<DT, MT, false>(p); /* waits for the previous kernel itself (mmq_warp) */   \
-    }                                                                                        \
-    extern "C" __global__ void __launch_bounds__(SQ_WARPS * 32) mmqsn_##SUFFIX##_##MT(const MmParams p) { \
-        mmqs_body<DT, MT, true>(p); /* waits for the previous kernel itself (mm_norm_x) */   \
+        mmqs_body<DT, MT>(p); /* waits for the previous kernel itself (mmq_warp) */          \
     }
 #define MMQS_KERNELS(SUFFIX, DT) \
     MMQS_KERNEL(SUFFIX, DT, 1)   \
@@ -1039,13 +970,11 @@ __device__ __forceinline__ void dequant_body(const u8* __restrict__ table, i64 r
 // weight (cuda/pack.rs): their f32-activation products, tensor-core prefill and dequantizer
 // read that layout (same decoders, so the same values as the stored one), and they also get the
 // int8 products (mmq_<format>_..., mmqs_<format>_... for SwiGLU with the int8 copy of its output,
-// mmqn_ / mmqsn_<format>_... with the RMS norm in their prologue, and mmqt_<format>_... on
-// integer tensor cores) and the
+// and mmqt_<format>_... on integer tensor cores) and the
 // f32-activation products on TF32 tensor cores (mmx2_<format>_...).
 #if DF_MM_INT8
 #define DF_INT8_KERNELS(SUFFIX, DT) \
     MMQ_KERNELS(SUFFIX, DT)         \
-    MMQN_KERNELS(SUFFIX, DT)        \
     MMQS_KERNELS(SUFFIX, DT)        \
     MMQT_KERNELS(SUFFIX, DT)        \
     MMX2_KERNELS(SUFFIX, DT + DT_PACKED)

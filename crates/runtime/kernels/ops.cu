@@ -152,6 +152,19 @@ extern "C" __global__ void quant_q8_f32(const float* x, i64 blocks, signed char*
 // are defined by the host (cuda/compile.rs, `shared_constants`).
 #define NORM_PER (NORM_STAGE / NORM_THREADS)
 
+// 1 / sqrt(ss / dim + eps) from the sixteen partials held by lanes 0..15 (lane 0 returns it).
+__device__ __forceinline__ float norm_inv(float acc, int dim, float eps) {
+#pragma unroll
+    for (int off = 8; off > 0; off >>= 1) {
+        acc = __fadd_rn(acc, __shfl_down_sync(DF_FULL_MASK, acc, off, 16));
+    }
+    return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(acc, (float)dim), eps)));
+}
+
+__device__ __forceinline__ float norm_weight(float w, int zero_centred) {
+    return zero_centred ? __fadd_rn(1.0f, w) : w;
+}
+
 // A row of dim <= NORM_STAGE values (see above) normalised by T threads and quantized. Its
 // first half repeats rms_norm_f32's staged path on purpose: a build whose plain norm called
 // a shared template decoded the default model's shapes 4% slower on the H200

@@ -7,15 +7,14 @@ use std::sync::{Arc, Mutex};
 use super::device::{
     ck, ensure, int, long, Arg, CudaOptions, Device, Epilogue, PrefillGemm, Scratch, MM_SEGS,
     MM_TILES, MM_WARPS, NORM_Q_FEW_ROWS, NORM_Q_FEW_THREADS, NORM_Q_THREADS, NORM_STAGE,
-    NORM_THREADS, QT_BM, QT_WARPS, QT_WIDTHS, SQ_MAX_MT, SQ_R, SQ_WARPS, TC_BM, TC_BN, TC_THREADS,
-    X2_BM, X2_NT, X2_WARPS,
+    NORM_THREADS, QT_BM, QT_WARPS, QT_WIDTHS, SQ_R, SQ_WARPS, TC_BM, TC_BN, TC_THREADS, X2_BM,
+    X2_NT, X2_WARPS,
 };
 use super::gdn::CudaGdn;
 use super::graph::Graphs;
 use super::int8::int8_format;
 use super::int8_x::{int8_x_bytes, QuantizedX};
 use super::kv::CudaKv;
-use super::norm_fuse::{mm_norm_smem_bytes, PendingNorm, MM_NORM_SMEM_MAX};
 use super::pack;
 use super::profile::{KernelClassTime, ProfileKeys, Profiler};
 use super::tensor::{CudaMeta, CudaStep, CudaTensor, CudaWeight};
@@ -78,13 +77,6 @@ pub(super) struct MmParams {
     /// `mmqs` kernels: where the int8 copy of the output goes (codes, pairs); else 0.
     oc: u64,
     os: u64,
-    /// `mmqn` / `mmqsn` kernels (cuda/norm_fuse.rs): x before its RMS norm, the norm's weight,
-    /// the normalised rows, eps and the zero-centred flag; else 0.
-    nx: u64,
-    nw: u64,
-    nout: u64,
-    neps: f32,
-    nzc: i32,
 }
 
 /// The fields of `MmParams` (matmul.cu) that only the rope epilogue reads.
@@ -159,7 +151,6 @@ impl CudaBackend {
         let (start, end) = (ev(), ev());
         ck(start.record(&self.dev.stream), "event record");
         f();
-        self.dev.flush_norm();
         ck(end.record(&self.dev.stream), "event record");
         ck(start.elapsed_ms(&end), "event timing") as f64
     }
@@ -172,7 +163,6 @@ impl CudaBackend {
         let n = bytes / 4;
         let (src, mut dst) = (self.dev.zeros::<f32>(n), self.dev.zeros::<f32>(n));
         let mut copy = || {
-            self.dev.flush_norm();
             self.dev.fresh_x.forget();
             ck(
                 self.dev.stream.memcpy_dtod(&src, &mut dst),
@@ -243,7 +233,6 @@ impl CudaBackend {
     /// Waits for all queued work.
     pub fn synchronize(&self) {
         self.dev.bind();
-        self.dev.flush_norm();
         super::device::ck(self.dev.stream.synchronize(), "stream synchronisation");
     }
 
@@ -454,26 +443,9 @@ impl CudaBackend {
             return;
         }
         p.rope = rope;
-        // x is the output of a norm left pending for this product: the kernel with the norm
-        // in its prologue (cuda/norm_fuse.rs), which writes the norm's int8 copy too.
-        let norm = if first.w.int8
-            && !mma
-            && ti < kernels.mmqn.len()
-            && mm_norm_smem_bytes(MM_TILES[ti].mt, k) <= MM_NORM_SMEM_MAX
-        {
-            self.dev.norm.take_for(p.x, m, k)
-        } else {
-            None
-        };
-        if let Some(n) = norm {
-            (p.nx, p.nw, p.nout) = (n.x, n.weight, n.out);
-            (p.neps, p.nzc) = (n.eps, i32::from(n.zero_centred));
-        } else {
-            self.dev.flush_norm();
-        }
-        // The int8 copy of x the kernel before wrote (the RMS norm, the attention merge), or
-        // this one makes (the norm prologue), else the quantizer's.
-        let fresh = norm.map(|n| n.copy()).or_else(|| self.dev.fresh_x.get());
+        // The int8 copy of x the kernel before wrote (the RMS norm, the attention merge), else
+        // the quantizer's.
+        let fresh = self.dev.fresh_x.get();
         let handed = fresh.and_then(|q| q.rows_at(p.x, m, k));
         if first.w.int8 {
             (p.x, p.xs) = match handed {
@@ -487,17 +459,13 @@ impl CudaBackend {
         let (f, rows_per_block, threads) = if mma {
             (&kernels.mmqt[qt][epi as usize], QT_BM, QT_WARPS * 32)
         } else if out_copy.is_some() {
-            let f = match norm {
-                Some(_) => &kernels.mmqsn[ti],
-                None => &kernels.mmqs[ti],
-            };
-            (f, MM_TILES[ti].mt, SQ_WARPS * 32)
+            (&kernels.mmqs[ti], MM_TILES[ti].mt, SQ_WARPS * 32)
         } else if first.w.int8 {
-            let f = match norm {
-                Some(_) => &kernels.mmqn[ti][epi as usize],
-                None => &kernels.mmq[ti][epi as usize],
-            };
-            (f, MM_TILES[ti].mt, MM_WARPS * 32)
+            (
+                &kernels.mmq[ti][epi as usize],
+                MM_TILES[ti].mt,
+                MM_WARPS * 32,
+            )
         } else {
             (
                 &kernels.mm[ti][epi as usize],
@@ -505,13 +473,11 @@ impl CudaBackend {
                 MM_WARPS * 32,
             )
         };
-        let smem = norm.map_or(0, |_| mm_norm_smem_bytes(MM_TILES[ti].mt, k));
-        self.dev.launch_with_smem(
+        self.dev.launch_with(
             f,
             &format!("matmul[{}]", first.w.name),
             (blocks as u32, m.div_ceil(rows_per_block) as u32, 1),
             (threads as u32, 1, 1),
-            smem as u32,
             &p,
         );
         // x is unchanged unless an output overlaps it: the copy serves the next product too.
@@ -578,8 +544,6 @@ impl CudaBackend {
     /// The scratch buffer for an int8 copy of `m` rows of `k` values (cuda/int8_x.rs): the
     /// addresses of its codes and of its (d, ds) pairs.
     fn int8_x_buffer(&self, m: usize, k: usize) -> (u64, u64) {
-        // A pending norm writes into this buffer: it goes first, before the buffer can move.
-        self.dev.flush_norm();
         self.int8_scratch(m, k, |s| &mut s.xq)
     }
 
@@ -1309,8 +1273,6 @@ impl Backend for CudaBackend {
         let dim = weight.len();
         assert!(dim > 0 && x.cols.is_multiple_of(dim));
         self.dev.bind();
-        // A norm left pending before this one runs first (this one may read its output).
-        self.dev.flush_norm();
         let src = self.tptr(x);
         let dst = match out {
             None => src,
@@ -1328,21 +1290,6 @@ impl Backend for CudaBackend {
             .then(|| self.int8_copy_for(groups, dim))
             .flatten();
         let (qc, qs) = copy.unwrap_or((0, 0));
-        // A few rows into a separate output, narrow enough: left for the int8 product that
-        // reads them, which makes the norm in its prologue (cuda/norm_fuse.rs).
-        if copy.is_some() && dst != src && groups <= SQ_MAX_MT && dim <= self.dev.norm_fuse_max_k {
-            return self.dev.norm.defer(PendingNorm {
-                x: src,
-                out: dst,
-                weight: self.tptr(weight),
-                rows: groups,
-                dim,
-                eps,
-                zero_centred,
-                codes: qc,
-                pairs: qs,
-            });
-        }
         let args = [
             Arg::Ptr(src),
             Arg::Ptr(dst),
@@ -1626,7 +1573,6 @@ impl Backend for CudaBackend {
         host[4 * t..5 * t].copy_from_slice(ids);
         host[5 * t..need].copy_from_slice(sel);
         let dst = self.ptr(step.meta.buf.as_ref().expect("allocated above"));
-        self.dev.flush_norm();
         self.dev.fresh_x.forget();
         // SAFETY: the device buffer holds `cap >= need` values; the staging buffer is pinned
         // and not written again before `copied` completes.

@@ -33,11 +33,7 @@ const INCLUDE_COMMON: &str = "#include \"common.cu\"";
 /// Parts of matmul.cu kept in their own files, pasted where it includes them: the
 /// tensor-core products of prompt rows, the f32-activation products of packed weights on TF32
 /// tensor cores, and the int8 products of verify rows on integer tensor cores.
-const MATMUL_PARTS: [(&str, &str); 4] = [
-    (
-        "matmul_norm.cu",
-        include_str!("../../kernels/matmul_norm.cu"),
-    ),
+const MATMUL_PARTS: [(&str, &str); 3] = [
     ("matmul_tc.cu", include_str!("../../kernels/matmul_tc.cu")),
     ("matmul_x2.cu", include_str!("../../kernels/matmul_x2.cu")),
     ("matmul_qtc.cu", include_str!("../../kernels/matmul_qtc.cu")),
@@ -721,7 +717,6 @@ mod tests {
                     .trim_matches(|c: char| c.is_whitespace() || c == '\\');
                 let waits_in_body = (matches!(m, Module::Matmul(_))
                     && (first.starts_with("mm_body<")
-                        || first.starts_with("mmn_body<")
                         || first.starts_with("mmqs_body<")
                         || first.starts_with("mmqt_kernel_body<")
                         || first.starts_with("mmx2_body<")))
@@ -763,31 +758,8 @@ mod tests {
         let warp = &mm[mm.find("void mmq_warp(").expect("mmq_warp")..];
         let wait = warp.find("df_kernel_begin();").expect("mmq_warp waits");
         assert!(
-            wait < warp.find("mm_ld_x<SX>(x4)").expect("mmq_warp reads x"),
+            wait < warp.find("__ldg(x4)").expect("mmq_warp reads x"),
             "mmq_warp reads x before it waits"
-        );
-        // The norm prologue (mmn_body, mmqs_body with NX): every warp runs it first, and it
-        // stages only the host's norm weight before it waits, then reads x.
-        let body = &mm[mm.find("void mmn_body(").expect("mmn_body")..];
-        let body = &body[..body.find("mm_norm_x<").expect("mmn_body runs the prologue")];
-        assert!(
-            !body.contains("return"),
-            "mmn_body may leave before it waits"
-        );
-        let norm = MATMUL_PARTS
-            .iter()
-            .find(|(f, _)| *f == "matmul_norm.cu")
-            .expect("the norm part")
-            .1;
-        let pro = &norm[norm.find("NormSmem mm_norm_x(").expect("mm_norm_x")..];
-        let wait = pro.find("df_kernel_begin();").expect("mm_norm_x waits");
-        assert!(
-            wait < pro.find("p.nx").expect("mm_norm_x reads x"),
-            "mm_norm_x reads x before it waits"
-        );
-        assert!(
-            !pro[..wait].contains("return"),
-            "mm_norm_x leaves without waiting"
         );
         // Both int8 tensor-core bodies read x through qt_load_x, after their wait, and never
         // leave before it (the pipelined one requests weights, the host's, before it).

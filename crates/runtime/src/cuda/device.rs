@@ -12,7 +12,6 @@ use super::attention::{fuse_merge_min_rows, FUSE_MERGE_MIN_ROWS};
 use super::compile::{self, Image, Module, Target};
 use super::int8::{int8_format, int8_mma_min_rows, int8_mma_width, Int8Policy};
 use super::int8_x::FreshX;
-use super::norm_fuse::{norm_fuse_max_k, DeferredNorm, NORM_FUSE_MAX_K};
 use super::profile::Profiler;
 use crate::dtype::DType;
 use crate::error::RuntimeError;
@@ -55,10 +54,6 @@ pub struct CudaOptions {
     /// (`mmqs_*`, matmul.cu) instead of leaving it to the quantizer, unless
     /// `DFLASH_CUDA_SWIGLU_Q8=0`; the bits are the same either way.
     pub swiglu_q8: bool,
-    /// The RMS norm of at most `SQ_MAX_MT` rows of at most this many values, before an int8
-    /// product on the dp4a kernels, runs in that product's prologue (cuda/norm_fuse.rs;
-    /// `DFLASH_CUDA_NORM_FUSE`; 0: never); the bits are the same either way.
-    pub norm_fuse_max_k: usize,
 }
 
 impl Default for CudaOptions {
@@ -70,7 +65,6 @@ impl Default for CudaOptions {
             fuse_merge_min_rows: FUSE_MERGE_MIN_ROWS,
             int8_mma_width: None,
             swiglu_q8: true,
-            norm_fuse_max_k: NORM_FUSE_MAX_K,
         }
     }
 }
@@ -81,14 +75,9 @@ impl CudaOptions {
     /// `DFLASH_CUDA_INT8` ([`Int8Policy`]), `DFLASH_CUDA_FUSE_MERGE` (when the split
     /// attention merges by itself: `auto`, `0` or the fewest tokens; cuda/attention.rs) and
     /// `DFLASH_CUDA_INT8_MMA_WIDTH` (`auto`, or the column tiles per block of the int8
-    /// tensor-core kernels: 4 or 1), `DFLASH_CUDA_SWIGLU_Q8` (`0` or `1`) and
-    /// `DFLASH_CUDA_NORM_FUSE` (`auto`, `0` or the widest x; cuda/norm_fuse.rs).
+    /// tensor-core kernels: 4 or 1) and `DFLASH_CUDA_SWIGLU_Q8` (`0` or `1`).
     pub fn from_env() -> Result<Self, RuntimeError> {
         let mut o = Self {
-            norm_fuse_max_k: norm_fuse_max_k(
-                std::env::var("DFLASH_CUDA_NORM_FUSE").ok().as_deref(),
-            )
-            .map_err(RuntimeError::Device)?,
             fuse_merge_min_rows: fuse_merge_min_rows(
                 std::env::var("DFLASH_CUDA_FUSE_MERGE").ok().as_deref(),
             )
@@ -191,8 +180,7 @@ pub(crate) const NORM_Q_FEW_ROWS: usize = 16;
 /// block of every row of x.
 pub(crate) const SQ_WARPS: usize = 16;
 pub(crate) const SQ_R: usize = GROUP / SQ_WARPS;
-/// Those kernels, and the int8 products with the RMS norm in their prologue (`mmqn_*`,
-/// `mmqsn_*`), exist for the dp4a tiles of `MM_TILES` up to this many rows of x.
+/// Those kernels exist for the dp4a tiles of `MM_TILES` up to this many rows of x.
 pub(crate) const SQ_MAX_MT: usize = 4;
 /// Warps per matmul block (MM_WARPS in matmul.cu).
 pub(crate) const MM_WARPS: usize = 4;
@@ -319,11 +307,6 @@ pub(crate) struct FormatKernels {
     /// `mmqs[tile index]` for the tiles of `MM_TILES` up to `SQ_MAX_MT` rows: the int8 SwiGLU
     /// kernels that also write the int8 copy of their output (empty as `mmq` is).
     pub mmqs: Vec<CudaFunction>,
-    /// `mmqn[tile index][epilogue index]` and `mmqsn[tile index]` for the same tiles: `mmq`
-    /// and `mmqs` with the RMS norm of x in their prologue (matmul_norm.cu; empty as `mmq`
-    /// is).
-    pub mmqn: Vec<Vec<CudaFunction>>,
-    pub mmqsn: Vec<CudaFunction>,
     /// `mmqt[width index][epilogue index]` for the widths of `QT_WIDTHS`: the int8-activation
     /// kernels of several rows on integer tensor cores, with the bits of `mmq` (matmul_qtc.cu;
     /// empty as `mmq` is).
@@ -493,10 +476,6 @@ pub(crate) struct Device {
     pub sample: Mutex<super::sample::SampleScratch>,
     /// The int8 copy of x the last launch wrote for the product after it (cuda/int8_x.rs).
     pub fresh_x: FreshX,
-    /// The RMS norm left for the int8 product after it (cuda/norm_fuse.rs).
-    pub norm: DeferredNorm,
-    /// [`CudaOptions::norm_fuse_max_k`] (0 without the int8 handoff).
-    pub norm_fuse_max_k: usize,
     /// Inner dimensions of the uploaded int8-activation weights: the RMS norm and the
     /// attention merge write an int8 copy of an output this wide.
     int8_k: Mutex<Vec<usize>>,
@@ -682,12 +661,6 @@ impl Device {
             profiler: Mutex::new(None),
             sample: Mutex::new(Default::default()),
             fresh_x: FreshX::default(),
-            norm: DeferredNorm::default(),
-            norm_fuse_max_k: if int8_handoff {
-                opts.norm_fuse_max_k
-            } else {
-                0
-            },
             int8_k: Mutex::new(Vec::new()),
         })
     }
@@ -740,10 +713,9 @@ impl Device {
         };
         let sfx = d.info().kernel_name;
         // `<family>_<format>_<MT>_<R>_<epilogue>` for every tile and epilogue.
-        let tiles = |family: &str, max_mt: usize| -> Result<Vec<Vec<CudaFunction>>, String> {
+        let tiles = |family: &str| -> Result<Vec<Vec<CudaFunction>>, String> {
             MM_TILES
                 .iter()
-                .filter(|t| t.mt <= max_mt)
                 .map(|t| {
                     Epilogue::ALL
                         .iter()
@@ -759,21 +731,21 @@ impl Device {
                 })
                 .collect()
         };
-        let mm = tiles("mm", usize::MAX)?;
-        let int8 = int8_format(d);
-        let few = |family: &str| -> Result<Vec<CudaFunction>, String> {
+        let mm = tiles("mm")?;
+        let mmq = if int8_format(d) {
+            tiles("mmq")?
+        } else {
+            Vec::new()
+        };
+        let mmqs = if int8_format(d) {
             MM_TILES
                 .iter()
-                .filter(|t| int8 && t.mt <= SQ_MAX_MT)
-                .map(|t| get(&format!("{family}_{sfx}_{}", t.mt)))
-                .collect()
-        };
-        let (mmq, mmqn) = if int8 {
-            (tiles("mmq", usize::MAX)?, tiles("mmqn", SQ_MAX_MT)?)
+                .filter(|t| t.mt <= SQ_MAX_MT)
+                .map(|t| get(&format!("mmqs_{sfx}_{}", t.mt)))
+                .collect::<Result<_, _>>()?
         } else {
-            (Vec::new(), Vec::new())
+            Vec::new()
         };
-        let (mmqs, mmqsn) = (few("mmqs")?, few("mmqsn")?);
         let mmqt = if int8_format(d) {
             QT_WIDTHS
                 .iter()
@@ -807,8 +779,6 @@ impl Device {
             mm,
             mmq,
             mmqs,
-            mmqn,
-            mmqsn,
             mmqt,
             mmtc,
             mmx2,
@@ -909,7 +879,6 @@ impl Device {
         smem: u32,
         params: &mut [*mut c_void],
     ) {
-        self.flush_norm();
         self.fresh_x.forget();
         assert!(
             grid.0 > 0 && grid.1 > 0 && grid.2 > 0,
@@ -981,7 +950,6 @@ impl Device {
         if src.is_empty() {
             return;
         }
-        self.flush_norm();
         self.fresh_x.forget();
         // SAFETY: `dst` is a live buffer of at least `src.len()` elements (callers ensure it).
         ck(
@@ -995,7 +963,6 @@ impl Device {
         if dst.is_empty() {
             return;
         }
-        self.flush_norm();
         // SAFETY: `src` is a live buffer of at least `dst.len()` elements (callers ensure it).
         ck(
             unsafe { drv::memcpy_dtoh_async(dst, src, self.stream.cu_stream()) },
@@ -1009,7 +976,6 @@ impl Device {
         &self,
         n: usize,
     ) -> CudaSlice<T> {
-        self.flush_norm();
         self.fresh_x.forget();
         ck(self.stream.alloc_zeros::<T>(n.max(1)), "allocation")
     }

@@ -54,9 +54,6 @@
 //!   merged in order, then the splits in split order (a merge launch, or for prompt rows the
 //!   split kernel's last block). Any context length, head_dim <= 256.
 //! - **RMS norm**: sixteen lanes per group, reproducing the CPU's 16-lane sum and halving tree.
-//!   The norm of a decode or verify step's few rows before an int8 product runs in that
-//!   product's prologue instead of a launch of its own, with the same arithmetic
-//!   ([`norm_fuse`](self::norm_fuse), `kernels/matmul_norm.cu`).
 //! - element-wise ops, RoPE, gathers and KV copies: simple grid-stride kernels.
 //! - **token choice** (`kernels/sample.cu`, `cuda/sample.rs`): argmax in two stages (blocks
 //!   of 4,096 columns, then a merge per row); sampling, drafts and DFlash verification one
@@ -80,8 +77,6 @@
 //! `DFLASH_CUDA_FLOAT_MMA=0` (the output head of Q4_0/Q4_1/Q8_0 weights on the CUDA-core
 //! kernels instead of TF32 tensor cores with x split in two terms; other bits, still one
 //! kernel for every M);
-//! `DFLASH_CUDA_NORM_FUSE` (`auto` default = x of up to 1,024 values, the widest x, or `0`:
-//! the RMS norm of up to 4 rows made in the prologue of the int8 product after it, same bits);
 //! `DFLASH_CUDA_ARCH`
 //! (compile for another
 //! `sm_XY`);
@@ -98,7 +93,6 @@ mod graph;
 mod int8;
 mod int8_x;
 pub mod kv;
-mod norm_fuse;
 pub mod pack;
 mod profile;
 mod qkv_rope;
@@ -112,6 +106,5 @@ pub use device::{CudaOptions, PrefillGemm};
 pub use gdn::CudaGdn;
 pub use int8::Int8Policy;
 pub use kv::CudaKv;
-pub use norm_fuse::NORM_FUSE_MAX_K;
 pub use profile::{KernelClassTime, ProfileKeys};
 pub use tensor::{CudaMeta, CudaStep, CudaTensor, CudaWeight};
