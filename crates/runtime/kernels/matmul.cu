@@ -671,7 +671,8 @@ __device__ __forceinline__ void mmq_warp(const MmSeg& sg, const int (&nr)[R], co
     mm_weight_rows<R, W>(sg, nr, rows);
 
     // Groups per lane whose weights are in flight together; with two or more rows of x the
-    // x codes of a group are loaded with its weights, else after.
+    // x codes of a group are loaded with its weights, else after. (P = 4 and 8 at one row of x
+    // measured level and slower on the H200: docs/benchmarks/2026-12-04-h200-norm-prologue.md.)
     constexpr int P = MT <= 2 ? 2 : 1;
     constexpr bool XH = MT >= 2 && MT <= 4;
     RopeLane rl = {1.0f, 0.0f, nullptr};
