@@ -10,8 +10,8 @@
 #   bash run_stream.sh run     # stage + assemble the target; once per machine: bf16/fp32 greedy
 #                              # agreement beside the first shard (picks the dtype of later calls);
 #                              # gen_data on GPU 0 and stream_train on the last GPU (both on GPU 0
-#                              # with one GPU) until TOTAL_S; with 2+ GPUs (or KD_AB=1) and KD_ALPHA != 0
-#                              # a second trainer with distillation shares GPU 0 (A/B; the best walk tau ships)
+#                              # with one GPU) until TOTAL_S; with AB_ARGS, or 2+ GPUs (or KD_AB=1) and
+#                              # KD_ALPHA != 0, a second trainer shares GPU 0 (A/B; the best walk tau ships)
 #   bash run_stream.sh eval    # dflash eval / bench of the best drafter (carried CUDA build)
 #
 # The script may live anywhere (the device call carries it); it finds dflash_train next to itself.
@@ -28,6 +28,9 @@
 #   EVAL_SPECS / BENCH_BLOCKS  mode eval: "name file limit;..." prompt sets, blocks for dflash bench
 #   EVAL_RUNS=          mode eval: the runs to evaluate ("train train_kd"; default: the best walk tau)
 #   KD_AB=0             1: the distillation arm (KD_ALPHA) beside the plain trainer on a one-GPU machine
+#   AB_ARGS=            a second trainer with these extra arguments beside the plain one, into
+#                       train_ab (e.g. "--dflash2 --selector-rank 16": a DFlash2 drafter grown from
+#                       the carried DFlash one); takes the place of the distillation arm
 #   GEN_ARGS= / TRAIN_ARGS=   extra arguments for gen_data / stream_train (after the bench call's
 #                       choices; a carried */init_drafter.tar.xz export starts the trainer from it)
 #   BENCH_ARGS= / TRAIN_BENCH_ARGS=   extra arguments for bench_gen throughput / bench_train (mode bench)
@@ -171,15 +174,22 @@ log "trainer args: ${TRAIN_ARGS:-}; generator args: ${GEN_ARGS:-}"
 TGPU=$(( NGPU > 1 ? NGPU - 1 : 0 ))
 BUDGET=$(( $(left) - 45 ))
 KV=$([ "$NGPU" -gt 1 ] && echo 80 || echo 56)
-# A/B: with two GPUs, a second trainer with distillation (KD_ALPHA) shares GPU 0 with the generator
+# A/B: a second trainer beside the plain one, sharing GPU 0 with the generator: the arms of AB_ARGS
+# (into train_ab), else with two GPUs (or KD_AB=1) distillation (KD_ALPHA, into train_kd)
 KD_ALPHA="${KD_ALPHA:-0.5}"
-KD_PID=
-if { [ "$NGPU" -gt 1 ] || [ "${KD_AB:-0}" = 1 ]; } && [ "$KD_ALPHA" != "0" ]; then
-  mkdir -p "$W/train_kd"
-  ( python3 -m dflash_train.stream_train --target "$TARGET" --data-dir "$W/data" --work "$W/train_kd" \
-      --time-limit-s "$BUDGET" --device cuda:0 --log-every 50 --kd-alpha "$KD_ALPHA" ${TRAIN_ARGS:-} 2>&1 \
-      | grep -v "it/s]" > "$W/train_kd_stdout.log" ) &
-  KD_PID=$!
+AB_PID=; AB_DIR=; AB_EXTRA=
+if [ -n "${AB_ARGS:-}" ]; then
+  AB_DIR=train_ab; AB_EXTRA="$AB_ARGS"
+elif { [ "$NGPU" -gt 1 ] || [ "${KD_AB:-0}" = 1 ]; } && [ "$KD_ALPHA" != "0" ]; then
+  AB_DIR=train_kd; AB_EXTRA="--kd-alpha $KD_ALPHA"
+fi
+if [ -n "$AB_DIR" ]; then
+  mkdir -p "$W/$AB_DIR"
+  # shellcheck disable=SC2086
+  ( python3 -m dflash_train.stream_train --target "$TARGET" --data-dir "$W/data" --work "$W/$AB_DIR" \
+      --time-limit-s "$BUDGET" --device cuda:0 --log-every 50 ${TRAIN_ARGS:-} $AB_EXTRA 2>&1 \
+      | grep -v "it/s]" > "$W/${AB_DIR}_stdout.log" ) &
+  AB_PID=$!
 fi
 ( python3 -m dflash_train.gen_data --target "$TARGET" --convs "$CONVS" --eval "${EVALS[@]}" \
     --out-dir "$W/data" --time-limit-s $(( BUDGET - 40 )) --dtype "$GEN_DTYPE" --device cuda:0 \
@@ -193,9 +203,10 @@ wait $GEN_PID
 log "generator exit $?"
 [ -n "$AGREE_PID" ] && wait $AGREE_PID
 cp -f "$W/agree.json" "$W/train/" 2>/dev/null
-if [ -n "$KD_PID" ]; then
-  wait $KD_PID
-  log "distillation trainer: $(grep -h "end of call" "$W/train_kd/train_log.txt" | tail -1)"
+if [ -n "$AB_PID" ]; then
+  wait $AB_PID
+  log "second trainer ($AB_DIR: $AB_EXTRA): $(grep -h "end of call" "$W/$AB_DIR/train_log.txt" | tail -1)"
+  grep -v "^step " "$W/${AB_DIR}_stdout.log" | tail -n 20
 fi
 
 # ---------------------------------------------------------------- results
@@ -205,12 +216,12 @@ SAMPLE=$(ls -S data/conv_*.npz 2>/dev/null | grep -v _part | tail -n 2 | head -n
 # the best export over both runs (walk tau), both runs' logs
 BEST=$(python3 -c "
 import json, os
-b = [(json.load(open(f'$W/{d}/best.json')).get('walk_tau', 0), d) for d in ('train', 'train_kd')
+b = [(json.load(open(f'$W/{d}/best.json')).get('walk_tau', 0), d) for d in ('train', 'train_kd', 'train_ab')
      if os.path.exists(f'$W/{d}/best.json')]
 print(max(b)[1] if b else 'train')")
 log "best walk tau: $BEST"
 echo "$BEST" > "$W/best_run.txt"
-LOGS=(); for d in train train_kd; do for f in $d/train_log.txt $d/train_log.jsonl $d/summary_call*.json $d/best.json; do [ -e "$f" ] && LOGS+=("$f"); done; done
+LOGS=(); for d in train train_kd train_ab; do for f in $d/train_log.txt $d/train_log.jsonl $d/summary_call*.json $d/best.json; do [ -e "$f" ] && LOGS+=("$f"); done; done
 tar -czf "$W/bundle.tgz" "${LOGS[@]}" "$BEST/best" best_run.txt agree.json gen_stdout.log ${SAMPLE:+$SAMPLE} data/state.json 2>/dev/null
 rm -f "$OUTDIR"/bundle.tgz.part-*
 split -b 15M -a 2 "$W/bundle.tgz" "$OUTDIR/bundle.tgz.part-"

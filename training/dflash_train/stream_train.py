@@ -195,7 +195,8 @@ class StreamTrainer(train_mod.Trainer):
         feats, final = out if kd else (out, None)
         with self._autocast(), torch.compiler.set_stance("default" if train else "force_eager"):
             return block_loss(self.drafter, self.emb_w, self.head_w, feats, bt, chunk_rows=a.chunk_rows,
-                              checkpoint_ce=train, target_final=final, kd_alpha=a.kd_alpha if kd else 0.0,
+                              checkpoint_ce=train, selector_alpha=a.selector_alpha, stats=self.selector_stats,
+                              target_final=final, kd_alpha=a.kd_alpha if kd else 0.0,
                               ctx_pad=self.ctx_pad if train else 0)
 
 

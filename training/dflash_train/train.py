@@ -18,6 +18,7 @@ Outputs in --out-dir:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -133,6 +134,23 @@ class Prefetcher:
             pass
 
 
+def as_dflash2(cfg: DrafterConfig, a) -> DrafterConfig:
+    """``cfg`` (a DFlash drafter's) with the DFlash2 fields of the command line."""
+    return dataclasses.replace(cfg, conv_kernel_size=a.conv_kernel_size, conv_group_size=a.conv_group_size,
+                               selector_rank=a.selector_rank, selector_top_k=a.selector_top_k)
+
+
+def load_backbone(drafter: DFlashDrafter, sd: Dict[str, torch.Tensor]) -> None:
+    """A DFlash drafter's weights into a DFlash2 ``drafter`` of the same shape, whose own parts
+    (the block convolutions and the candidate selector) keep their no-op initialisation."""
+    res = drafter.load_state_dict(sd, strict=False)
+    own = ("attention_conv.", "mlp_conv.", "candidate_selector.")
+    missing = [k for k in res.missing_keys if not any(o in k for o in own)]
+    if missing or res.unexpected_keys:
+        raise ValueError(f"the DFlash drafter does not fit the DFlash2 shape: missing {missing[:4]}, "
+                         f"unexpected {res.unexpected_keys[:4]}")
+
+
 class Trainer:
     def __init__(self, args, target, tok, out_dir: str, log_fn=None, target_name: str = "?"):
         self.args, self.target, self.tok, self.out_dir = args, target, tok, out_dir
@@ -161,11 +179,16 @@ class Trainer:
             p = os.path.join(self.out_dir, "ckpt")
             resume = p if os.path.exists(os.path.join(p, "drafter", "config.json")) else None
         self.resume_dir = resume
+        grown = False
         if resume:
             sd, cfg, st = read_checkpoint_weights(resume)
             self.state.update({k: st[k] for k in self.state if k in st})
             self.state["mask_token_text"] = st.get("mask_token_text", "")
             self.log(f"[train] resuming from {resume} at step {self.state['step']}")
+            if a.dflash2 and not cfg.is_dflash2:
+                cfg, grown = as_dflash2(cfg, a), True
+                self.log(f"[train] {resume} is a DFlash drafter: its weights start a DFlash2 drafter "
+                         f"(the convolutions and the selector start as no-ops)")
         else:
             taps = [int(x) for x in a.target_layer_ids.split(",")] if a.target_layer_ids else None
             if a.mask_token_id is not None:
@@ -189,6 +212,9 @@ class Trainer:
         self.selector_stats: Dict = {}
         if sd is None:
             self.drafter.reset_parameters(seed=a.seed)
+        elif grown:
+            self.drafter.reset_parameters(seed=a.seed)
+            load_backbone(self.drafter, sd)
         else:
             self.drafter.load_state_dict(sd)
         self.drafter.to(self.device)

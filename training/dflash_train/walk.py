@@ -22,6 +22,20 @@ from .drafter import dense_mask_torch
 from .target import target_features
 
 
+def selector_path(selector, logits: torch.Tensor, h: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+    """A DFlash2 drafter's greedy draft (as the engine's selector walk): slot k picks, among
+    the top-k tokens of its logits, the best path score given slot k - 1's pick (the anchor for
+    slot 1).  ``logits`` [b, B, V], ``h`` [b, B, H] -> [b, B] (slot 0 holds the anchor)."""
+    path = torch.empty(logits.shape[:2], dtype=torch.long, device=logits.device)
+    path[:, 0] = prev = anchor
+    for k in range(1, logits.shape[1]):
+        unary, cand = logits[:, k].topk(selector.top_k, dim=-1)
+        sc = selector.scores(unary, cand, h[:, k], prev)
+        prev = cand.gather(1, sc.argmax(-1, keepdim=True)).squeeze(1)
+        path[:, k] = prev
+    return path
+
+
 @torch.no_grad()
 def walk_tau(drafter, target, emb_w: torch.Tensor, head_w: torch.Tensor, recs: Sequence[dict],
              max_new: int = 256, batch: int = 32, autocast=None) -> Dict:
@@ -67,7 +81,9 @@ def walk_tau(drafter, target, emb_w: torch.Tensor, head_w: torch.Tensor, recs: S
             mask = dense_mask_torch(vis, B)
             with ac():
                 h = drafter(F.embedding(blk, emb_w), bpos, feats, ctx_pos, mask)
-                pred = F.linear(h, head_w).float().argmax(-1)
+                logits = F.linear(h, head_w).float()
+                sel = drafter.candidate_selector
+                pred = logits.argmax(-1) if sel is None else selector_path(sel, logits, h, blk[:, 0])
             ok = (pred[:, 1:] == lab[:, 1:]) & valid[:, 1:]
             acc = torch.cumprod(ok.long(), dim=1).sum(1)
             commit = torch.minimum(acc + 1, end - 1 - a)

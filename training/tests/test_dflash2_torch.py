@@ -216,3 +216,52 @@ def test_forward_matches_the_reference_fixture():
             prev = int(cand[sc.argmax()])
             path.append(prev)
     assert path == io["round1_greedy_path"].tolist()
+    # walk.selector_path (the walk tau of DFlash2 runs) makes the same path in one batched pass.
+    from dflash_train.walk import selector_path
+    padded = torch.cat([logits[:1], logits])[None]  # slot 0 (the anchor's own row) is not read
+    hh = torch.cat([h[:1], h])[None]
+    got = selector_path(d.candidate_selector, padded, hh, ids[:1])
+    assert got[0, 1:].tolist() == io["round1_greedy_path"].tolist() and int(got[0, 0]) == int(ids[0])
+
+
+def test_a_dflash_drafter_grows_into_a_dflash2_one():
+    """train.as_dflash2 + load_backbone (stream_train --init-drafter DFLASH --dflash2): the
+    grown drafter keeps every DFlash weight, its own parts start as no-ops, so its hidden
+    states and greedy walk equal the DFlash drafter's; a drafter of another shape is refused."""
+    from types import SimpleNamespace
+
+    from dflash_train.train import as_dflash2, load_backbone
+    from dflash_train.walk import selector_path
+
+    v1 = tiny_cfg(conv_kernel_size=None, conv_group_size=None, selector_rank=None, selector_top_k=None)
+    d1 = DFlashDrafter(v1)
+    d1.reset_parameters(seed=5)
+    a = SimpleNamespace(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=5)
+    cfg2 = as_dflash2(v1, a)
+    assert cfg2.is_dflash2 and not v1.is_dflash2 and cfg2.num_hidden_layers == v1.num_hidden_layers
+    d2 = DFlashDrafter(cfg2)
+    d2.reset_parameters(seed=9)
+    load_backbone(d2, d1.state_dict())
+    for k, v in d1.state_dict().items():
+        assert torch.equal(d2.state_dict()[k], v), k
+    bt = batch_to_torch(_batch(cfg2), "cpu")
+    g = torch.Generator().manual_seed(2)
+    emb = torch.randn(cfg2.vocab_size, 64, generator=g)
+    head = torch.randn(cfg2.vocab_size, 64, generator=g) / 8
+    feats = torch.randn(1, 20, 2 * 64, generator=g)
+    from dflash_train.drafter import dense_mask_torch
+    mask = dense_mask_torch(bt["ctx_visible"], cfg2.block_size)
+    x = torch.nn.functional.embedding(bt["block_ids"].view(1, -1), emb)
+    with torch.no_grad():
+        h1 = d1(x, bt["block_pos"].view(1, -1), feats, bt["position_ids"], mask)
+        h2 = d2(x, bt["block_pos"].view(1, -1), feats, bt["position_ids"], mask)
+        assert torch.equal(h1, h2)
+        logits = (h2 @ head.T).view(-1, cfg2.block_size, cfg2.vocab_size)
+        hb = h2.view(-1, cfg2.block_size, 64)
+        anchor = bt["block_ids"].view(-1, cfg2.block_size)[:, 0]
+        path = selector_path(d2.candidate_selector, logits, hb, anchor)
+    assert torch.equal(path[:, 1:], logits[:, 1:].argmax(-1)), "a no-op selector walks the argmax"
+    wide = DFlashDrafter(as_dflash2(tiny_cfg(conv_kernel_size=None, conv_group_size=None, selector_rank=None,
+                                             selector_top_k=None, num_hidden_layers=3), a))
+    with pytest.raises(ValueError, match="does not fit"):
+        load_backbone(wide, d1.state_dict())

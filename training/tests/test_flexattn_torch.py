@@ -13,11 +13,12 @@ from dflash_train.flexattn import TILE, FlexBlocks, padded_context_len  # noqa: 
 BS = 16
 
 
-def tiny_cfg():
+def tiny_cfg(dflash2: bool = False):
+    v2 = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=8) if dflash2 else {}
     return DrafterConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
                          num_key_value_heads=2, head_dim=16, vocab_size=300, num_target_layers=4,
                          target_layer_ids=[1, 2], block_size=BS, mask_token_id=5, rms_norm_eps=1e-6,
-                         rope_theta=10000.0)
+                         rope_theta=10000.0, **v2)
 
 
 def make_batch(seed: int, lengths, prompt_lens, num_anchors: int):
@@ -70,11 +71,16 @@ def test_block_mask_covers_exactly_the_visible_tiles():
         assert torch.equal(got, dense[bi, 0])
 
 
-def run_both(device: str, grads: bool):
+def run_both(device: str, grads: bool, dflash2: bool = False):
     torch.manual_seed(0)
     dt = torch.float64 if device == "cpu" else torch.float32
-    dr = DFlashDrafter(tiny_cfg())
+    dr = DFlashDrafter(tiny_cfg(dflash2))
     dr.reset_parameters(seed=3)
+    if dflash2:  # convolutions and a selector that are not no-ops
+        with torch.no_grad():
+            for n, p in dr.named_parameters():
+                if "_conv." in n or "candidate_selector." in n:
+                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))) * 0.1)
     dr = dr.to(device=device, dtype=dt)
     g = torch.Generator().manual_seed(4)
     emb = (torch.randn(300, 64, generator=g) * 0.5).to(device=device, dtype=dt)
@@ -95,17 +101,20 @@ def run_both(device: str, grads: bool):
     return res
 
 
-def test_flex_loss_equals_dense_cpu():
-    """Forward on the CPU (FlexAttention has no CPU backward): loss and argmaxes equal."""
-    (l0, c0, _), (l1, c1, _) = run_both("cpu", grads=False)
+@pytest.mark.parametrize("dflash2", [False, True])
+def test_flex_loss_equals_dense_cpu(dflash2):
+    """Forward on the CPU (FlexAttention has no CPU backward): loss and argmaxes equal (DFlash2:
+    the selector's picks)."""
+    (l0, c0, _), (l1, c1, _) = run_both("cpu", grads=False, dflash2=dflash2)
     assert torch.allclose(l0, l1, rtol=1e-10, atol=1e-12)
     assert torch.equal(c0, c1)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="NOT RUN: needs CUDA (compiled flex fwd+bwd); "
                     "run this file on the device machine")
-def test_flex_loss_and_grads_equal_dense_cuda():
-    (l0, c0, g0), (l1, c1, g1) = run_both("cuda", grads=True)
+@pytest.mark.parametrize("dflash2", [False, True])
+def test_flex_loss_and_grads_equal_dense_cuda(dflash2):
+    (l0, c0, g0), (l1, c1, g1) = run_both("cuda", grads=True, dflash2=dflash2)
     assert torch.allclose(l0, l1, rtol=1e-3, atol=1e-5)
     for n in g0:  # the compiled kernel may run its fp32 dots in TF32: compare by relative norm
         rel = float((g0[n] - g1[n]).norm() / g0[n].norm().clamp_min(1e-12))

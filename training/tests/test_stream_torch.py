@@ -192,7 +192,10 @@ def test_lr_wsd():
     assert lr_wsd(50, 200.0, 100.0, 10.0, 10, 0.1) == pytest.approx(0.1)
 
 
-def test_walk_tau_equals_a_walk_over_teacher_forced_acceptance():
+@pytest.mark.parametrize("dflash2", [False, True])
+def test_walk_tau_equals_a_walk_over_teacher_forced_acceptance(dflash2):
+    """DFlash2: the walk's selector follows its own picks, the training's teacher-forced pick
+    the true previous token; they agree on every accepted prefix, so the walks match."""
     V, H = 61, 32
     cfg_t = transformers.LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=5,
                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -203,9 +206,17 @@ def test_walk_tau_equals_a_walk_over_teacher_forced_acceptance():
     cfg = DrafterConfig(hidden_size=H, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=8, vocab_size=V, num_target_layers=5,
                         target_layer_ids=[1, 3], mask_token_id=V - 1, block_size=4, rms_norm_eps=1e-5,
-                        rope_theta=10000.0)
+                        rope_theta=10000.0,
+                        **(dict(conv_kernel_size=2, conv_group_size=8, selector_rank=4, selector_top_k=6)
+                           if dflash2 else {}))
     drafter = DFlashDrafter(cfg)
     drafter.reset_parameters(seed=1)
+    if dflash2:  # a selector that changes picks (a fresh one is a no-op)
+        sel, g = drafter.candidate_selector, torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            sel.successor_codebook.copy_(torch.randn(V, 4, generator=g) * 0.25)
+            sel.predecessor_codebook.copy_(torch.randn(V, 4, generator=g) * 0.25)
+            sel.hidden_projection.weight.copy_(torch.randn(4, H, generator=g) * 0.25)
     emb = target.get_input_embeddings().weight
     head = target.get_output_embeddings().weight
     rng = np.random.default_rng(0)
@@ -241,3 +252,8 @@ def test_walk_tau_equals_a_walk_over_teacher_forced_acceptance():
             a += commit
     assert rounds == got["walk_rounds"] and tokens == got["walk_tokens"]
     assert got["walk_tau"] > 1.0
+    if dflash2:  # the selector does change the walk: without it (the unary argmax) it differs
+        sel, drafter.candidate_selector = drafter.candidate_selector, None
+        unary = walk_tau(drafter, target, emb, head, recs, max_new=1000, batch=2)
+        drafter.candidate_selector = sel
+        assert (unary["walk_rounds"], unary["walk_tokens"]) != (rounds, tokens)
