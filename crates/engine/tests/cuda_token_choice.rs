@@ -551,3 +551,59 @@ fn decoders_choose_on_the_device_as_on_the_host() {
         println!("{p:?}: AR and DFlash agree on device and host");
     }
 }
+
+/// A DFlash2 drafter on the GPU: its candidates are ranked on the device
+/// (`Backend::top_k_rows`); they equal the host's top-k of the same device logits, and greedy
+/// DFlash2 still writes what greedy AR writes.
+#[test]
+fn dflash2_candidates_are_ranked_on_the_device_as_on_the_host() {
+    use dflash_models::selector::top_k_indices;
+    use dflash_models::synthetic::dflash2_config_for;
+    use dflash_models::Drafter;
+    let Some(b) = gpu() else { return };
+    let (t, tok, prompt) = gpu_target(&b);
+    let vocab = dflash_models::Target::vocab(&t);
+    let mask = special_id("<|mask|>");
+    let cfg = dflash2_config_for(
+        drafter_config_for(64, 4, 2, 128, 4, 1, BLOCK, mask),
+        vocab,
+        64,
+    );
+    assert!(cfg.dflash2.as_ref().unwrap().transform_is_identity());
+    let drafter = DflashDrafter::load(b.clone(), cfg.clone(), &random_drafter(&cfg, 5)).unwrap();
+    let mut dd = DflashDecoder::new(t, drafter, BLOCK, AcceptPolicy::PerRow).unwrap();
+    let p = params(0.0, 0, 1.0, 0.0, 1.0);
+    let got = run(&mut dd, &tok, &prompt, &p, 3);
+    let lattice = dd
+        .drafter
+        .lattice()
+        .expect("a DFlash2 drafter builds a lattice")
+        .clone();
+    let k = lattice.top_k();
+    assert!(lattice.rows() > 0 && lattice.slots() == BLOCK - 1);
+    let logits = b.to_host(dd.drafter.logits());
+    let mut order = Vec::new();
+    for row in 0..lattice.rows() {
+        for slot in 0..lattice.slots() {
+            let at = (row * lattice.slots() + slot) * vocab;
+            top_k_indices(&logits[at..at + vocab], k, &mut order);
+            assert_eq!(
+                lattice.candidates(row, slot),
+                &order[..],
+                "row {row} slot {slot}"
+            );
+        }
+    }
+    let (t, _, _) = gpu_target(&b);
+    let mut ar = ArDecoder::new(t);
+    assert_eq!(
+        tokens(&got),
+        tokens(&run(&mut ar, &tok, &prompt, &p, 3)),
+        "greedy DFlash2 equals greedy AR"
+    );
+    println!(
+        "DFlash2 on the GPU: {} rows x {} slots of candidates ranked as on the host",
+        lattice.rows(),
+        lattice.slots()
+    );
+}

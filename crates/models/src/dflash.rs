@@ -716,11 +716,9 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
             }
         });
         if let Some(sel) = self.selector.as_mut() {
-            let vocab = b.shape(&self.ws.logits).1;
-            b.copy_to_host(&self.ws.logits, &mut self.host_logits);
-            let (logits, hproj, anchors) = (&self.host_logits, &self.ws.hproj, &self.anchors);
-            let lattice = &mut self.lattice;
-            b.run(|| sel.build(b, logits, vocab, hproj, anchors, lattice))?;
+            let (logits, hproj, anchors) = (&self.ws.logits, &self.ws.hproj, &self.anchors);
+            let (host, lattice) = (&mut self.host_logits, &mut self.lattice);
+            b.run(|| sel.build(b, logits, host, hproj, anchors, lattice))?;
         }
         Ok(())
     }

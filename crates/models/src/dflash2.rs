@@ -173,18 +173,22 @@ impl<B: Backend> Selector<B> {
     }
 
     /// Builds the lattice of `anchors.len()` rows of proposals from the slots' raw logits
-    /// (host, `[rows · slots, vocab]`) and projected hidden states (`hproj`,
-    /// `[rows · slots, rank]` on the device).
+    /// (`[rows · slots, vocab]`) and projected hidden states (`hproj`, `[rows · slots, rank]`),
+    /// both on the device. The candidates are the top-k of the transformed logits: ranked on
+    /// the device ([`Backend::top_k_rows`]) where the transform is the identity (it then
+    /// keeps the order), else, or where the backend declines, on the host after copying the
+    /// logits into `host`.
     pub fn build(
         &mut self,
         b: &B,
-        logits: &[f32],
-        vocab: usize,
+        logits: &B::Tensor,
+        host: &mut Vec<f32>,
         hproj: &B::Tensor,
         anchors: &[u32],
         out: &mut CandidateLattice,
     ) -> Result<()> {
-        let slots = logits.len() / (vocab * anchors.len()).max(1);
+        let (n, vocab) = b.shape(logits);
+        let slots = n / anchors.len().max(1);
         let (k, r) = (self.params.selector_top_k, self.rank);
         if vocab > self.params.vocab_size || k > vocab {
             return Err(ModelError::IncompatibleDrafter(format!(
@@ -205,14 +209,25 @@ impl<B: Backend> Selector<B> {
         // Candidates: top-k of the transformed logits of every slot.
         self.cand.clear();
         self.unary.clear();
-        for slot_logits in logits.chunks_exact(vocab).take(rows * slots) {
-            self.transformed.clear();
-            self.transformed
-                .extend(slot_logits.iter().map(|&l| self.params.transform(l)));
-            top_k_indices(&self.transformed, k, &mut self.order);
-            self.cand.extend_from_slice(&self.order);
-            self.unary
-                .extend(self.order.iter().map(|&i| self.transformed[i as usize]));
+        let on_device = if self.params.transform_is_identity() && n == rows * slots {
+            b.top_k_rows(logits, k)
+        } else {
+            None
+        };
+        if let Some((ids, vals)) = on_device {
+            self.cand = ids;
+            self.unary = vals;
+        } else {
+            b.copy_to_host(logits, host);
+            for slot_logits in host.chunks_exact(vocab).take(rows * slots) {
+                self.transformed.clear();
+                self.transformed
+                    .extend(slot_logits.iter().map(|&l| self.params.transform(l)));
+                top_k_indices(&self.transformed, k, &mut self.order);
+                self.cand.extend_from_slice(&self.order);
+                self.unary
+                    .extend(self.order.iter().map(|&i| self.transformed[i as usize]));
+            }
         }
         // Predecessors: each row's anchor, then its candidates of every slot but the last.
         self.pred_ids.clear();

@@ -73,6 +73,11 @@ pub struct Dflash2Params {
 }
 
 impl Dflash2Params {
+    /// Whether [`Self::transform`] returns every logit unchanged (no multiplier, no cap).
+    pub fn transform_is_identity(&self) -> bool {
+        self.output_multiplier == 1.0 && self.final_logit_softcapping.is_none()
+    }
+
     /// The selector's view of a logit: multiplier, then the optional soft cap.
     pub fn transform(&self, logit: f32) -> f32 {
         let x = logit * self.output_multiplier;

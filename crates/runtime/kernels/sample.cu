@@ -751,3 +751,77 @@ extern "C" __global__ void argmax_final(const float* pv, const u32* pi, int chun
     }
     if (threadIdx.x == 0) out[r] = bi == NO_ID ? 0u : bi;
 }
+
+// ---- top-k of rows (the DFlash2 selector's candidates) ------------------------------------
+//
+// The k first items of each row in the host's order (crates/models/src/selector.rs
+// `top_k_indices`): value descending as `f32::total_cmp` ranks values (+0 above -0), NaN as
+// -inf, ties to the lower index. Block per row; round j takes the first item of that order
+// strictly after round j - 1's (each thread scans its columns, then a block reduction), so
+// the choice is exact whatever the thread count. Out: ids [rows][k], the raw values beside.
+
+// An int that orders like f32::total_cmp over non-NaN floats (NaN taken as -inf).
+__device__ __forceinline__ int tk_key(float v) {
+    if (v != v) v = -DF_INF;
+    const int b = __float_as_int(v);
+    return b >= 0 ? b : b ^ 0x7fffffff;
+}
+
+// (key, index): larger key, then smaller index; NO_ID marks "none".
+__device__ __forceinline__ void tk_merge(int& bk, u32& bi, int ok, u32 oi) {
+    if (oi != NO_ID && (bi == NO_ID || ok > bk || (ok == bk && oi < bi))) {
+        bk = ok;
+        bi = oi;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(CH_THREADS)
+topk_rows_f32(const float* x, int cols, int k, u32* ids, float* vals) {
+    df_kernel_begin();
+    __shared__ int sk[CH_WARPS];
+    __shared__ u32 si[CH_WARPS];
+    __shared__ int s_lk;
+    __shared__ u32 s_li;
+    const int r = blockIdx.x;
+    const float* xr = x + (size_t)r * cols;
+    const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+    int lk = 0;
+    u32 li = NO_ID;  // the previous round's pick (none before the first)
+    for (int j = 0; j < k; j++) {
+        int bk = 0;
+        u32 bi = NO_ID;
+        for (int i = threadIdx.x; i < cols; i += CH_THREADS) {
+            const int key = tk_key(xr[i]);
+            if (li == NO_ID || key < lk || (key == lk && (u32)i > li)) tk_merge(bk, bi, key, (u32)i);
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            const int ok = __shfl_xor_sync(DF_FULL_MASK, bk, o);
+            const u32 oi = __shfl_xor_sync(DF_FULL_MASK, bi, o);
+            tk_merge(bk, bi, ok, oi);
+        }
+        if (l == 0) {
+            sk[w] = bk;
+            si[w] = bi;
+        }
+        __syncthreads();
+        if (w == 0) {
+            bk = l < CH_WARPS ? sk[l] : 0;
+            bi = l < CH_WARPS ? si[l] : NO_ID;
+            for (int o = 16; o > 0; o >>= 1) {
+                const int ok = __shfl_xor_sync(DF_FULL_MASK, bk, o);
+                const u32 oi = __shfl_xor_sync(DF_FULL_MASK, bi, o);
+                tk_merge(bk, bi, ok, oi);
+            }
+            if (l == 0) {
+                const size_t at = (size_t)r * k + j;
+                ids[at] = bi;
+                vals[at] = bi == NO_ID ? -DF_INF : xr[bi];
+                s_lk = bk;
+                s_li = bi;
+            }
+        }
+        __syncthreads();
+        lk = s_lk;
+        li = s_li;
+    }
+}

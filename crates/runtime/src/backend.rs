@@ -654,7 +654,7 @@ pub trait Backend: Send + Sync + 'static {
     // --- token choice on the device (see `choice`) -----------------------------------------
     // Each op returns `None` when the backend does not choose tokens itself: the caller then
     // copies the logits and chooses on the host, with the engine's code, which is the
-    // definition these ops reproduce. The CPU backend declines all three (its logits are
+    // definition these ops reproduce. The CPU backend declines them all (its logits are
     // already on the host).
 
     /// One token per row of `logits` (`rows[i]` for row i).
@@ -672,6 +672,15 @@ pub trait Backend: Send + Sync + 'static {
         rows: &[DraftRow<'_>],
     ) -> Option<Vec<u32>> {
         let _ = (logits, slots, rows);
+        None
+    }
+
+    /// The `k` first items (`k <= cols`) of every row of `x` by value, descending as
+    /// `f32::total_cmp` ranks values, NaN as -inf, ties to the lower index (the order of
+    /// `dflash_models::selector::top_k_indices`): `(ids, raw values)`, row-major `[rows][k]`.
+    /// The DFlash2 selector's candidates, without the logits' trip to the host.
+    fn top_k_rows(&self, x: &Self::Tensor, k: usize) -> Option<(Vec<u32>, Vec<f32>)> {
+        let _ = (x, k);
         None
     }
 

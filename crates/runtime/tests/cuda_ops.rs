@@ -854,6 +854,79 @@ fn argmax_takes_first_maximum_and_skips_nan() {
     assert_eq!(got[6], (cols - 1) as u32);
 }
 
+/// The host's definition of `Backend::top_k_rows`: value descending as `f32::total_cmp` ranks
+/// values, NaN as -inf, ties to the lower index.
+fn top_k_reference(row: &[f32], k: usize) -> Vec<u32> {
+    let key = |i: usize| {
+        if row[i].is_nan() {
+            f32::NEG_INFINITY
+        } else {
+            row[i]
+        }
+    };
+    let mut idx: Vec<usize> = (0..row.len()).collect();
+    idx.sort_by(|&a, &b| key(b).total_cmp(&key(a)).then(a.cmp(&b)));
+    idx[..k].iter().map(|&i| i as u32).collect()
+}
+
+#[test]
+fn top_k_rows_ranks_like_the_host() {
+    let Some(g) = gpu() else { return };
+    for (cols, k) in [(49_152, 16), (3_000, 64), (40, 40)] {
+        let mut rows: Vec<Vec<f32>> = vec![
+            random_vec(cols, -8.0, 8.0, 21),
+            // ties far apart (different threads), around a few larger values
+            {
+                let mut v = random_vec(cols, -1.0, 1.0, 22);
+                for (n, i) in [cols - 1, 0, cols / 2, 1_025 % cols, 31]
+                    .into_iter()
+                    .enumerate()
+                {
+                    v[i] = if n % 2 == 0 { 4.0 } else { 5.0 };
+                }
+                v
+            },
+            // NaN ranked as -inf, +0 above -0, -inf ties by index
+            {
+                let mut v = vec![f32::NEG_INFINITY; cols];
+                for i in (0..cols).step_by(7) {
+                    v[i] = f32::NAN;
+                }
+                for i in (3..cols).step_by(11) {
+                    v[i] = -0.0;
+                }
+                for i in (5..cols).step_by(13) {
+                    v[i] = 0.0;
+                }
+                v
+            },
+            vec![f32::NAN; cols],
+        ];
+        rows.push(random_vec(cols, -1e-3, 1e-3, 23));
+        let flat: Vec<f32> = rows.concat();
+        let (ids, vals) = g
+            .top_k_rows(&g.upload(&flat, rows.len(), cols), k)
+            .expect("the CUDA backend ranks on the device");
+        assert_eq!(ids.len(), rows.len() * k);
+        for (r, row) in rows.iter().enumerate() {
+            let want = top_k_reference(row, k);
+            assert_eq!(
+                &ids[r * k..(r + 1) * k],
+                &want[..],
+                "row {r} of {cols} columns, k {k}"
+            );
+            let raw: Vec<f32> = want.iter().map(|&i| row[i as usize]).collect();
+            assert_eq!(
+                bits(&vals[r * k..(r + 1) * k]),
+                bits(&raw),
+                "raw values of row {r}"
+            );
+        }
+    }
+    let c = cpu();
+    assert!(c.top_k_rows(&c.upload(&[1.0, 2.0], 1, 2), 1).is_none());
+}
+
 /// Fills `layers` layers of rows `lens` (row r holds lens[r] positions) with the same random
 /// K and V on both backends.
 #[allow(clippy::too_many_arguments)]

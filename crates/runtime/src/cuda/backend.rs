@@ -1810,6 +1810,10 @@ impl Backend for CudaBackend {
         Some(super::sample::draft_rows(&self.dev, logits, slots, rows))
     }
 
+    fn top_k_rows(&self, x: &CudaTensor, k: usize) -> Option<(Vec<u32>, Vec<f32>)> {
+        Some(super::sample::top_k_rows(&self.dev, x, k))
+    }
+
     fn verify_rows(
         &self,
         target: &CudaTensor,

@@ -26,6 +26,7 @@ pub(crate) struct SampleKernels {
     draft_rows: CudaFunction,
     verify_slots: CudaFunction,
     verify_finish: CudaFunction,
+    topk_rows: CudaFunction,
 }
 
 impl SampleKernels {
@@ -37,6 +38,7 @@ impl SampleKernels {
             draft_rows: get("draft_rows_f32")?,
             verify_slots: get("verify_slots_f32")?,
             verify_finish: get("verify_finish")?,
+            topk_rows: get("topk_rows_f32")?,
         })
     }
 }
@@ -158,6 +160,36 @@ fn argmax_device(dev: &Device, s: &mut SampleScratch, x: &CudaTensor) -> u64 {
         &[Arg::Ptr(pv), Arg::Ptr(pi), int(chunks), Arg::Ptr(out)],
     );
     out
+}
+
+/// The `k` first items of every row of `x` by value (see [`crate::Backend::top_k_rows`]):
+/// ids and raw values, row-major `[rows][k]`.
+pub(crate) fn top_k_rows(dev: &Device, x: &CudaTensor, k: usize) -> (Vec<u32>, Vec<f32>) {
+    assert!(k <= x.cols, "top_k_rows: {k} of {} columns", x.cols);
+    let n = x.rows * k;
+    if n == 0 {
+        return (Vec::new(), Vec::new());
+    }
+    dev.bind();
+    let mut s = dev.sample.lock().expect("sample scratch lock");
+    let out = ensure(&dev.stream, &dev.epoch, &mut s.out, 2 * n);
+    dev.launch(
+        &dev.k.sample.topk_rows,
+        "topk_rows",
+        (x.rows as u32, 1, 1),
+        (CH_THREADS, 1, 1),
+        0,
+        &[
+            Arg::Ptr(dev.ptr(&x.buf)),
+            int(x.cols),
+            int(k),
+            Arg::Ptr(out),
+            Arg::Ptr(out + 4 * n as u64),
+        ],
+    );
+    let words = results(dev, out, 2 * n);
+    let vals = words[n..].iter().map(|&w| f32::from_bits(w)).collect();
+    (words[..n].to_vec(), vals)
 }
 
 /// Copies `n` u32 results from `src` back.
