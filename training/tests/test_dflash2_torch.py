@@ -76,6 +76,20 @@ def _batch(cfg, seed=0):
     }
 
 
+def _inputs(cfg, seed):
+    """The packed batch of `_batch` with random embeddings, head and features (hidden 64):
+    (batch, emb, head, feats, dense mask, block embeddings, the generator, for more)."""
+    from dflash_train.drafter import dense_mask_torch
+    bt = batch_to_torch(_batch(cfg), "cpu")
+    g = torch.Generator().manual_seed(seed)
+    emb = torch.randn(cfg.vocab_size, 64, generator=g)
+    head = torch.randn(cfg.vocab_size, 64, generator=g) / 8
+    feats = torch.randn(1, 20, 2 * 64, generator=g)
+    mask = dense_mask_torch(bt["ctx_visible"], cfg.block_size)
+    x = torch.nn.functional.embedding(bt["block_ids"].view(1, -1), emb)
+    return bt, emb, head, feats, mask, x, g
+
+
 def test_fresh_dflash2_is_a_dflash_drafter():
     """Identity base taps, zero projections and a zero successor codebook: the
     same backbone weights give the same hidden states as a DFlash drafter, and
@@ -85,14 +99,7 @@ def test_fresh_dflash2_is_a_dflash_drafter():
     d2, d1 = DFlashDrafter(cfg2), DFlashDrafter(cfg1)
     d2.reset_parameters(seed=3)
     d1.load_state_dict({k: v for k, v in d2.state_dict().items() if k in d1.state_dict()}, strict=True)
-    bt = batch_to_torch(_batch(cfg2), "cpu")
-    g = torch.Generator().manual_seed(1)
-    emb = torch.randn(cfg2.vocab_size, 64, generator=g)
-    head = torch.randn(cfg2.vocab_size, 64, generator=g) / 8
-    feats = torch.randn(1, 20, 2 * 64, generator=g)
-    from dflash_train.drafter import dense_mask_torch
-    mask = dense_mask_torch(bt["ctx_visible"], cfg2.block_size)
-    x = torch.nn.functional.embedding(bt["block_ids"].view(1, -1), emb)
+    bt, emb, head, feats, mask, x, g = _inputs(cfg2, seed=1)
     stats = {}
     with torch.no_grad():
         h2 = d2(x, bt["block_pos"].view(1, -1), feats, bt["position_ids"], mask)
@@ -244,14 +251,7 @@ def test_a_dflash_drafter_grows_into_a_dflash2_one():
     load_backbone(d2, d1.state_dict())
     for k, v in d1.state_dict().items():
         assert torch.equal(d2.state_dict()[k], v), k
-    bt = batch_to_torch(_batch(cfg2), "cpu")
-    g = torch.Generator().manual_seed(2)
-    emb = torch.randn(cfg2.vocab_size, 64, generator=g)
-    head = torch.randn(cfg2.vocab_size, 64, generator=g) / 8
-    feats = torch.randn(1, 20, 2 * 64, generator=g)
-    from dflash_train.drafter import dense_mask_torch
-    mask = dense_mask_torch(bt["ctx_visible"], cfg2.block_size)
-    x = torch.nn.functional.embedding(bt["block_ids"].view(1, -1), emb)
+    bt, _, head, feats, mask, x, _ = _inputs(cfg2, seed=2)
     with torch.no_grad():
         h1 = d1(x, bt["block_pos"].view(1, -1), feats, bt["position_ids"], mask)
         h2 = d2(x, bt["block_pos"].view(1, -1), feats, bt["position_ids"], mask)
