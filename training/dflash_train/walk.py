@@ -25,7 +25,9 @@ from .target import target_features
 def selector_path(selector, logits: torch.Tensor, h: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
     """A DFlash2 drafter's greedy draft (as the engine's selector walk): slot k picks, among
     the top-k tokens of its logits, the best path score given slot k - 1's pick (the anchor for
-    slot 1).  ``logits`` [b, B, V], ``h`` [b, B, H] -> [b, B] (slot 0 holds the anchor)."""
+    slot 1).  ``logits`` [b, B, V], ``h`` [b, B, H] -> [b, B] (slot 0 holds the anchor).  Equal
+    logits among the top-k come in torch's order, where the engine takes the lower id: a walk
+    estimate may differ there, which exact float ties make rare."""
     path = torch.empty(logits.shape[:2], dtype=torch.long, device=logits.device)
     path[:, 0] = prev = anchor
     for k in range(1, logits.shape[1]):
