@@ -1,6 +1,8 @@
 //! `dflash microbench`: the CPU matmul kernels alone, per weight format, shape (K x N) and
-//! number of activation rows M, int8-activation kernels against the f32 reference path, with
-//! the machine's measured peaks (streaming read bandwidth, FMA and int8 dot throughput).
+//! number of activation rows M, int8-activation kernels (one-term `int8` and two-term `int8x2`,
+//! which multiplies twice the int8 rows) against the f32 reference path, with the machine's
+//! measured peaks (streaming read bandwidth, FMA and int8 dot throughput; GFLOP/s counts the
+//! product's own 2·M·K·N for every path).
 //!
 //! Weights are synthetic (fixed seeds) in the default model's shapes unless `--shapes` says
 //! otherwise; every int8 call includes quantizing its activations, as in the model. Arms
@@ -11,6 +13,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use dflash_runtime::cpu::int8::pack::PackedWeight;
+use dflash_runtime::cpu::int8::quantize::Terms;
 use dflash_runtime::cpu::int8::{self, synthetic, Int8Kernel};
 use dflash_runtime::cpu::matmul;
 use dflash_runtime::cpu::peaks;
@@ -50,7 +53,7 @@ pub struct MicrobenchArgs {
     /// Worker threads (0 = one per core).
     #[arg(short = 't', long, default_value_t = 0)]
     pub threads: usize,
-    /// Profile one variant, `FORMAT:KxN:M:PATH` (PATH `int8` or `f32`): it runs alone for
+    /// Profile one variant, `FORMAT:KxN:M:PATH` (PATH `int8`, `int8x2` or `f32`): it runs alone for
     /// `--seconds` and one line is printed.
     #[arg(long)]
     pub only: Option<String>,
@@ -93,28 +96,29 @@ fn parse_shape(s: &str) -> Result<(usize, usize)> {
 
 /// One kernel path over one weight.
 enum Arm {
-    Int8(Int8Kernel, PackedWeight),
+    Int8(Int8Kernel, Terms, PackedWeight),
     F32(Isa, HostWeight),
 }
 
 impl Arm {
     fn name(&self) -> String {
         match self {
-            Arm::Int8(k, _) => format!("int8 {k}"),
+            Arm::Int8(k, Terms::One, _) => format!("int8 {k}"),
+            Arm::Int8(k, Terms::Two, _) => format!("int8x2 {k}"),
             Arm::F32(i, _) => format!("f32 {i}"),
         }
     }
 
     fn weight_bytes(&self) -> usize {
         match self {
-            Arm::Int8(_, p) => p.bytes_len(),
+            Arm::Int8(_, _, p) => p.bytes_len(),
             Arm::F32(_, w) => w.bytes.len(),
         }
     }
 
     fn call(&self, pool: &CpuPool, x: &[f32], m: usize, out: &mut [f32]) {
         match self {
-            Arm::Int8(k, p) => int8::matmul_many(pool, *k, x, m, &mut [(p, out)]),
+            Arm::Int8(k, t, p) => int8::matmul_many(pool, *k, *t, x, m, &mut [(p, out)]),
             Arm::F32(i, w) => matmul::matmul_many(pool, *i, x, m, &mut [(w, out)]),
         }
     }
@@ -141,16 +145,19 @@ fn arms(dtype: DType, k: usize, n: usize, path: Option<&str>) -> Result<Vec<Arm>
     let w = synthetic::weight(dtype, n, k, 0.02, (k * 31 + n) as u64);
     let mut v = Vec::new();
     let int8 = Int8Kernel::best();
-    if path != Some("f32") {
+    for (name, terms) in [("int8", Terms::One), ("int8x2", Terms::Two)] {
+        if path.is_some_and(|p| p != name) {
+            continue;
+        }
         match (int8, PackedWeight::pack(&w)) {
-            (Some(kernel), Some(p)) => v.push(Arm::Int8(kernel, p)),
-            _ if path == Some("int8") => {
+            (Some(kernel), Some(p)) => v.push(Arm::Int8(kernel, terms, p)),
+            _ if path.is_some() => {
                 bail!("no int8 kernel for {dtype} on this CPU (the f32 path is the fallback)")
             }
             _ => {}
         }
     }
-    if path != Some("int8") {
+    if path.is_none_or(|p| p == "f32") {
         // On huge pages, as the backend stores the matrices the f32 kernels stream.
         v.push(Arm::F32(Isa::detect(), cpu::on_huge_pages(&w)));
     }
@@ -299,8 +306,8 @@ fn run_only(pool: &CpuPool, spec: &str, seconds: f64) -> Result<()> {
         .ok()
         .filter(|&m| m > 0)
         .with_context(|| format!("--only `{spec}`: M must be a positive integer"))?;
-    if path != "int8" && path != "f32" {
-        bail!("--only `{spec}`: PATH must be int8 or f32");
+    if !["int8", "int8x2", "f32"].contains(&path) {
+        bail!("--only `{spec}`: PATH must be int8, int8x2 or f32");
     }
     let arm = arms(dtype, k, n, Some(path))?.remove(0);
     let x = synthetic::activations(m, k, 99);

@@ -34,6 +34,9 @@ pub enum Activations {
     F32,
     /// Int8 codes per row and 32-value block, with an f32 scale per block.
     Int8,
+    /// Two int8 rows per row: the codes of x, then those of its residual (each per 32-value
+    /// block with its own scale); the product is the sum of both rows' products.
+    Int8x2,
 }
 
 impl fmt::Display for Activations {
@@ -41,6 +44,7 @@ impl fmt::Display for Activations {
         f.write_str(match self {
             Activations::F32 => "f32",
             Activations::Int8 => "int8",
+            Activations::Int8x2 => "int8x2",
         })
     }
 }

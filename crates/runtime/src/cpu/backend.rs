@@ -5,7 +5,7 @@ use std::cell::RefCell;
 use std::sync::Arc;
 
 use super::gdn::CpuGdn;
-use super::int8::{self, pack::PackedWeight, Int8Kernel};
+use super::int8::{self, pack::PackedWeight, quantize::Terms, Int8Kernel};
 use super::kv::CpuKv;
 use super::matmul::{self, Isa};
 use super::ops::{attention, conv, elementwise, gdn, norm, rope};
@@ -206,9 +206,13 @@ impl Backend for CpuBackend {
 
     fn upload_weight(&self, w: &HostWeight, role: WeightRole) -> Result<CpuWeight, RuntimeError> {
         let int8 = match self.path_for(role, w.dtype, w.rows, w.cols) {
-            CpuPath::Int8(kernel) => {
-                PackedWeight::pack(w).map(|packed| Arc::new(Int8Weight { packed, kernel }))
-            }
+            CpuPath::Int8(kernel, terms) => PackedWeight::pack(w).map(|packed| {
+                Arc::new(Int8Weight {
+                    packed,
+                    kernel,
+                    terms,
+                })
+            }),
             CpuPath::F32(_) => None,
         };
         // Matrices the f32 kernels stream move to huge pages (see `huge`); embedding tables,
@@ -225,7 +229,10 @@ impl Backend for CpuBackend {
         match &w.int8 {
             Some(i) => WeightPath {
                 format: w.host.dtype,
-                activations: Activations::Int8,
+                activations: match i.terms {
+                    Terms::One => Activations::Int8,
+                    Terms::Two => Activations::Int8x2,
+                },
                 kernel: i.kernel.to_string(),
             },
             None => WeightPath {
@@ -608,7 +615,8 @@ impl Backend for CpuBackend {
 
     fn matmul_many(&self, x: &CpuTensor, ws: &[&CpuWeight], outs: &mut [&mut CpuTensor]) {
         assert_eq!(ws.len(), outs.len());
-        // Weights on the int8 path (one family per process) and on the f32 path.
+        // Weights on the int8 path (one family and one count of terms per process) and on the
+        // f32 path.
         let mut int8_jobs: Vec<(&PackedWeight, &mut [f32])> = Vec::new();
         let mut f32_jobs: Vec<(&HostWeight, &mut [f32])> = Vec::new();
         let mut kernel = None;
@@ -618,14 +626,15 @@ impl Backend for CpuBackend {
             out.reshape(x.rows, h.rows);
             match &w.int8 {
                 Some(i) => {
-                    kernel = Some(i.kernel);
+                    assert!(kernel.is_none_or(|k| k == (i.kernel, i.terms)));
+                    kernel = Some((i.kernel, i.terms));
                     int8_jobs.push((&i.packed, &mut out.data));
                 }
                 None => f32_jobs.push((h, &mut out.data)),
             }
         }
-        if let Some(k) = kernel {
-            int8::matmul_many(&self.pool, k, &x.data, x.rows, &mut int8_jobs);
+        if let Some((k, terms)) = kernel {
+            int8::matmul_many(&self.pool, k, terms, &x.data, x.rows, &mut int8_jobs);
         }
         if !f32_jobs.is_empty() {
             matmul::matmul_many(&self.pool, self.isa, &x.data, x.rows, &mut f32_jobs);

@@ -4,6 +4,11 @@
 //!   or Q8_0 use int8 activations with the best tuned int8 kernel family that passed its
 //!   self-check; the vocabulary projection, drafter weights, other formats (Q4_K, Q6_K,
 //!   f16, bf16, f32) and tiny shapes (fewer than 16 output rows) keep the f32 kernels.
+//! - `int8x2`: as `auto` with two-term int8 activations (the codes of x and of its residual,
+//!   see `int8::quantize::Terms`): each product multiplies twice the int8 rows and lands
+//!   about 250 times closer to the f32 product, so the target's greedy text stays near the
+//!   model's (with the shipped drafter, MT-Bench τ at block 16 2.95 against 2.71 for `auto`,
+//!   f32 2.92), at 10–20 % of the decode speed (docs/benchmarks/2026-12-04-cpu-int8x2.md).
 //! - `int8-vocab`: as `auto`, and the vocabulary projection too (for measurements; drafts
 //!   then also read int8 vocabulary logits).
 //! - `int8-draft`: as `auto`, and the drafter's own projections too (fc, q, k, v, o, gate,
@@ -17,6 +22,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use super::int8::pack::{Int8Format, PANEL};
+use super::int8::quantize::Terms;
 use super::int8::Int8Kernel;
 use super::matmul::Isa;
 use crate::backend::WeightRole;
@@ -31,6 +37,7 @@ pub const ENV: &str = "DFLASH_MATMUL";
 pub enum MatmulMode {
     #[default]
     Auto,
+    Int8x2,
     Int8Vocab,
     Int8Draft,
     Reference,
@@ -42,11 +49,12 @@ impl FromStr for MatmulMode {
     fn from_str(s: &str) -> Result<Self, RuntimeError> {
         match s {
             "" | "auto" => Ok(MatmulMode::Auto),
+            "int8x2" => Ok(MatmulMode::Int8x2),
             "int8-vocab" => Ok(MatmulMode::Int8Vocab),
             "int8-draft" => Ok(MatmulMode::Int8Draft),
             "reference" => Ok(MatmulMode::Reference),
             other => Err(RuntimeError::Device(format!(
-                "{ENV}={other:?}: expected auto, int8-vocab, int8-draft or reference"
+                "{ENV}={other:?}: expected auto, int8x2, int8-vocab, int8-draft or reference"
             ))),
         }
     }
@@ -56,6 +64,7 @@ impl fmt::Display for MatmulMode {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             MatmulMode::Auto => "auto",
+            MatmulMode::Int8x2 => "int8x2",
             MatmulMode::Int8Vocab => "int8-vocab",
             MatmulMode::Int8Draft => "int8-draft",
             MatmulMode::Reference => "reference",
@@ -67,6 +76,14 @@ impl MatmulMode {
     /// The mode `DFLASH_MATMUL` asks for (unset: `auto`).
     pub fn from_env() -> Result<MatmulMode, RuntimeError> {
         std::env::var(ENV).unwrap_or_default().parse()
+    }
+
+    /// The int8 rows per activation row of this mode's int8 products.
+    pub fn terms(self) -> Terms {
+        match self {
+            MatmulMode::Int8x2 => Terms::Two,
+            _ => Terms::One,
+        }
     }
 
     fn int8_for(self, role: WeightRole) -> bool {
@@ -83,8 +100,8 @@ impl MatmulMode {
 /// The kernels a weight is multiplied with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum CpuPath {
-    /// Int8 activations, this tuned family.
-    Int8(Int8Kernel),
+    /// Int8 activations in these terms, this tuned family.
+    Int8(Int8Kernel, Terms),
     /// F32 activations, the f32 kernels of this instruction set.
     F32(Isa),
 }
@@ -92,7 +109,8 @@ pub enum CpuPath {
 impl fmt::Display for CpuPath {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            CpuPath::Int8(k) => write!(f, "int8 {k}"),
+            CpuPath::Int8(k, Terms::One) => write!(f, "int8 {k}"),
+            CpuPath::Int8(k, Terms::Two) => write!(f, "int8x2 {k}"),
             CpuPath::F32(isa) => write!(f, "f32 {isa}"),
         }
     }
@@ -112,7 +130,7 @@ pub fn select(
     let shape_fits = rows >= PANEL && cols.is_multiple_of(32);
     match int8 {
         Some(k) if mode.int8_for(role) && Int8Format::of(dtype).is_some() && shape_fits => {
-            CpuPath::Int8(k)
+            CpuPath::Int8(k, mode.terms())
         }
         _ => CpuPath::F32(isa),
     }
@@ -128,6 +146,7 @@ mod tests {
     fn modes_parse_and_bad_values_are_refused() {
         assert_eq!("".parse::<MatmulMode>().unwrap(), MatmulMode::Auto);
         assert_eq!("auto".parse::<MatmulMode>().unwrap(), MatmulMode::Auto);
+        assert_eq!("int8x2".parse::<MatmulMode>().unwrap(), MatmulMode::Int8x2);
         assert_eq!(
             "reference".parse::<MatmulMode>().unwrap(),
             MatmulMode::Reference
@@ -155,7 +174,15 @@ mod tests {
         // SmolLM2-135M Q4_1: q/o 576x576, k/v 192x576, gate/up 1536x576, down 576x1536.
         for (n, k) in [(576, 576), (192, 576), (1536, 576), (576, 1536)] {
             let p = sel(auto, WeightRole::Projection, DType::Q4_1, n, k);
-            assert_eq!(p, CpuPath::Int8(Int8Kernel::Avx2));
+            assert_eq!(p, CpuPath::Int8(Int8Kernel::Avx2, Terms::One));
+            let p = sel(
+                MatmulMode::Int8x2,
+                WeightRole::Projection,
+                DType::Q4_1,
+                n,
+                k,
+            );
+            assert_eq!(p, CpuPath::Int8(Int8Kernel::Avx2, Terms::Two));
         }
         // The Q8_0 output head keeps f32 activations unless asked.
         let head = (DType::Q8_0, 49152, 576);
@@ -170,7 +197,7 @@ mod tests {
             head.1,
             head.2,
         );
-        assert_eq!(v, CpuPath::Int8(Int8Kernel::Avx2));
+        assert_eq!(v, CpuPath::Int8(Int8Kernel::Avx2, Terms::One));
         // Drafter weights, other formats, tiny shapes, reference mode, no int8 family: f32.
         assert_eq!(
             sel(auto, WeightRole::Draft, DType::Q4_1, 576, 576),
@@ -180,7 +207,7 @@ mod tests {
         let draft = MatmulMode::Int8Draft;
         for (n, k) in [(576, 2880), (576, 576), (1536, 576), (576, 1536)] {
             let p = sel(draft, WeightRole::Draft, DType::Q4_1, n, k);
-            assert_eq!(p, CpuPath::Int8(Int8Kernel::Avx2));
+            assert_eq!(p, CpuPath::Int8(Int8Kernel::Avx2, Terms::One));
         }
         assert_eq!(
             sel(draft, WeightRole::Vocab, head.0, head.1, head.2),

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use super::huge::HugeBytes;
 use super::int8::pack::PackedWeight;
+use super::int8::quantize::Terms;
 use super::int8::Int8Kernel;
 use crate::weight::{HostWeight, WeightBytes};
 
@@ -22,6 +23,8 @@ pub struct CpuWeight {
 pub struct Int8Weight {
     pub packed: PackedWeight,
     pub kernel: Int8Kernel,
+    /// Int8 rows per activation row.
+    pub terms: Terms,
 }
 
 impl CpuWeight {

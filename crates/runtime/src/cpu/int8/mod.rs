@@ -34,8 +34,8 @@ use std::sync::OnceLock;
 
 use crate::cpu::pool::{CpuPool, SyncPtr};
 use crate::dtype::DType;
-use pack::{Int8Format, PackedWeight};
-use quantize::QuantRows;
+use pack::{Int8Format, PackedWeight, PANEL};
+use quantize::{QuantRows, Terms};
 
 /// One kernel call: panels `panels` of `w` against all rows of `x`, written to
 /// `out[i · out_stride + j]` for the panels' output rows `j` (`j < w.rows`).
@@ -213,16 +213,29 @@ pub fn self_check(kernel: impl Fn(&Job)) -> Result<(), String> {
     Ok(())
 }
 
+/// Per-thread buffers of the products (reused across calls).
+#[derive(Default)]
+struct Scratch {
+    /// The quantized activations of the current product.
+    xq: QuantRows,
+    /// The residuals of [`Terms::Two`].
+    resid: Vec<f32>,
+    /// Both terms' outputs of every job (`2m x n` each) under [`Terms::Two`].
+    wide: Vec<f32>,
+}
+
 thread_local! {
-    /// The quantized activations of the current product (reused across calls).
-    static XQ: RefCell<QuantRows> = RefCell::new(QuantRows::default());
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
 
 /// `out = x · wᵀ` for every `(w, out)` of `jobs` with the same `x` (`m` rows of `k = w.cols`):
-/// `x` is quantized once, then the weights' panels are spread over the pool's workers.
+/// `x` is quantized once (into `terms`), then the weights' panels are spread over the pool's
+/// workers. With [`Terms::Two`] each task multiplies both int8 rows of every x row and writes
+/// `out = first + second` for its panels' outputs, so every output is one fixed sum whatever M.
 pub fn matmul_many(
     pool: &CpuPool,
     kernel: Int8Kernel,
+    terms: Terms,
     x: &[f32],
     m: usize,
     jobs: &mut [(&PackedWeight, &mut [f32])],
@@ -232,38 +245,68 @@ pub fn matmul_many(
         return;
     };
     let mut first = Vec::with_capacity(jobs.len() + 1);
-    let mut units = 0;
+    let mut wide_at = Vec::with_capacity(jobs.len() + 1);
+    let (mut units, mut wide_len) = (0, 0);
     for (w, out) in jobs.iter() {
         assert_eq!(w.cols, k, "matmul_many needs one inner dimension");
         assert!(out.len() >= m * w.rows);
         first.push(units);
+        wide_at.push(wide_len);
         units += w.panels();
+        wide_len += terms.count() * m * w.rows;
     }
     first.push(units);
     let outs: Vec<SyncPtr<f32>> = jobs
         .iter_mut()
         .map(|(_, o)| SyncPtr(o.as_mut_ptr()))
         .collect();
-    XQ.with(|cell| {
-        let mut xq = cell.borrow_mut();
-        xq.quantize(x, m, k);
-        let xq = &*xq;
+    SCRATCH.with(|cell| {
+        let scratch = &mut *cell.borrow_mut();
+        scratch
+            .xq
+            .quantize_terms(x, m, k, terms, &mut scratch.resid);
+        if terms == Terms::Two {
+            scratch.wide.resize(wide_len, 0.0);
+        }
+        let wide = SyncPtr(scratch.wide.as_mut_ptr());
+        let xq = &scratch.xq;
         let tasks = units.min(pool.threads() * 8).max(1);
         pool.for_each(tasks, |t| {
             let (lo, hi) = (units * t / tasks, units * (t + 1) / tasks);
             for (j, (w, _)) in jobs.iter().enumerate() {
                 let a = lo.max(first[j]) - first[j];
                 let b = hi.min(first[j + 1]).saturating_sub(first[j]);
-                if a < b {
-                    let job = Job {
-                        w,
-                        panels: a..b,
-                        x: xq,
-                        out: outs[j].get(),
-                        out_stride: w.rows,
-                    };
-                    // SAFETY: tasks write disjoint panels' columns; shapes checked above.
-                    unsafe { kernel.run(&job) };
+                if a >= b {
+                    continue;
+                }
+                let n = w.rows;
+                let out = match terms {
+                    Terms::One => outs[j].get(),
+                    // SAFETY: job j's share of `wide` holds 2m x n values.
+                    Terms::Two => unsafe { wide.get().add(wide_at[j]) },
+                };
+                let job = Job {
+                    w,
+                    panels: a..b,
+                    x: xq,
+                    out,
+                    out_stride: n,
+                };
+                // SAFETY: tasks write disjoint panels' columns; shapes checked above.
+                unsafe { kernel.run(&job) };
+                if terms == Terms::Two {
+                    let cols = a * PANEL..(b * PANEL).min(n);
+                    for i in 0..m {
+                        // SAFETY: rows i and m + i of this job's share, this task's columns;
+                        // `out` has m x n values (checked above).
+                        unsafe {
+                            let (x1, x2) = (out.add(i * n), out.add((m + i) * n));
+                            let y = outs[j].get().add(i * n);
+                            for c in cols.clone() {
+                                *y.add(c) = *x1.add(c) + *x2.add(c);
+                            }
+                        }
+                    }
                 }
             }
         });

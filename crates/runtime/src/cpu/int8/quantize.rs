@@ -7,8 +7,33 @@
 //! so a row gets the same codes alone or in any batch. The code is one scalar definition;
 //! the AVX-512/AVX2 entry points only compile it with wider instructions (the arithmetic is
 //! IEEE-exact either way, so every build yields the same bits).
+//!
+//! With [`Terms::Two`] a row is carried by two int8 rows: the codes of `x` as above, then the
+//! codes of its residual `r[j] = x[j] − q[j] · d` (each operation rounded once in f32), which
+//! leaves at most half of the residual's step, `amax / (2 · 127 · 254)` or less, instead of
+//! `amax / 254`. Products multiply both rows with the same weights and add the two results.
 
 use crate::quant::GROUP;
+
+/// How many int8 rows carry one activation row.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Terms {
+    /// The codes of `x`.
+    #[default]
+    One,
+    /// The codes of `x`, then the codes of its residual.
+    Two,
+}
+
+impl Terms {
+    /// Int8 rows per activation row.
+    pub fn count(self) -> usize {
+        match self {
+            Terms::One => 1,
+            Terms::Two => 2,
+        }
+    }
+}
 
 /// `m` rows of `k` activations, quantized per 32-value block.
 #[derive(Clone, Debug, Default)]
@@ -35,49 +60,79 @@ impl QuantRows {
 
     /// Quantizes `m` rows of `x` (row stride `k`), reusing this value's buffers.
     pub fn quantize(&mut self, x: &[f32], m: usize, k: usize) {
+        self.quantize_terms(x, m, k, Terms::One, &mut Vec::new());
+    }
+
+    /// Quantizes `m` rows of `x` (row stride `k`) into `terms.count() · m` int8 rows: for
+    /// [`Terms::Two`], rows `0..m` carry `x` and rows `m..2m` its residuals (`scratch` holds
+    /// the residuals in between).
+    pub fn quantize_terms(
+        &mut self,
+        x: &[f32],
+        m: usize,
+        k: usize,
+        terms: Terms,
+        scratch: &mut Vec<f32>,
+    ) {
         assert!(
             k.is_multiple_of(GROUP),
             "int8 activations need whole 32-value blocks"
         );
         assert!(x.len() >= m * k);
-        let nb = m * k / GROUP;
-        self.m = m;
+        let rows = terms.count() * m;
+        let nb = rows * k / GROUP;
+        self.m = rows;
         self.k = k;
-        self.q.resize(m * k, 0);
+        self.q.resize(rows * k, 0);
         self.d.resize(nb, 0.0);
         self.sum.resize(nb, 0);
         self.ds.resize(nb, 0.0);
         let x = &x[..m * k];
+        self.blocks_from(x, 0);
+        if terms == Terms::Two {
+            scratch.clear();
+            scratch.extend(x.iter().enumerate().map(|(i, &v)| {
+                let code = self.q[i] as f32;
+                v - code * self.d[i / GROUP]
+            }));
+            self.blocks_from(scratch, m * k / GROUP);
+        }
+    }
+
+    /// Quantizes the blocks of `x` into blocks `first..` of this value.
+    fn blocks_from(&mut self, x: &[f32], first: usize) {
         #[cfg(target_arch = "x86_64")]
         {
             if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") {
                 // SAFETY: the features were just detected.
-                return unsafe { self.blocks_avx512(x) };
+                return unsafe { self.blocks_avx512(x, first) };
             }
             if is_x86_feature_detected!("avx2") {
                 // SAFETY: as above.
-                return unsafe { self.blocks_avx2(x) };
+                return unsafe { self.blocks_avx2(x, first) };
             }
         }
-        self.all_blocks(x)
+        self.all_blocks(x, first)
     }
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw,avx2")]
-    unsafe fn blocks_avx512(&mut self, x: &[f32]) {
-        self.all_blocks(x)
+    unsafe fn blocks_avx512(&mut self, x: &[f32], first: usize) {
+        self.all_blocks(x, first)
     }
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2")]
-    unsafe fn blocks_avx2(&mut self, x: &[f32]) {
-        self.all_blocks(x)
+    unsafe fn blocks_avx2(&mut self, x: &[f32], first: usize) {
+        self.all_blocks(x, first)
     }
 
     #[inline(always)]
-    fn all_blocks(&mut self, x: &[f32]) {
-        let blocks = x.chunks_exact(GROUP).zip(self.q.chunks_exact_mut(GROUP));
+    fn all_blocks(&mut self, x: &[f32], first: usize) {
+        let q = &mut self.q[first * GROUP..];
+        let blocks = x.chunks_exact(GROUP).zip(q.chunks_exact_mut(GROUP));
         for (b, (xs, qs)) in blocks.enumerate() {
+            let b = first + b;
             let xs: &[f32; GROUP] = xs.try_into().expect("whole block");
             let qs: &mut [i8; GROUP] = qs.try_into().expect("whole block");
             let (d, sum) = quantize_block(xs, qs);
@@ -151,7 +206,7 @@ mod tests {
             sum: vec![0; 48],
             ds: vec![0.0; 48],
         };
-        plain.all_blocks(&x);
+        plain.all_blocks(&x, 0);
         assert_eq!(wide.q, plain.q);
         assert_eq!(wide.d, plain.d);
         assert_eq!(wide.sum, plain.sum);

@@ -14,7 +14,7 @@
 //! layout, so it also checks the repacking the tuned kernels read.
 
 use super::pack::Int8Format;
-use super::quantize::QuantRows;
+use super::quantize::{QuantRows, Terms};
 use crate::quant::GROUP;
 use crate::weight::HostWeight;
 
@@ -58,6 +58,23 @@ pub fn matmul(w: &HostWeight, x: &QuantRows, out: &mut [f32]) {
                 }
             }
             out[i * n + j] = acc;
+        }
+    }
+}
+
+/// The product of the activation rows `x` carries in `terms` int8 rows each
+/// (`QuantRows::quantize_terms`): each int8 row as [`matmul`], and for [`Terms::Two`] row i's
+/// output is `first + second` (rows `i` and `m + i`).
+pub fn matmul_terms(w: &HostWeight, x: &QuantRows, terms: Terms, out: &mut [f32]) {
+    let (m, n) = (x.m / terms.count(), w.rows);
+    match terms {
+        Terms::One => matmul(w, x, out),
+        Terms::Two => {
+            let mut both = vec![0f32; x.m * n];
+            matmul(w, x, &mut both);
+            for (i, o) in out[..m * n].iter_mut().enumerate() {
+                *o = both[i] + both[m * n + i];
+            }
         }
     }
 }

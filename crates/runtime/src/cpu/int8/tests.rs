@@ -9,18 +9,21 @@ use crate::weight::HostWeight;
 
 const FORMATS: [DType; 3] = [DType::Q4_0, DType::Q4_1, DType::Q8_0];
 
-fn quant(x: &[f32], m: usize, k: usize) -> QuantRows {
+const TERMS: [Terms; 2] = [Terms::One, Terms::Two];
+
+fn quant(x: &[f32], m: usize, k: usize, terms: Terms) -> QuantRows {
     let mut q = QuantRows::default();
-    q.quantize(x, m, k);
+    q.quantize_terms(x, m, k, terms, &mut Vec::new());
     q
 }
 
-fn with_kernel(kernel: Int8Kernel, w: &HostWeight, x: &[f32], m: usize) -> Vec<f32> {
+fn with_kernel(kernel: Int8Kernel, terms: Terms, w: &HostWeight, x: &[f32], m: usize) -> Vec<f32> {
     let packed = PackedWeight::pack(w).unwrap();
     let mut out = vec![f32::NAN; m * w.rows];
     matmul_many(
         &CpuPool::new(2),
         kernel,
+        terms,
         x,
         m,
         &mut [(&packed, &mut out[..])],
@@ -28,9 +31,9 @@ fn with_kernel(kernel: Int8Kernel, w: &HostWeight, x: &[f32], m: usize) -> Vec<f
     out
 }
 
-fn with_reference(w: &HostWeight, x: &[f32], m: usize) -> Vec<f32> {
+fn with_reference(w: &HostWeight, x: &[f32], m: usize, terms: Terms) -> Vec<f32> {
     let mut out = vec![f32::NAN; m * w.rows];
-    reference::matmul(w, &quant(x, m, w.cols), &mut out);
+    reference::matmul_terms(w, &quant(x, m, w.cols, terms), terms, &mut out);
     out
 }
 
@@ -55,14 +58,17 @@ fn every_family_equals_the_reference_bit_for_bit_at_every_m() {
             let w = synthetic::weight(dtype, n, k, 0.02, n as u64);
             let x = synthetic::activations(16, k, k as u64);
             for kernel in families() {
-                for m in 1..=16 {
-                    let got = with_kernel(kernel, &w, &x[..m * k], m);
-                    let want = with_reference(&w, &x[..m * k], m);
+                for (terms, m) in TERMS
+                    .into_iter()
+                    .flat_map(|t| (1..=16).map(move |m| (t, m)))
+                {
+                    let got = with_kernel(kernel, terms, &w, &x[..m * k], m);
+                    let want = with_reference(&w, &x[..m * k], m, terms);
                     let same = got
                         .iter()
                         .zip(&want)
                         .all(|(a, b)| a.to_bits() == b.to_bits());
-                    assert!(same, "{kernel} {dtype} {n}x{k} m={m}");
+                    assert!(same, "{kernel} {terms:?} {dtype} {n}x{k} m={m}");
                 }
             }
         }
@@ -79,14 +85,17 @@ fn a_row_gets_the_same_bits_alone_or_in_a_verify_block() {
     for dtype in FORMATS {
         let w = synthetic::weight(dtype, n, k, 0.02, 5);
         let x = synthetic::activations(16, k, 6);
-        for m in [4usize, 8, 16] {
-            let block = with_kernel(kernel, &w, &x[..m * k], m);
+        for (terms, m) in TERMS
+            .into_iter()
+            .flat_map(|t| [4usize, 8, 16].map(|m| (t, m)))
+        {
+            let block = with_kernel(kernel, terms, &w, &x[..m * k], m);
             for i in 0..m {
-                let alone = with_kernel(kernel, &w, &x[i * k..(i + 1) * k], 1);
+                let alone = with_kernel(kernel, terms, &w, &x[i * k..(i + 1) * k], 1);
                 assert_eq!(
                     &block[i * n..(i + 1) * n],
                     &alone[..],
-                    "{dtype} m={m} row {i}"
+                    "{terms:?} {dtype} m={m} row {i}"
                 );
             }
         }
@@ -104,7 +113,7 @@ fn amx_tiles_equal_the_reference_and_the_row_alone_at_every_m() {
         return;
     }
     let tiles = |packed: &PackedWeight, x: &[f32], m: usize| {
-        let q = quant(x, m, packed.cols);
+        let q = quant(x, m, packed.cols, Terms::One);
         let mut out = vec![f32::NAN; m * packed.rows];
         let job = Job {
             w: packed,
@@ -127,7 +136,7 @@ fn amx_tiles_equal_the_reference_and_the_row_alone_at_every_m() {
                 .collect();
             for m in (1..=18).chain([31, 32, 33, 40]) {
                 let got = tiles(&packed, &x[..m * k], m);
-                let want = with_reference(&w, &x[..m * k], m);
+                let want = with_reference(&w, &x[..m * k], m, Terms::One);
                 let same =
                     |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(a, b)| a.to_bits() == b.to_bits());
                 assert!(
@@ -154,8 +163,8 @@ fn int8_products_stay_within_the_rounding_bound_of_the_f32_kernels() {
             let dense = w.to_f32();
             for m in [1usize, 4, 8, 16] {
                 let x = synthetic::activations(m, k, 50 + m as u64);
-                let q = quant(&x, m, k);
-                let got = with_reference(&w, &x, m);
+                let q = quant(&x, m, k, Terms::One);
+                let got = with_reference(&w, &x, m, Terms::One);
                 let mut f32_out = vec![0f32; m * n];
                 f32mm::matmul(&pool, Isa::detect(), &x, m, &w, &mut f32_out);
                 let mut worst = 0f64;
@@ -178,6 +187,52 @@ fn int8_products_stay_within_the_rounding_bound_of_the_f32_kernels() {
     }
 }
 
+#[test]
+fn int8x2_products_stay_within_their_rounding_bound_of_the_f32_kernels() {
+    let pool = CpuPool::new(2);
+    for (n, k) in [(64, 576), (32, 1536)] {
+        for dtype in FORMATS {
+            let w = synthetic::weight(dtype, n, k, 0.02, 40 + n as u64);
+            let dense = w.to_f32();
+            for m in [1usize, 4, 8, 16] {
+                let x = synthetic::activations(m, k, 50 + m as u64);
+                let q = quant(&x, m, k, Terms::Two);
+                let got = with_reference(&w, &x, m, Terms::Two);
+                let one = with_reference(&w, &x, m, Terms::One);
+                let mut f32_out = vec![0f32; m * n];
+                f32mm::matmul(&pool, Isa::detect(), &x, m, &w, &mut f32_out);
+                let (mut worst, mut dev2, mut dev1) = (0f64, 0f64, 0f64);
+                let kb = k / 32;
+                for i in 0..m {
+                    for j in 0..n {
+                        let f = f32_out[i * n + j] as f64;
+                        let dev = (got[i * n + j] as f64 - f).abs();
+                        let bound = contract::deviation_bound_x2(
+                            &dense[j * k..(j + 1) * k],
+                            &x[i * k..(i + 1) * k],
+                            &q.d[i * kb..(i + 1) * kb],
+                            &q.d[(m + i) * kb..(m + i + 1) * kb],
+                        );
+                        assert!(dev <= bound, "{dtype} m={m} ({i},{j}): {dev} > {bound}");
+                        worst = worst.max(dev / bound);
+                        dev2 = dev2.max(dev);
+                        dev1 = dev1.max((one[i * n + j] as f64 - f).abs());
+                    }
+                }
+                // The second term takes the product most of the way to the f32 one.
+                assert!(
+                    dev2 * 20.0 < dev1,
+                    "{dtype} m={m}: {dev2} vs one term {dev1}"
+                );
+                println!(
+                    "{dtype} {n}x{k} m={m}: largest deviation {worst:.3} of the bound, \
+                     {dev2:.2e} (one term {dev1:.2e})"
+                );
+            }
+        }
+    }
+}
+
 fn fnv1a(values: &[f32]) -> u64 {
     let mut h = 0xcbf2_9ce4_8422_2325u64;
     for v in values {
@@ -194,6 +249,13 @@ const INT8_FINGERPRINTS: [(DType, u64); 3] = [
     (DType::Q4_0, 0x8cc5_1a56_6a0d_0f40),
     (DType::Q4_1, 0xa194_2fa8_b905_e5f9),
     (DType::Q8_0, 0xf610_9d13_10ae_74f3),
+];
+
+/// The same with two-term activations.
+const INT8X2_FINGERPRINTS: [(DType, u64); 3] = [
+    (DType::Q4_0, 0x67a1_0277_a8ab_0334),
+    (DType::Q4_1, 0x152b_3e33_30ac_3fcb),
+    (DType::Q8_0, 0x8d57_1453_2de5_cd41),
 ];
 
 /// The f32 kernels' hashes for the same inputs, per lane count (their summation order).
@@ -234,22 +296,23 @@ fn fingerprint_inputs(dtype: DType) -> (HostWeight, Vec<f32>) {
 #[test]
 fn int8_fingerprints_are_pinned_for_every_family() {
     let mut got = Vec::new();
-    for (dtype, _) in INT8_FINGERPRINTS {
-        let (w, x) = fingerprint_inputs(dtype);
-        let reference = fnv1a(&with_reference(&w, &x, 8));
-        println!("int8 {dtype}: reference {reference:#018x}");
-        got.push((dtype, "reference".to_string(), reference));
-        for kernel in families() {
-            got.push((
-                dtype,
-                kernel.to_string(),
-                fnv1a(&with_kernel(kernel, &w, &x, 8)),
-            ));
+    for (terms, pinned) in [
+        (Terms::One, INT8_FINGERPRINTS),
+        (Terms::Two, INT8X2_FINGERPRINTS),
+    ] {
+        for (dtype, want) in pinned {
+            let (w, x) = fingerprint_inputs(dtype);
+            let reference = fnv1a(&with_reference(&w, &x, 8, terms));
+            println!("{terms:?} {dtype}: reference {reference:#018x}");
+            got.push((terms, dtype, "reference".to_string(), reference, want));
+            for kernel in families() {
+                let hash = fnv1a(&with_kernel(kernel, terms, &w, &x, 8));
+                got.push((terms, dtype, kernel.to_string(), hash, want));
+            }
         }
     }
-    for (dtype, name, hash) in got {
-        let want = INT8_FINGERPRINTS.iter().find(|f| f.0 == dtype).unwrap().1;
-        assert_eq!(hash, want, "int8 {name} {dtype}: {hash:#018x}");
+    for (terms, dtype, name, hash, want) in got {
+        assert_eq!(hash, want, "{terms:?} {name} {dtype}: {hash:#018x}");
     }
 }
 
