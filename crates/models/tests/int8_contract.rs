@@ -86,18 +86,15 @@ fn real_weights_stay_within_the_int8_rounding_bound() {
                 }
                 let mut want = vec![0f32; m * n];
                 matmul::matmul(&pool, Isa::detect(), x, m, &w, &mut want);
-                let kb = k / 32;
                 for i in 0..m {
                     for j in 0..n {
-                        let (wj, xi) = (&dense[j * k..(j + 1) * k], &x[i * k..(i + 1) * k]);
-                        let d1 = &q.d[i * kb..(i + 1) * kb];
-                        let bound = match terms {
-                            Terms::One => contract::deviation_bound(wj, xi, d1),
-                            Terms::Two => {
-                                let d2 = &q.d[(m + i) * kb..(m + i + 1) * kb];
-                                contract::deviation_bound_x2(wj, xi, d1, d2)
-                            }
-                        };
+                        let bound = contract::row_bound(
+                            &dense[j * k..(j + 1) * k],
+                            &x[i * k..(i + 1) * k],
+                            &q,
+                            terms,
+                            i,
+                        );
                         let dev = (got[i * n + j] as f64 - want[i * n + j] as f64).abs();
                         assert!(
                             dev <= bound,

@@ -14,6 +14,7 @@
 //! f32 sides round over two accumulations of K terms, the f32 kernel's one and the final
 //! `first + second`: at most `(2K + 1) · 2⁻²⁴ · Σ|w|(|x| + dx₁)` in all.
 
+use super::quantize::{QuantRows, Terms};
 use crate::quant::GROUP;
 
 /// The bound for one output: `w` the dequantized weight row, `x` the f32 activation row,
@@ -49,4 +50,16 @@ pub fn deviation_bound_x2(w: &[f32], x: &[f32], d1: &[f32], d2: &[f32]) -> f64 {
         }
     }
     moved + (2 * k + 1) as f64 * u * magnitude
+}
+
+/// The bound for an output of activation row `i` (f32 values `x`), quantized into `q` in
+/// `terms`, with the dequantized weight row `w`: [`deviation_bound`] or
+/// [`deviation_bound_x2`], reading the row's block scales from `q`.
+pub fn row_bound(w: &[f32], x: &[f32], q: &QuantRows, terms: Terms, i: usize) -> f64 {
+    let (kb, m) = (q.blocks(), q.m / terms.count());
+    let d1 = &q.d[i * kb..(i + 1) * kb];
+    match terms {
+        Terms::One => deviation_bound(w, x, d1),
+        Terms::Two => deviation_bound_x2(w, x, d1, &q.d[(m + i) * kb..(m + i + 1) * kb]),
+    }
 }
