@@ -5,7 +5,8 @@
 //! through a candidate lattice (every accept count again) and with a randomly initialised
 //! DFlash2 drafter (convolutions, sliding windows, selector); and with the trained drafter as
 //! the CPU runs it by default (Q4_1 layer weights) drafting over a vocabulary shortlist of
-//! 1024 tokens.
+//! 1024 tokens. A second gate runs the oracle and the trained drafter with the CPU's two-term
+//! int8 activations (`DFLASH_MATMUL=int8x2`), whose verify rows must also equal decode rows.
 
 mod common;
 
@@ -16,7 +17,9 @@ use dflash_engine::SamplingParams;
 use dflash_models::draft_vocab::{DraftVocab, DRAFT_VOCAB_FILE};
 use dflash_models::synthetic::{dflash2_config_for, drafter_config_for, random_drafter};
 use dflash_models::{DflashDrafter, Target};
-use dflash_runtime::DType;
+use dflash_runtime::cpu::{CpuBackend, Isa, MatmulMode};
+use dflash_runtime::{Activations, DType};
+use std::sync::Arc;
 
 const TOKENS: usize = 128;
 const BLOCK: usize = 16;
@@ -167,5 +170,83 @@ fn greedy_dflash_equals_greedy_ar() {
     assert!(
         unlisted > 0,
         "the target writes tokens outside the shortlist"
+    );
+}
+
+/// The lossless gate under two-term int8 activations (`DFLASH_MATMUL=int8x2`): a verify block's
+/// rows and a decode row take the same kernels' sums in the same order there too, so greedy
+/// DFlash equals greedy AR with the oracle (every accept count) and with the trained drafter.
+#[test]
+fn greedy_dflash_equals_greedy_ar_with_two_term_int8_activations() {
+    const PROMPTS_X2: usize = 6;
+    let b = Arc::new(CpuBackend::with_options(
+        0,
+        Isa::detect(),
+        MatmulMode::Int8x2,
+    ));
+    let m = default_model(&b);
+    let paths = m.model.matmul_paths();
+    let x2 = paths
+        .iter()
+        .filter(|p| p.path.activations == Activations::Int8x2)
+        .count();
+    if x2 == 0 {
+        println!(
+            "SKIPPED (not a pass): this CPU has no int8 kernel ({:?}), so int8x2 takes the f32 \
+             kernels and there is nothing to check",
+            Isa::detect()
+        );
+        return;
+    }
+    let prompts: Vec<Vec<u32>> = PROMPTS[..PROMPTS_X2]
+        .iter()
+        .map(|p| chat_prompt(&m, p))
+        .collect();
+    let tok = m.tokenizer;
+    let (reference, target) = ar_reference(m.model, &tok, &prompts, TOKENS + BLOCK);
+
+    let mut oracle = Oracle::new(BLOCK, target.vocab(), vec![1, 8, 14, 20, 27]);
+    oracle.queue.extend(sequences(&prompts, &reference));
+    let mut dec = DflashDecoder::new(target, oracle, BLOCK, AcceptPolicy::PerRow).unwrap();
+    for (i, p) in prompts.iter().enumerate() {
+        let r = request(p.clone(), TOKENS, SamplingParams::greedy());
+        let got = run_batch(&mut dec, &tok, &[r], &mut |_, _| {})
+            .unwrap()
+            .remove(0);
+        let want: Vec<u32> = reference[i].tokens.iter().take(TOKENS).copied().collect();
+        assert_eq!(got.tokens, want, "int8x2, oracle drafter, prompt {i}");
+    }
+    let seen: std::collections::BTreeSet<usize> = dec
+        .drafter
+        .expected_accepts
+        .iter()
+        .flatten()
+        .copied()
+        .collect();
+    assert_eq!(
+        seen,
+        (0..BLOCK).collect(),
+        "int8x2: every accept count 0..{} ran",
+        BLOCK - 1
+    );
+
+    let target = dec.target;
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models/drafters/smollm2-135m-instruct-dflash");
+    let drafter = DflashDrafter::open(b.clone(), &dir).unwrap();
+    let mut dec = DflashDecoder::new(target, drafter, BLOCK, AcceptPolicy::PerRow).unwrap();
+    let mut accepted = 0;
+    for (i, p) in prompts.iter().enumerate() {
+        let r = request(p.clone(), TOKENS, SamplingParams::greedy());
+        let got = run_batch(&mut dec, &tok, &[r], &mut |_, _| {})
+            .unwrap()
+            .remove(0);
+        let want: Vec<u32> = reference[i].tokens.iter().take(TOKENS).copied().collect();
+        assert_eq!(got.tokens, want, "int8x2, trained drafter, prompt {i}");
+        accepted += got.stats.accepted;
+    }
+    assert!(
+        accepted > 0,
+        "int8x2: the trained drafter gets drafts accepted"
     );
 }
