@@ -13,9 +13,10 @@ mod common;
 use common::*;
 use dflash_engine::dflash::{AcceptPolicy, DflashDecoder};
 use dflash_engine::session::run_batch;
-use dflash_engine::SamplingParams;
+use dflash_engine::{Completion, Decoder, SamplingParams};
 use dflash_models::draft_vocab::{DraftVocab, DRAFT_VOCAB_FILE};
 use dflash_models::synthetic::{dflash2_config_for, drafter_config_for, random_drafter};
+use dflash_models::tokenizer::TextTokenizer;
 use dflash_models::{DflashDrafter, Target};
 use dflash_runtime::cpu::{CpuBackend, Isa, MatmulMode};
 use dflash_runtime::{Activations, DType};
@@ -38,67 +39,30 @@ fn greedy_dflash_equals_greedy_ar() {
     let mut oracle = Oracle::new(BLOCK, target.vocab(), taps.clone());
     oracle.queue.extend(sequences(&prompts, &reference));
     let mut dec = DflashDecoder::new(target, oracle, BLOCK, AcceptPolicy::PerRow).unwrap();
-    let mut total_rounds = 0;
-    for (i, p) in prompts.iter().enumerate() {
-        let r = request(p.clone(), TOKENS, SamplingParams::greedy());
-        let got = run_batch(&mut dec, &tok, &[r], &mut |_, _| {})
-            .unwrap()
-            .remove(0);
-        let want: Vec<u32> = reference[i].tokens.iter().take(TOKENS).copied().collect();
-        assert_eq!(got.tokens, want, "oracle drafter, prompt {i}");
-        total_rounds += got.stats.rounds;
-    }
-    let seen: std::collections::BTreeSet<usize> = dec
-        .drafter
-        .expected_accepts
-        .iter()
-        .flatten()
-        .copied()
-        .collect();
+    let (_, rounds) = decode_each(&mut dec, &tok, &prompts, &reference, "oracle drafter");
     assert_eq!(
-        seen,
+        dec.drafter.accept_counts_seen(),
         (0..BLOCK).collect(),
         "every accept count 0..{} ran",
         BLOCK - 1
     );
-    assert!(total_rounds > 0);
+    assert!(rounds > 0);
 
     // (a) Randomly initialised drafter (almost nothing accepted: stresses rollback).
     let target = dec.target;
     let cfg = drafter_config_for(576, 9, 3, 1536, 30, 2, BLOCK, 16);
     let drafter = DflashDrafter::load(b.clone(), cfg.clone(), &random_drafter(&cfg, 7)).unwrap();
     let mut dec = DflashDecoder::new(target, drafter, BLOCK, AcceptPolicy::PerRow).unwrap();
-    for (i, p) in prompts.iter().enumerate() {
-        let r = request(p.clone(), TOKENS, SamplingParams::greedy());
-        let got = run_batch(&mut dec, &tok, &[r], &mut |_, _| {})
-            .unwrap()
-            .remove(0);
-        let want: Vec<u32> = reference[i].tokens.iter().take(TOKENS).copied().collect();
-        assert_eq!(got.tokens, want, "random drafter, prompt {i}");
-    }
+    decode_each(&mut dec, &tok, &prompts, &reference, "random drafter");
 
     // (d) DFlash2: the oracle proposing through a candidate lattice, every accept count.
     let target = dec.target;
     let mut oracle = Oracle::new(BLOCK, target.vocab(), taps.clone()).selector();
     oracle.queue.extend(sequences(&prompts, &reference));
     let mut dec = DflashDecoder::new(target, oracle, BLOCK, AcceptPolicy::PerRow).unwrap();
-    for (i, p) in prompts.iter().enumerate() {
-        let r = request(p.clone(), TOKENS, SamplingParams::greedy());
-        let got = run_batch(&mut dec, &tok, &[r], &mut |_, _| {})
-            .unwrap()
-            .remove(0);
-        let want: Vec<u32> = reference[i].tokens.iter().take(TOKENS).copied().collect();
-        assert_eq!(got.tokens, want, "lattice oracle, prompt {i}");
-    }
-    let seen: std::collections::BTreeSet<usize> = dec
-        .drafter
-        .expected_accepts
-        .iter()
-        .flatten()
-        .copied()
-        .collect();
+    decode_each(&mut dec, &tok, &prompts, &reference, "lattice oracle");
     assert_eq!(
-        seen,
+        dec.drafter.accept_counts_seen(),
         (0..BLOCK).collect(),
         "lattice oracle: every accept count"
     );
@@ -113,14 +77,13 @@ fn greedy_dflash_equals_greedy_ar() {
     );
     let drafter = DflashDrafter::load(b.clone(), cfg.clone(), &random_drafter(&cfg, 9)).unwrap();
     let mut dec = DflashDecoder::new(target, drafter, BLOCK, AcceptPolicy::PerRow).unwrap();
-    for (i, p) in prompts.iter().enumerate().take(8) {
-        let r = request(p.clone(), TOKENS, SamplingParams::greedy());
-        let got = run_batch(&mut dec, &tok, &[r], &mut |_, _| {})
-            .unwrap()
-            .remove(0);
-        let want: Vec<u32> = reference[i].tokens.iter().take(TOKENS).copied().collect();
-        assert_eq!(got.tokens, want, "random DFlash2 drafter, prompt {i}");
-    }
+    decode_each(
+        &mut dec,
+        &tok,
+        &prompts[..8],
+        &reference,
+        "random DFlash2 drafter",
+    );
 
     // (c) The trained drafter shipped for the default model, at its trained block size.
     let target = dec.target;
@@ -128,16 +91,8 @@ fn greedy_dflash_equals_greedy_ar() {
         .join("../../models/drafters/smollm2-135m-instruct-dflash");
     let drafter = DflashDrafter::open(b.clone(), &dir).unwrap();
     let mut dec = DflashDecoder::new(target, drafter, BLOCK, AcceptPolicy::PerRow).unwrap();
-    let mut accepted = 0;
-    for (i, p) in prompts.iter().enumerate() {
-        let r = request(p.clone(), TOKENS, SamplingParams::greedy());
-        let got = run_batch(&mut dec, &tok, &[r], &mut |_, _| {})
-            .unwrap()
-            .remove(0);
-        let want: Vec<u32> = reference[i].tokens.iter().take(TOKENS).copied().collect();
-        assert_eq!(got.tokens, want, "trained drafter, prompt {i}");
-        accepted += got.stats.accepted;
-    }
+    let what = "trained drafter";
+    let (accepted, _) = decode_each(&mut dec, &tok, &prompts, &reference, what);
     assert!(accepted > 0, "the trained drafter gets drafts accepted");
 
     // (f) The trained drafter as the CPU runs it by default: its layer weights re-encoded as
@@ -152,20 +107,13 @@ fn greedy_dflash_equals_greedy_ar() {
         .set_vocab_shortlist(ids.clone(), target.lm_head_rows(&ids).unwrap())
         .unwrap();
     let mut dec = DflashDecoder::new(target, drafter, BLOCK, AcceptPolicy::PerRow).unwrap();
-    let (mut accepted, mut unlisted) = (0, 0);
-    for (i, p) in prompts.iter().enumerate().take(8) {
-        let r = request(p.clone(), TOKENS, SamplingParams::greedy());
-        let got = run_batch(&mut dec, &tok, &[r], &mut |_, _| {})
-            .unwrap()
-            .remove(0);
-        let want: Vec<u32> = reference[i].tokens.iter().take(TOKENS).copied().collect();
-        assert_eq!(
-            got.tokens, want,
-            "trained drafter with Q4_1 weights and a shortlist, prompt {i}"
-        );
-        accepted += got.stats.accepted;
-        unlisted += want.iter().filter(|t| !ids.contains(t)).count();
-    }
+    let what = "trained drafter with Q4_1 weights and a shortlist";
+    let (accepted, _) = decode_each(&mut dec, &tok, &prompts[..8], &reference, what);
+    let unlisted = reference[..8]
+        .iter()
+        .flat_map(|c| c.tokens.iter().take(TOKENS))
+        .filter(|t| !ids.contains(t))
+        .count();
     assert!(accepted > 0, "the shortlisted drafter gets drafts accepted");
     assert!(
         unlisted > 0,
@@ -208,23 +156,15 @@ fn greedy_dflash_equals_greedy_ar_with_two_term_int8_activations() {
     let mut oracle = Oracle::new(BLOCK, target.vocab(), vec![1, 8, 14, 20, 27]);
     oracle.queue.extend(sequences(&prompts, &reference));
     let mut dec = DflashDecoder::new(target, oracle, BLOCK, AcceptPolicy::PerRow).unwrap();
-    for (i, p) in prompts.iter().enumerate() {
-        let r = request(p.clone(), TOKENS, SamplingParams::greedy());
-        let got = run_batch(&mut dec, &tok, &[r], &mut |_, _| {})
-            .unwrap()
-            .remove(0);
-        let want: Vec<u32> = reference[i].tokens.iter().take(TOKENS).copied().collect();
-        assert_eq!(got.tokens, want, "int8x2, oracle drafter, prompt {i}");
-    }
-    let seen: std::collections::BTreeSet<usize> = dec
-        .drafter
-        .expected_accepts
-        .iter()
-        .flatten()
-        .copied()
-        .collect();
+    decode_each(
+        &mut dec,
+        &tok,
+        &prompts,
+        &reference,
+        "int8x2, oracle drafter",
+    );
     assert_eq!(
-        seen,
+        dec.drafter.accept_counts_seen(),
         (0..BLOCK).collect(),
         "int8x2: every accept count 0..{} ran",
         BLOCK - 1
@@ -235,18 +175,31 @@ fn greedy_dflash_equals_greedy_ar_with_two_term_int8_activations() {
         .join("../../models/drafters/smollm2-135m-instruct-dflash");
     let drafter = DflashDrafter::open(b.clone(), &dir).unwrap();
     let mut dec = DflashDecoder::new(target, drafter, BLOCK, AcceptPolicy::PerRow).unwrap();
-    let mut accepted = 0;
-    for (i, p) in prompts.iter().enumerate() {
-        let r = request(p.clone(), TOKENS, SamplingParams::greedy());
-        let got = run_batch(&mut dec, &tok, &[r], &mut |_, _| {})
-            .unwrap()
-            .remove(0);
-        let want: Vec<u32> = reference[i].tokens.iter().take(TOKENS).copied().collect();
-        assert_eq!(got.tokens, want, "int8x2, trained drafter, prompt {i}");
-        accepted += got.stats.accepted;
-    }
+    let what = "int8x2, trained drafter";
+    let (accepted, _) = decode_each(&mut dec, &tok, &prompts, &reference, what);
     assert!(
         accepted > 0,
         "int8x2: the trained drafter gets drafts accepted"
     );
+}
+
+/// Decodes each prompt alone with `dec` (greedy, `TOKENS` tokens) and asserts it writes the AR
+/// reference's tokens; returns the drafts accepted and the rounds, summed over the prompts.
+fn decode_each(
+    dec: &mut dyn Decoder,
+    tok: &TextTokenizer,
+    prompts: &[Vec<u32>],
+    reference: &[Completion],
+    what: &str,
+) -> (usize, usize) {
+    let (mut accepted, mut rounds) = (0, 0);
+    for (i, p) in prompts.iter().enumerate() {
+        let r = request(p.clone(), TOKENS, SamplingParams::greedy());
+        let got = run_batch(dec, tok, &[r], &mut |_, _| {}).unwrap().remove(0);
+        let want: Vec<u32> = reference[i].tokens.iter().take(TOKENS).copied().collect();
+        assert_eq!(got.tokens, want, "{what}, prompt {i}");
+        accepted += got.stats.accepted;
+        rounds += got.stats.rounds;
+    }
+    (accepted, rounds)
 }

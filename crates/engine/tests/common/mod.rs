@@ -200,6 +200,11 @@ impl Oracle {
         }
     }
 
+    /// The accept counts the oracle built its rounds to produce, over every round so far.
+    pub fn accept_counts_seen(&self) -> std::collections::BTreeSet<usize> {
+        self.expected_accepts.iter().flatten().copied().collect()
+    }
+
     /// Rounds in which the rows' expected accept counts (exact ones only) were not all equal.
     pub fn rounds_with_different_accepts(&self) -> usize {
         self.expected_accepts
