@@ -224,6 +224,9 @@ def add_args(ap: argparse.ArgumentParser):
     g.add_argument("--val-seqs-max", type=int, default=256)
     g.add_argument("--walk-seqs", type=int, default=128)
     g.add_argument("--walk-max-new", type=int, default=256)
+    g.add_argument("--walk-small-block", type=int, default=4,
+                   help="also walk at this block size (the GPU's default block; 0 = off); logged, "
+                        "the best export is still chosen by the walk at the trained block size")
     g.add_argument("--max-passes", type=int, default=2)
     g.add_argument("--min-weight", type=float, default=0.1, help="slot weights below this are dropped")
     g.add_argument("--window-batches", type=int, default=16)
@@ -363,6 +366,11 @@ def main(argv=None):
     with torch.compiler.set_stance("force_eager"):
         wk = walk_tau(tr.drafter, tr.target, tr.emb_w, tr.head_w, walk_set, max_new=args.walk_max_new,
                       autocast=tr._autocast) if walk_set else {}
+        small = args.walk_small_block
+        if walk_set and 2 <= small < B:
+            ws = walk_tau(tr.drafter, tr.target, tr.emb_w, tr.head_w, walk_set, max_new=args.walk_max_new,
+                          autocast=tr._autocast, block=small)
+            wk.update({f"walk_tau_b{small}": ws["walk_tau"], f"walk_accept_by_slot_b{small}": ws["walk_accept_by_slot"]})
     res = {"step": tr.state["step"], "call": calls, "steps_this_call": steps_call, **ev, **wk,
            "walk_seqs": len(walk_set), "data": data.stats}
     tr.state.update({k: v for k, v in ev.items()})

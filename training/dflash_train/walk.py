@@ -12,7 +12,7 @@ the prefill).  tau = committed tokens / rounds, as ``dflash eval`` counts it.
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -40,12 +40,15 @@ def selector_path(selector, logits: torch.Tensor, h: torch.Tensor, anchor: torch
 
 @torch.no_grad()
 def walk_tau(drafter, target, emb_w: torch.Tensor, head_w: torch.Tensor, recs: Sequence[dict],
-             max_new: int = 256, batch: int = 32, autocast=None) -> Dict:
+             max_new: int = 256, batch: int = 32, autocast=None, block: Optional[int] = None) -> Dict:
     """``recs``: dicts with ``ids`` (int64 numpy) and ``first_span`` (start, end) of a greedy
-    answer.  Returns tau, rounds, tokens and the acceptance rate by slot (share of rounds that
-    accepted at least k drafts)."""
+    answer.  ``block``: the decoding block size (default the drafter's trained one; the engine
+    drafts smaller blocks as [anchor, MASK x (block - 1)] too).  Returns tau, rounds, tokens
+    and the acceptance rate by slot (share of rounds that accepted at least k drafts)."""
     cfg = drafter.cfg
-    B = cfg.block_size
+    B = cfg.block_size if block is None else block
+    if not 2 <= B <= cfg.block_size:
+        raise ValueError(f"walk block {B}: must be 2..{cfg.block_size} (the drafter's block size)")
     dev = emb_w.device
     was_training = drafter.training
     drafter.eval()

@@ -192,10 +192,12 @@ def test_lr_wsd():
     assert lr_wsd(50, 200.0, 100.0, 10.0, 10, 0.1) == pytest.approx(0.1)
 
 
-@pytest.mark.parametrize("dflash2", [False, True])
-def test_walk_tau_equals_a_walk_over_teacher_forced_acceptance(dflash2):
+@pytest.mark.parametrize("dflash2,block", [(False, 4), (True, 4), (False, 2)])
+def test_walk_tau_equals_a_walk_over_teacher_forced_acceptance(dflash2, block):
     """DFlash2: the walk's selector follows its own picks, the training's teacher-forced pick
-    the true previous token; they agree on every accepted prefix, so the walks match."""
+    the true previous token; they agree on every accepted prefix, so the walks match. Block 2:
+    a walk at a smaller block than the drafter's (as the engine drafts it) matches the
+    teacher-forced acceptance of blocks of that size."""
     V, H = 61, 32
     cfg_t = transformers.LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=5,
                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -229,14 +231,14 @@ def test_walk_tau_equals_a_walk_over_teacher_forced_acceptance(dflash2):
         ids = np.r_[rng.integers(0, V - 1, size=p), [best] * (n - p)].astype(np.int64)
         ids[p + 7::9] = rng.integers(0, V - 1, size=ids[p + 7::9].size)
         recs.append({"ids": ids, "first_span": (p, n)})
-    got = walk_tau(drafter, target, emb, head, recs, max_new=1000, batch=2)
+    got = walk_tau(drafter, target, emb, head, recs, max_new=1000, batch=2, block=block)
     # reference: teacher-forced acceptance at every anchor (training's masks and labels), walked
     tokens = rounds = 0
     for r in recs:
         ids, (s0, end) = r["ids"], r["first_span"]
         lm = np.zeros(ids.size, dtype=bool)
         lm[s0:] = True
-        nb = collate([(ids, lm)], num_anchors=ids.size, block_size=4, mask_token_id=V - 1, gamma=1e9,
+        nb = collate([(ids, lm)], num_anchors=ids.size, block_size=block, mask_token_id=V - 1, gamma=1e9,
                      rng=np.random.default_rng(0))
         bt = batch_to_torch(nb, "cpu")
         feats = target_features(target, bt["input_ids"], bt["attention_mask"].long(), cfg.target_layer_ids)
@@ -251,7 +253,9 @@ def test_walk_tau_equals_a_walk_over_teacher_forced_acceptance(dflash2):
             rounds += 1
             a += commit
     assert rounds == got["walk_rounds"] and tokens == got["walk_tokens"]
-    assert got["walk_tau"] > 1.0
+    assert 1.0 < got["walk_tau"] <= block
+    with pytest.raises(ValueError, match="walk block"):
+        walk_tau(drafter, target, emb, head, recs, block=5)
     if dflash2:  # the selector does change the walk: without it (the unary argmax) it differs
         sel, drafter.candidate_selector = drafter.candidate_selector, None
         unary = walk_tau(drafter, target, emb, head, recs, max_new=1000, batch=2)
