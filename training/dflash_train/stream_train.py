@@ -246,6 +246,8 @@ def main(argv=None):
     add_args(ap)
     ap.set_defaults(draft_layers=4, gamma=4.0, max_seq_len=1040, reserve_s=30)
     args = ap.parse_args(argv)
+    if args.walk_small_block < 0 or args.walk_small_block == 1:
+        ap.error(f"--walk-small-block {args.walk_small_block}: expected 0 (off) or a block size of at least 2")
     t0 = time.time()
     deadline = t0 + args.time_limit_s
     if args.device.startswith("cuda"):
@@ -277,6 +279,12 @@ def main(argv=None):
            f"{args.decay_s:.0f}s, lr {args.lr}, kd {args.kd_alpha}, gamma {tr.gamma}, "
            f"batch {args.batch_size} x {args.num_anchors} anchors")
     B = tr.cfg.block_size
+    if args.walk_small_block >= B:
+        ap.error(f"--walk-small-block {args.walk_small_block}: must be below the drafter's block size {B} "
+                 "(0 turns it off)")
+    if args.walk_small_block and tr.cfg.is_dflash2:
+        tr.log(f"[stream] no walk at block {args.walk_small_block}: a DFlash2 drafter walks at its block size only")
+        args.walk_small_block = 0
     dev = tr.device
     win = {"n": 0, "loss": torch.zeros((), device=dev), "pos_c": torch.zeros(B, device=dev),
            "pos_t": torch.zeros(B, device=dev), "blk": 0, "t0": time.time(), "resp": 0}
@@ -367,7 +375,7 @@ def main(argv=None):
         wk = walk_tau(tr.drafter, tr.target, tr.emb_w, tr.head_w, walk_set, max_new=args.walk_max_new,
                       autocast=tr._autocast) if walk_set else {}
         small = args.walk_small_block
-        if walk_set and 2 <= small < B:
+        if walk_set and small:
             ws = walk_tau(tr.drafter, tr.target, tr.emb_w, tr.head_w, walk_set, max_new=args.walk_max_new,
                           autocast=tr._autocast, block=small)
             wk.update({f"walk_tau_b{small}": ws["walk_tau"], f"walk_accept_by_slot_b{small}": ws["walk_accept_by_slot"]})

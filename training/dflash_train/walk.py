@@ -49,6 +49,9 @@ def walk_tau(drafter, target, emb_w: torch.Tensor, head_w: torch.Tensor, recs: S
     B = cfg.block_size if block is None else block
     if not 2 <= B <= cfg.block_size:
         raise ValueError(f"walk block {B}: must be 2..{cfg.block_size} (the drafter's block size)")
+    if B < cfg.block_size and cfg.is_dflash2:
+        raise ValueError(f"walk block {B}: a DFlash2 drafter's convolutions span its whole block "
+                         f"({cfg.block_size}), so it walks at that size only")
     dev = emb_w.device
     was_training = drafter.training
     drafter.eval()

@@ -256,6 +256,9 @@ def test_walk_tau_equals_a_walk_over_teacher_forced_acceptance(dflash2, block):
     assert 1.0 < got["walk_tau"] <= block
     with pytest.raises(ValueError, match="walk block"):
         walk_tau(drafter, target, emb, head, recs, block=5)
+    if dflash2:  # its convolutions are sized for its block
+        with pytest.raises(ValueError, match="DFlash2"):
+            walk_tau(drafter, target, emb, head, recs, block=2)
     if dflash2:  # the selector does change the walk: without it (the unary argmax) it differs
         sel, drafter.candidate_selector = drafter.candidate_selector, None
         unary = walk_tau(drafter, target, emb, head, recs, max_new=1000, batch=2)
