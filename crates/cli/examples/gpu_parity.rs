@@ -139,23 +139,20 @@ fn main() -> Result<()> {
         ..
     } = load_model(cuda.clone(), &args.model)?;
     // The CPU takes the GPU's numeric path: int8 activations for the target's projections
-    // (the CPU's default) where the GPU multiplies them with int8 activations (the same codes,
-    // see DFLASH_CUDA_INT8), else the f32 path.
-    let gpu_int8 = gpu_model
+    // (the CPU's default), one-term or two-term, where the GPU multiplies them with int8
+    // activations (the same codes, see DFLASH_CUDA_INT8), else the f32 path.
+    let activations = gpu_model
         .matmul_paths()
         .iter()
-        .any(|p| p.path.activations == Activations::Int8);
-    let mode = if gpu_int8 {
-        MatmulMode::Auto
-    } else {
-        MatmulMode::Reference
+        .map(|p| p.path.activations)
+        .find(|&a| a != Activations::F32)
+        .unwrap_or(Activations::F32);
+    let mode = match activations {
+        Activations::Int8 => MatmulMode::Auto,
+        Activations::Int8x2 => MatmulMode::Int8x2,
+        Activations::F32 => MatmulMode::Reference,
     };
     let cpu = Arc::new(CpuBackend::with_options(0, Isa::detect(), mode));
-    let activations = if gpu_int8 {
-        Activations::Int8
-    } else {
-        Activations::F32
-    };
     let margin = args.margin.unwrap_or(gpu_logit_bound(activations));
     println!(
         "GPU {} ({}), CPU x{} ({mode} matmul path); model {}; {activations} activations, \

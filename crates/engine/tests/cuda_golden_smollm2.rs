@@ -6,6 +6,8 @@
 //! - the default, int8 activations for the target's projections (`Int8Policy::All`, the CPU's
 //!   rule and codes): held to the int8 path's end-to-end bound, as the CPU is
 //!   (models/tests/golden_smollm2.rs);
+//! - two-term int8 activations (`DFLASH_CUDA_INT8=x2`, the CPU's `int8x2` codes): held to the
+//!   two-term path's bound;
 //! - f32 activations (`DFLASH_CUDA_INT8=0`): held to the GPU f32 path's bound
 //!
 //! (both stated and derived in `dflash_models::bounds`).
@@ -22,7 +24,7 @@ mod golden;
 
 use std::sync::Arc;
 
-use dflash_models::bounds::{GPU_F32_LOGIT_BOUND, INT8_LOGIT_BOUND};
+use dflash_models::bounds::{GPU_F32_LOGIT_BOUND, INT8X2_LOGIT_BOUND, INT8_LOGIT_BOUND};
 use dflash_models::default_model::{ensure_default_model, Silent};
 use dflash_models::load_model;
 use dflash_runtime::cuda::{CudaBackend, CudaOptions, Int8Policy};
@@ -49,7 +51,7 @@ fn check(int8: Int8Policy, bound: f32) {
         .model
         .matmul_paths()
         .iter()
-        .filter(|p| p.path.activations == dflash_runtime::Activations::Int8)
+        .filter(|p| p.path.activations != dflash_runtime::Activations::F32)
         .count();
     assert_eq!(
         int8_projections > 0,
@@ -64,6 +66,11 @@ fn check(int8: Int8Policy, bound: f32) {
 fn int8_default_path_stays_within_the_int8_bound_of_transformers() {
     assert_eq!(CudaOptions::default().int8, Int8Policy::All);
     check(Int8Policy::All, INT8_LOGIT_BOUND);
+}
+
+#[test]
+fn two_term_int8_path_stays_within_its_bound_of_transformers() {
+    check(Int8Policy::TwoTerms, INT8X2_LOGIT_BOUND);
 }
 
 #[test]

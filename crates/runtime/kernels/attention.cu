@@ -45,9 +45,9 @@ struct AttParams {
     int head_dim;
     int kv_dim;
     float scale;
-    int pad;
-    u64 qc;  // attention_merge_q8 (head_dim % 32 == 0): out quantized, codes [T, n_heads * head_dim]
-    u64 qs;  // and their (d, ds) pairs [T, n_heads * head_dim / 32] (q8_block)
+    int terms;  // int8 rows per row of the int8 copy (q8_terms: 1, or 2 for two-term activations)
+    u64 qc;  // attention_merge_q8 (head_dim % 32 == 0): out quantized, codes [T * terms, n_heads * head_dim]
+    u64 qs;  // and their (d, ds) pairs [T * terms, n_heads * head_dim / 32] (q8_terms)
     u64 count;  // [T][n_kv_heads] u32 arrivals, zero between launches; 0: a separate merge launch
 };
 
@@ -103,7 +103,11 @@ __device__ __forceinline__ void att_merge_out(const AttParams& p, int t, int h, 
     const float y = __fmul_rn(o, inv);
     const size_t i = (size_t)t * p.n_heads * p.head_dim + (size_t)h * p.head_dim + d;
     ((float*)p.out)[i] = y;
-    if (p.qc) q8_block(y, threadIdx.x & 31, (signed char*)p.qc + i, (float2*)p.qs + i / GROUP);
+    if (p.qc) {
+        const int n = p.n_heads * p.head_dim;
+        const size_t j = q8_index(i, n, p.terms);
+        q8_terms(y, threadIdx.x & 31, (signed char*)p.qc + j, (float2*)p.qs + j / GROUP, n, p.terms);
+    }
 }
 
 // The in-kernel merge (p.count): called by every split block of (t, kvh) after its state is
@@ -434,7 +438,11 @@ __device__ __forceinline__ void attention_merge_body(const AttParams& p) {
         ((float*)p.out)[i] = y;
         // Warp w holds block i / 32 of the row in its lanes (head_dim % 32 == 0 with Q, so
         // whole warps take this branch).
-        if (Q) q8_block(y, lane, (signed char*)p.qc + i, (float2*)p.qs + i / GROUP);
+        if (Q) {
+            const int n = p.n_heads * hd;
+            const size_t j = q8_index(i, n, p.terms);
+            q8_terms(y, lane, (signed char*)p.qc + j, (float2*)p.qs + j / GROUP, n, p.terms);
+        }
     }
 }
 

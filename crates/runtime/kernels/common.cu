@@ -335,11 +335,12 @@ __device__ __forceinline__ float warp_max(float v) {
 // One 32-value block of x quantized to int8 as the CPU defines it (cpu/int8/quantize.rs), bit
 // for bit: amax = max |x_j| (compared as bits), d = amax / 127, q_j = clamp(rint(x_j * (127 /
 // amax)), -127, 127) (inverse 0 when amax = 0), and per block (d, d * Σ q_j). Called by a whole
-// warp, lane j holding x_j: lane j writes code j to `code`, lane 0 the block's pair to `scale`.
-// Every kernel that writes int8 x (quant_q8_f32, and the RMS norm and attention merge when they
-// also hand their output to int8 products) goes through here, so all give the same bits; max
-// and an integer sum are exact in any order.
-__device__ __forceinline__ void q8_block(float v, int lane, signed char* code, float2* scale) {
+// warp, lane j holding x_j: lane j writes code j to `code`, lane 0 the block's pair to `scale`;
+// returns the value the code stands for, fl(q_j * d). Every kernel that writes int8 x
+// (quant_q8_f32, and the RMS norm, the attention merge and the SwiGLU product when they also
+// hand their output to int8 products) goes through here, so all give the same bits; max and an
+// integer sum are exact in any order.
+__device__ __forceinline__ float q8_block(float v, int lane, signed char* code, float2* scale) {
     u32 a = __float_as_uint(v) & 0x7fffffffu;
 #if __CUDA_ARCH__ >= 800
     a = __reduce_max_sync(DF_FULL_MASK, a);
@@ -360,4 +361,21 @@ __device__ __forceinline__ void q8_block(float v, int lane, signed char* code, f
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(DF_FULL_MASK, sum, o);
 #endif
     if (lane == 0) *scale = make_float2(d, __fmul_rn(d, (float)sum));
+    return __fmul_rn((float)q, d);
+}
+
+// The int8 copy of x in `terms` int8 rows per row (1, or 2: two-term activations, the CPU's
+// `Terms::Two`): the codes of x, then (terms = 2) those of its residual r = fl(x - fl(q d)),
+// which the products add (out = first + second). The copy's int8 rows interleave: row i's
+// first term is int8 row terms * i, its second the row after, so rows m0.. of x are one run of
+// int8 rows. `code` and `scale` point at v's first-term code and its block's pair; the second
+// term's are `n` codes (the row width) and n / 32 pairs further.
+__device__ __forceinline__ void q8_terms(float v, int lane, signed char* code, float2* scale, int n, int terms) {
+    const float first = q8_block(v, lane, code, scale);
+    if (terms == 2) q8_block(__fsub_rn(v, first), lane, code + n, scale + n / GROUP);
+}
+
+// Index of the first-term code of value i of a row-major [rows, n] f32 tensor in its copy.
+__device__ __forceinline__ size_t q8_index(size_t i, int n, int terms) {
+    return terms == 2 ? i + (i / (size_t)n) * (size_t)n : i;
 }

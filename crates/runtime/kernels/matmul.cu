@@ -59,8 +59,8 @@ struct MmSeg {
 
 struct MmParams {
     MmSeg seg[MM_SEGS];
-    u64 x;      // [M, K] f32 (int8 kernels: [M, K] codes)
-    u64 xs;     // int8 kernels: [M, K/32] float2 (d, ds) per block of x; else 0
+    u64 x;      // [M, K] f32 (int8 kernels: [M * DF_X_TERMS, K] codes)
+    u64 xs;     // int8 kernels: [M * DF_X_TERMS, K/32] float2 (d, ds) per block of x; else 0
     int nseg;
     int k;
     int m;
@@ -75,8 +75,8 @@ struct MmParams {
     int style;
     int kv_dim;
     int pad2;
-    // mmqs (SwiGLU that also writes the int8 copy of its output, q8_block): codes [M, n] and
-    // the (d, ds) pairs [M, n / 32]; else 0.
+    // mmqs (SwiGLU that also writes the int8 copy of its output, q8_terms): codes
+    // [M * DF_X_TERMS, n] and the (d, ds) pairs [M * DF_X_TERMS, n / 32]; else 0.
     u64 oc;
     u64 os;
 };
@@ -431,11 +431,20 @@ __device__ __forceinline__ void mm_zero(float (&acc)[R][W][MT]) {
             for (int m = 0; m < MT; m++) acc[r][v][m] = 0.0f;
 }
 
+// The sum of row m's output from its T accumulators (T int8 rows a row of x: acc[T m + t]), each
+// added over the lanes by the xor butterfly (warp_sum), then first + second.
+template <int T, int N>
+__device__ __forceinline__ float term_sum(const float (&acc)[N], int m) {
+    float s = warp_sum(acc[T * m]);
+    if (T == 2) s = __fadd_rn(s, warp_sum(acc[T * m + 1]));
+    return s;
+}
+
 // The end of a warp's product: the lane sums of each output added by the xor butterfly
-// (warp_sum), then the epilogue, each output's in one lane, for the CUDA-core kernels of
-// both activation types.
-template <int MT, int R, int W, int EPI>
-__device__ __forceinline__ void mm_finish(float (&acc)[R][W][MT], const MmSeg& sg, const int (&nr)[R],
+// (warp_sum; T = 2: per term, then first + second), then the epilogue, each output's in one
+// lane, for the CUDA-core kernels of both activation types.
+template <int MT, int R, int W, int EPI, int T = 1>
+__device__ __forceinline__ void mm_finish(float (&acc)[R][W][MT * T], const MmSeg& sg, const int (&nr)[R],
                                           const MmParams& p, int m0, int seg, int ml, const RopeLane& rl) {
     const int lane = threadIdx.x & 31;
     float* out = (float*)sg.out;
@@ -445,8 +454,8 @@ __device__ __forceinline__ void mm_finish(float (&acc)[R][W][MT], const MmSeg& s
         float a = 0.0f, b = 0.0f;
 #pragma unroll
         for (int m = 0; m < MT; m++) {
-            const float sa = warp_sum(acc[0][0][m]);
-            const float sb = warp_sum(acc[R - 1][0][m]);
+            const float sa = term_sum<T>(acc[0][0], m);
+            const float sb = term_sum<T>(acc[R - 1][0], m);
             if (lane == m) {
                 a = sa;
                 b = sb;
@@ -482,7 +491,7 @@ __device__ __forceinline__ void mm_finish(float (&acc)[R][W][MT], const MmSeg& s
             const int o = m * R + r;
 #pragma unroll
             for (int v = 0; v < W; v++) {
-                const float sum = warp_sum(acc[r][v][m]);
+                const float sum = term_sum<T>(acc[r][v], m);
                 if (lane == o % 32) mine[o / 32][v] = sum;
             }
         }
@@ -584,6 +593,12 @@ __device__ __forceinline__ void mm_warp(const MmSeg& sg, const int (&nr)[R], con
 // gives the same bits, and so do decode, verify and CUDA-core prefill rows. From 5 rows of
 // x the host takes the integer tensor-core kernels of matmul_qtc.cu instead, which keep this
 // order exactly.
+//
+// Two-term activations (DF_X_TERMS = 2, the module the host builds for
+// `DFLASH_CUDA_INT8=x2`): each row of x is two int8 rows (q8_terms: the codes of x, then of
+// its residual; interleaved, so rows m0 .. m0 + MT are int8 rows 2 m0 .. 2 m0 + 2 MT). A warp
+// accumulates each int8 row as above, sums each over the lanes and adds the two sums
+// (term_sum): the CPU's `Terms::Two` (first + second), and again one order for every M.
 template <int DT>
 struct MmQ;
 
@@ -661,29 +676,33 @@ __device__ __forceinline__ void mmq_warp(const MmSeg& sg, const int (&nr)[R], co
     constexpr int CB = MmQ<DT>::CB;
     constexpr int SB = MmQ<DT>::SB;
     constexpr int NC = CB / 16;  // 16-byte code loads per group
+    constexpr int T = DF_X_TERMS;
+    constexpr int MQ = MT * T;  // int8 rows of the tile
     const signed char* __restrict__ xq = (const signed char*)p.x;
     const float2* __restrict__ xs = (const float2*)p.xs;
     const int K = p.k;
     const int lane = threadIdx.x & 31;
     const int groups = K / GROUP;
     const int ml = min(MT, p.m - m0);
+    const int mq = T * ml;             // int8 rows present
+    const size_t q0 = (size_t)T * m0;  // the first of them
     const u8* rows[R][W];
     mm_weight_rows<R, W>(sg, nr, rows);
 
-    // Groups per lane whose weights are in flight together; with two or more rows of x the
+    // Groups per lane whose weights are in flight together; with two or more int8 rows the
     // x codes of a group are loaded with its weights, else after. (P = 4 and 8 at one row of x
     // measured level and slower on the H200: docs/benchmarks/2026-12-04-h200-norm-prologue.md.)
-    constexpr int P = MT <= 2 ? 2 : 1;
-    constexpr bool XH = MT >= 2 && MT <= 4;
+    constexpr int P = MQ <= 2 ? 2 : 1;
+    constexpr bool XH = MQ >= 2 && MQ <= 4;
     RopeLane rl = {1.0f, 0.0f, nullptr};
     if (EPI == EPI_ROPE && lane < ml) rl = rope_lane(p, seg, pair, m0 + lane);
     df_kernel_begin();
-    float acc[R][W][MT];
+    float acc[R][W][MQ];
     mm_zero(acc);
     for (int g0 = lane; g0 < groups; g0 += 32 * P) {
         uint4 c[P][R][W][NC];
         u32 sw[P][R][W];
-        constexpr int XP = XH ? MT : 1;
+        constexpr int XP = XH ? MQ : 1;
         int4 xl[P][XP], xh[P][XP];
         float2 sx[P][XP];
 #pragma unroll
@@ -703,7 +722,7 @@ __device__ __forceinline__ void mmq_warp(const MmSeg& sg, const int (&nr)[R], co
                 if (XH) {
 #pragma unroll
                     for (int m = 0; m < XP; m++) {
-                        const size_t xr = (size_t)(m0 + (m < ml ? m : 0));
+                        const size_t xr = q0 + (m < mq ? m : 0);
                         const int4* x4 = (const int4*)(xq + xr * K + (size_t)g * GROUP);
                         xl[q][m] = __ldg(x4);
                         xh[q][m] = __ldg(x4 + 1);
@@ -717,8 +736,8 @@ __device__ __forceinline__ void mmq_warp(const MmSeg& sg, const int (&nr)[R], co
             const int g = g0 + 32 * q;
             if (g < groups) {
 #pragma unroll
-                for (int m = 0; m < MT; m++) {
-                    if (m < ml) {
+                for (int m = 0; m < MQ; m++) {
+                    if (m < mq) {
                         int4 a, b;
                         float2 sc;
                         if (XH) {
@@ -726,7 +745,7 @@ __device__ __forceinline__ void mmq_warp(const MmSeg& sg, const int (&nr)[R], co
                             b = xh[q][m % XP];
                             sc = sx[q][m % XP];
                         } else {
-                            const size_t xr = (size_t)(m0 + m);
+                            const size_t xr = q0 + m;
                             const int4* x4 = (const int4*)(xq + xr * K + (size_t)g * GROUP);
                             a = __ldg(x4);
                             b = __ldg(x4 + 1);
@@ -747,7 +766,7 @@ __device__ __forceinline__ void mmq_warp(const MmSeg& sg, const int (&nr)[R], co
             }
         }
     }
-    mm_finish<MT, R, W, EPI>(acc, sg, nr, p, m0, seg, ml, rl);
+    mm_finish<MT, R, W, EPI, T>(acc, sg, nr, p, m0, seg, ml, rl);
 }
 
 // SwiGLU products of int8 x that also write the int8 copy of their output for the down
@@ -755,7 +774,7 @@ __device__ __forceinline__ void mmq_warp(const MmSeg& sg, const int (&nr)[R], co
 // warps of SQ_R gate/up row pairs (SQ_WARPS * SQ_R = GROUP), so it owns one whole 32-value
 // block of every row of x: mmq_warp writes the outputs, and after the block's barrier (which
 // makes them visible to the block) warp m quantizes row m0 + m's block with the quantizer's
-// own code (q8_block): the copy has the quantizer's bits, and the outputs mmq_warp's, which do
+// own code (q8_terms): the copy has the quantizer's bits, and the outputs mmq_warp's, which do
 // not depend on R. The host takes these for the dp4a tiles (MT <= 4) of products whose width
 // is a whole number of blocks (no warp leaves early, so every warp reaches the barrier).
 template <int DT, int MT>
@@ -773,7 +792,8 @@ __device__ __forceinline__ void mmqs_body(const MmParams& p) {
     if (warp < min(MT, p.m - m0)) {
         const size_t i = (size_t)(m0 + warp) * sg.n + n0 + lane;
         const float y = ((const float*)sg.out)[i];
-        q8_block(y, lane, (signed char*)p.oc + i, (float2*)p.os + i / GROUP);
+        const size_t j = q8_index(i, sg.n, DF_X_TERMS);
+        q8_terms(y, lane, (signed char*)p.oc + j, (float2*)p.os + j / GROUP, sg.n, DF_X_TERMS);
     }
 }
 

@@ -37,11 +37,19 @@
 // byte j holds values j (low nibble) and j + 16 (high), so b0 and b1 are the two nibble
 // halves of one 4-byte load (Q8_0: two loads).
 //
+// Two-term activations (DF_X_TERMS = 2; mmq_warp's header): a block takes QT_XM = 8 rows of
+// x, whose first terms are A rows g and second terms A rows g + 8, so a thread's fragment
+// elements c0, c1 and c2, c3 are the two terms of one output each. Each term is accumulated and
+// summed over the lane classes as above, then first + second (qt_sum), as mmq_warp's term_sum.
+//
 // Needs sm_80 (integer m16n8k32); below that the kernels are empty and the host never
 // launches them (`Device::int8_mma_min_m`).
 
 // QT_WARPS (8), QT_BM (16) and the widths QT_NT (4) and QT_NT_NARROW (1) are defined by the
 // host (cuda/compile.rs, `shared_constants`).
+
+// Rows of x per block: the 16 A rows carry 16 rows, or 8 rows' two terms.
+#define QT_XM (QT_BM / DF_X_TERMS)
 
 #if __CUDA_ARCH__ >= 800
 
@@ -63,6 +71,15 @@ __device__ __forceinline__ float qt_tree(const float* s, int stride) {
     v[0] = __fadd_rn(v[0], v[2]);
     v[1] = __fadd_rn(v[1], v[3]);
     return __fadd_rn(v[0], v[1]);
+}
+
+// The sum of A row `row` (v * QT_BM + m: weight v, row m of x) at column c from the sums the
+// warps left in `red` (rows of BN): the tree, and with two terms first + second (A row + 8).
+template <int BN>
+__device__ __forceinline__ float qt_sum(const float* red, int row, int c, int stride) {
+    float s = qt_tree(red + row * BN + c, stride);
+    if (DF_X_TERMS == 2) s = __fadd_rn(s, qt_tree(red + (row + 8) * BN + c, stride));
+    return s;
 }
 
 // Block shape of the kernels T column tiles wide (see above).
@@ -143,7 +160,7 @@ __device__ __forceinline__ void qt_finish(const MmParams& p, const MmSeg& sg, in
     float* out = (float*)sg.out;
     if (EPI == EPI_ROPE) {
         // Thread (m, i): pair i of the block for token m0 + m (BN / 2 pairs).
-        for (int o = tid; o < QT_BM * BN / 2; o += QT_WARPS * 32) {
+        for (int o = tid; o < QT_XM * BN / 2; o += QT_WARPS * 32) {
             const int m = o / (BN / 2);
             const int i = o % (BN / 2);
             const int unit = c0 / 2 + i;
@@ -152,8 +169,8 @@ __device__ __forceinline__ void qt_finish(const MmParams& p, const MmSeg& sg, in
                 const int pair = unit - h * p.half;
                 int ia, ib;
                 rope_offsets(pair, p.half, p.style, &ia, &ib);
-                const float va = qt_tree(red + m * BN + 2 * i, WS);
-                const float vb = qt_tree(red + m * BN + 2 * i + 1, WS);
+                const float va = qt_sum<BN>(red, m, 2 * i, WS);
+                const float vb = qt_sum<BN>(red, m, 2 * i + 1, WS);
                 const RopeLane rl = rope_lane(p, si, pair, m0 + m);
                 float ra = va, rb = vb;
                 if (si < 2) rope_apply(va, vb, rl.c, rl.s, p.style, &ra, &rb);
@@ -170,20 +187,21 @@ __device__ __forceinline__ void qt_finish(const MmParams& p, const MmSeg& sg, in
         }
         return;
     }
-    for (int o = tid; o < QT_BM * BN; o += QT_WARPS * 32) {
+    for (int o = tid; o < QT_XM * BN; o += QT_WARPS * 32) {
         const int m = o / BN;
         const int c = o % BN;
         const int n = c0 + c;
         if (m < ml && n < sg.n) {
-            const float up = W == 2 ? qt_tree(red + ((W - 1) * QT_BM + m) * BN + c, WS) : 0.0f;
-            mm_epilogue<EPI>(out + (size_t)(m0 + m) * sg.n + n, qt_tree(red + m * BN + c, WS), up);
+            const float up = W == 2 ? qt_sum<BN>(red, (W - 1) * QT_BM + m, c, WS) : 0.0f;
+            mm_epilogue<EPI>(out + (size_t)(m0 + m) * sg.n + n, qt_sum<BN>(red, m, c, WS), up);
         }
     }
 }
 
 // What a block of either kernel works on: its segment, first column c0, rows m0 .. m0 + ml of
-// x, and this thread's warp and fragment coordinates (g, t), with the x rows of its A
-// fragments (g and g + 8; rows past M re-read row m0).
+// x, and this thread's warp and fragment coordinates (g, t), with the int8 rows of its A
+// fragments (rows g and g + 8 of x, or with two terms both terms of row g; rows past M re-read
+// row m0).
 struct QtBlock {
     int si, c0, m0, ml, groups, warp, g, t;
     size_t xr[2];
@@ -193,19 +211,23 @@ __device__ __forceinline__ QtBlock qt_block(const MmParams& p, int bn) {
     QtBlock b;
     b.si = mm_segment(p);
     b.c0 = ((int)blockIdx.x - p.seg[b.si].block0) * bn;
-    b.m0 = (int)blockIdx.y * QT_BM;
-    b.ml = min(QT_BM, p.m - b.m0);
+    b.m0 = (int)blockIdx.y * QT_XM;
+    b.ml = min(QT_XM, p.m - b.m0);
     b.groups = p.k / GROUP;
     b.warp = threadIdx.x >> 5;
     b.g = (threadIdx.x & 31) >> 2;
     b.t = threadIdx.x & 3;
-    b.xr[0] = (size_t)(b.m0 + (b.g < b.ml ? b.g : 0));
-    b.xr[1] = (size_t)(b.m0 + (b.g + 8 < b.ml ? b.g + 8 : 0));
+    if (DF_X_TERMS == 2) {
+        b.xr[0] = 2 * (size_t)(b.m0 + (b.g < b.ml ? b.g : 0));
+        b.xr[1] = b.xr[0] + 1;
+    } else {
+        b.xr[0] = (size_t)(b.m0 + (b.g < b.ml ? b.g : 0));
+        b.xr[1] = (size_t)(b.m0 + (b.g + 8 < b.ml ? b.g + 8 : 0));
+    }
     return b;
 }
 
-// The A fragments and x scales of group gi for this thread (rows m0 + g and m0 + g + 8; rows
-// past M re-read row m0).
+// The A fragments and x scales of group gi for this thread (int8 rows xr, QtBlock).
 __device__ __forceinline__ void qt_load_x(const MmParams& p, const size_t (&xr)[2], int gi, int t, u32 (&a)[4],
                                           float2 (&sx)[2]) {
     const signed char* __restrict__ xq = (const signed char*)p.x;

@@ -431,7 +431,7 @@ fn int8_tensor_core_block_widths_give_the_same_bits() {
     }
     let open = |width: Option<usize>| {
         CudaBackend::with_options(CudaOptions {
-            int8: Int8Policy::All,
+            int8: common::int8_policy(),
             int8_mma_width: width,
             ..CudaOptions::from_env().unwrap()
         })
@@ -689,15 +689,22 @@ fn launches(profile: &[KernelClassTime], class: &str) -> usize {
 
 /// The RMS norm and the attention merge write the int8 copy of their output for the int8
 /// products that follow (no quantizer launch), with the quantizer's bits; a launch that writes
-/// x in between makes the next product quantize x again.
+/// x in between makes the next product quantize x again. With one-term and with two-term int8
+/// activations.
 #[test]
 fn int8_x_from_norm_and_attention_equals_the_quantizer() {
     if gpu().is_none() {
         return;
     }
+    for policy in [Int8Policy::All, Int8Policy::TwoTerms] {
+        norm_and_attention_handoff(policy);
+    }
+}
+
+fn norm_and_attention_handoff(policy: Int8Policy) {
     // A backend of its own, so that the launch counts are this test's alone.
     let opts = CudaOptions {
-        int8: Int8Policy::All,
+        int8: policy,
         ..CudaOptions::from_env().unwrap()
     };
     let g = &CudaBackend::with_options(opts).unwrap();
@@ -756,7 +763,7 @@ fn int8_x_from_norm_and_attention_equals_the_quantizer() {
         // 1 row (decode), 3 (dp4a tiles), 16 (integer tensor cores), 40 (the norm for
         // prompt rows).
         for m in [1usize, 3, 16, 40] {
-            let what = format!("{dtype} M={m}");
+            let what = format!("{dtype} M={m} {policy:?}");
             let x = random_vec(m * k, -3.0, 3.0, seed + m as u64);
             // Outputs at their size up front: an allocation (a zeroing copy) would forget the
             // int8 copy too.
@@ -806,16 +813,24 @@ fn int8_x_from_norm_and_attention_equals_the_quantizer() {
     }
 }
 
+/// The int8 SwiGLU product of few rows writes the int8 copy of its output for the down
+/// projection with the quantizer's bits, with one-term and with two-term int8 activations.
 #[test]
 fn int8_x_from_swiglu_equals_the_quantizer() {
     if gpu().is_none() {
         return;
     }
+    for policy in [Int8Policy::All, Int8Policy::TwoTerms] {
+        swiglu_handoff(policy);
+    }
+}
+
+fn swiglu_handoff(policy: Int8Policy) {
     // Backends of their own (launch counts are this test's alone): the SwiGLU product writes
     // the int8 copy of its output (`mmqs_*`) or leaves it to the quantizer.
     let backend = |swiglu_q8| {
         CudaBackend::with_options(CudaOptions {
-            int8: Int8Policy::All,
+            int8: policy,
             swiglu_q8,
             ..CudaOptions::from_env().unwrap()
         })
@@ -843,7 +858,7 @@ fn int8_x_from_swiglu_equals_the_quantizer() {
         // 1, 2, 3, 4 rows (the dp4a tiles: the copy comes from the SwiGLU kernel), 5 and 16
         // (integer tensor cores: the quantizer runs).
         for m in [1usize, 2, 3, 4, 5, 16] {
-            let what = format!("{dtype} M={m}");
+            let what = format!("{dtype} M={m} {policy:?}");
             let x = random_vec(m * k, -3.0, 3.0, seed + m as u64);
             // SwiGLU of x from the host, then the down product of its output: both outputs'
             // bits and the quantizer launches.

@@ -12,7 +12,7 @@ mod common;
 use common::{bits, cpu, gpu, random_vec, random_weight, rng};
 
 use dflash_runtime::backend::{Activations, AttnShape, RopeStyle};
-use dflash_runtime::cpu::int8::quantize::QuantRows;
+use dflash_runtime::cpu::int8::quantize::{QuantRows, Terms};
 use dflash_runtime::cpu::int8::reference as int8_reference;
 use dflash_runtime::cpu::{CpuBackend, CpuWeight};
 use dflash_runtime::cuda::{compile, CudaBackend, CudaOptions, Int8Policy, PrefillGemm};
@@ -203,7 +203,9 @@ fn matmul_every_dtype_matches_cpu_and_is_batch_invariant() {
         let n = 67;
         let w = random_weight(dtype, n, k, 200 + di as u64);
         let wg = g.upload_weight(&w, role).unwrap();
-        let int8 = g.weight_path(&wg).activations == Activations::Int8;
+        let terms = common::int8_policy().terms();
+        let int8 = g.weight_path(&wg).activations
+            == [Activations::Int8, Activations::Int8x2][terms - 1];
         assert_eq!(
             int8,
             role == WeightRole::Projection
@@ -228,10 +230,11 @@ fn matmul_every_dtype_matches_cpu_and_is_batch_invariant() {
             // Int8 products against the CPU's int8 reference (same codes and integer block
             // dots; only the float accumulation order differs), the rest against f32.
             let want = if int8 {
+                let terms = [Terms::One, Terms::Two][terms - 1];
                 let mut q = QuantRows::default();
-                q.quantize(x, m, k);
+                q.quantize_terms(x, m, k, terms, &mut Vec::new());
                 let mut out = vec![0f32; m * n];
-                int8_reference::matmul(&w, &q, &mut out);
+                int8_reference::matmul_terms(&w, &q, terms, &mut out);
                 out
             } else {
                 let xc = c.upload(x, m, k);
@@ -281,6 +284,90 @@ fn matmul_every_dtype_matches_cpu_and_is_batch_invariant() {
                 bits(&g.to_host(&og)),
                 bits(&full[r * n..(r + 1) * n]),
                 "matmul {dtype}: row {r} alone differs from row {r} of the M=100 batch"
+            );
+        }
+    }
+}
+
+/// Two-term int8 activations (`Int8Policy::TwoTerms`, the CPU's `int8x2`): the products of
+/// Q4_0, Q4_1 and Q8_0 projections match the CPU's two-term int8 reference (same codes of x and
+/// of its residual, the two products added; only the float accumulation order differs), land
+/// far closer to the f32 product than one term, and give a row the same bits at every M: the
+/// dp4a tiles (1..4 rows), the integer tensor cores (5 and up, 8 rows of x a block) and single
+/// rows alike.
+#[test]
+fn matmul_two_term_int8_matches_cpu_and_is_batch_invariant() {
+    let Some(one) = gpu() else { return };
+    let g = &CudaBackend::with_options(CudaOptions {
+        int8: Int8Policy::TwoTerms,
+        ..CudaOptions::from_env().unwrap()
+    })
+    .unwrap();
+    let c = cpu();
+    let (k, n) = (1088usize, 67usize);
+    for (di, dtype) in [DType::Q4_0, DType::Q4_1, DType::Q8_0]
+        .into_iter()
+        .enumerate()
+    {
+        let w = random_weight(dtype, n, k, 400 + di as u64);
+        let wg = g.upload_weight(&w, WeightRole::Projection).unwrap();
+        let w1 = one.upload_weight(&w, WeightRole::Projection).unwrap();
+        assert_eq!(g.weight_path(&wg).activations, Activations::Int8x2);
+        let mut x_all = random_vec(100 * k, -2.0, 2.0, 500 + di as u64);
+        // An all-zero block (both scales 0) and a block of exact ties.
+        x_all[3 * k + 64..3 * k + 96].fill(0.0);
+        for j in 0..32 {
+            x_all[4 * k + j] = if j == 0 { 127.0 } else { j as f32 - 0.5 } / 64.0;
+        }
+        let mag = product_magnitudes(&w, &x_all, 100);
+        let mut full = Vec::new();
+        for &m in [100usize, 1, 2, 3, 4, 5, 8, 9, 16, 17].iter() {
+            let x = &x_all[..m * k];
+            let product = |b: &CudaBackend, w: &_| {
+                let mut o = b.tensor(0, 0);
+                b.matmul(&b.upload(x, m, k), w, &mut o);
+                b.to_host(&o)
+            };
+            let got = product(g, &wg);
+            let mut q = QuantRows::default();
+            q.quantize_terms(x, m, k, Terms::Two, &mut Vec::new());
+            let mut want = vec![0f32; m * n];
+            int8_reference::matmul_terms(&w, &q, Terms::Two, &mut want);
+            let what = format!("two-term matmul {dtype} M={m}");
+            assert_close(&what, &got, &want, &mag[..m * n], 2e-6, 1e-6);
+            // Against the f32 product: the worst error, relative to Σ|w x|, far below one
+            // term's (the residual's step is 1/254 of x's or less).
+            let xc = c.upload(x, m, k);
+            let mut oc = c.tensor(0, 0);
+            c.matmul(&xc, &CpuWeight::f32(w.clone()), &mut oc);
+            let exact = c.to_host(&oc);
+            let worst = |v: &[f32]| {
+                v.iter()
+                    .zip(&exact)
+                    .zip(&mag)
+                    .map(|((a, b), s)| (a - b).abs() / s.max(1e-30))
+                    .fold(0f32, f32::max)
+            };
+            let (e2, e1) = (worst(&got), worst(&product(one, &w1)));
+            println!("{what}: worst error / Σ|wx|: two terms {e2:.2e}, one term {e1:.2e}");
+            assert!(e2 * 20.0 < e1, "{what}: two terms {e2:e} vs one {e1:e}");
+            if m == 100 {
+                full = got;
+            } else {
+                assert_eq!(
+                    bits(&got),
+                    bits(&full[..m * n]),
+                    "{what}: rows differ from the same rows at M=100"
+                );
+            }
+        }
+        for r in [0usize, 7, 8, 15, 16, 99] {
+            let mut o = g.tensor(0, 0);
+            g.matmul(&g.upload(&x_all[r * k..(r + 1) * k], 1, k), &wg, &mut o);
+            assert_eq!(
+                bits(&g.to_host(&o)),
+                bits(&full[r * n..(r + 1) * n]),
+                "two-term matmul {dtype}: row {r} alone differs from row {r} of the batch"
             );
         }
     }
@@ -1066,7 +1153,7 @@ fn attention_ragged_rows_and_masks_match_cpu_and_are_batch_invariant() {
 fn attention_in_kernel_merge_equals_the_merge_launch() {
     let Some(separate) = gpu() else { return };
     let opts = CudaOptions {
-        int8: Int8Policy::All,
+        int8: common::int8_policy(),
         fuse_merge_min_rows: 1,
         ..CudaOptions::from_env().unwrap()
     };

@@ -61,7 +61,7 @@ struct AttParams {
     head_dim: i32,
     kv_dim: i32,
     scale: f32,
-    pad: i32,
+    terms: i32,
     /// The merge's int8 copy of out (codes, pairs), or zeros.
     qc: u64,
     qs: u64,
@@ -168,7 +168,7 @@ impl CudaBackend {
             head_dim: head_dim as i32,
             kv_dim: kv.kv_dim as i32,
             scale,
-            pad: 0,
+            terms: dev.int8.terms() as i32,
             qc,
             qs,
             count,
@@ -201,6 +201,7 @@ impl CudaBackend {
                 x: p.out,
                 rows: t,
                 k,
+                terms: dev.int8.terms(),
                 codes,
                 pairs,
             });

@@ -457,7 +457,11 @@ impl CudaBackend {
             (p.oc, p.os) = (oc, os);
         }
         let (f, rows_per_block, threads) = if mma {
-            (&kernels.mmqt[qt][epi as usize], QT_BM, QT_WARPS * 32)
+            (
+                &kernels.mmqt[qt][epi as usize],
+                QT_BM / self.dev.int8.terms(),
+                QT_WARPS * 32,
+            )
         } else if out_copy.is_some() {
             (&kernels.mmqs[ti], MM_TILES[ti].mt, SQ_WARPS * 32)
         } else if first.w.int8 {
@@ -494,6 +498,7 @@ impl CudaBackend {
                 x: p.seg[0].out,
                 rows: m,
                 k: n,
+                terms: self.dev.int8.terms(),
                 codes,
                 pairs,
             });
@@ -524,8 +529,9 @@ impl CudaBackend {
         prods.iter().map(|p| p.w.rows.div_ceil(per_block)).sum()
     }
 
-    /// Quantizes `m` rows of `k` values at `x` to int8 per 32-value block (`quant_q8_f32`)
-    /// into the scratch buffer; returns the addresses of the codes and of the (d, ds) pairs.
+    /// Quantizes `m` rows of `k` values at `x` to int8 per 32-value block (`quant_q8_f32`, in
+    /// the device's terms per row) into the scratch buffer; returns the addresses of the codes
+    /// and of the (d, ds) pairs.
     fn quantize_x(&self, x: u64, m: usize, k: usize) -> (u64, u64) {
         let blocks = m * k / GROUP;
         let (base, pairs) = self.int8_x_buffer(m, k);
@@ -536,7 +542,14 @@ impl CudaBackend {
             (blocks.div_ceil(warps).clamp(1, 4096) as u32, 1, 1),
             (QUANT_THREADS, 1, 1),
             0,
-            &[Arg::Ptr(x), long(blocks), Arg::Ptr(base), Arg::Ptr(pairs)],
+            &[
+                Arg::Ptr(x),
+                long(blocks),
+                Arg::Ptr(base),
+                Arg::Ptr(pairs),
+                int(k),
+                int(self.dev.int8.terms()),
+            ],
         );
         (base, pairs)
     }
@@ -553,14 +566,15 @@ impl CudaBackend {
         self.int8_scratch(m, k, |s| &mut s.xq_out)
     }
 
-    /// An int8 copy of `m` rows of `k` values in the scratch slot `slot` picks: codes, pairs.
+    /// An int8 copy of `m` rows of `k` values (in the device's terms per row) in the scratch
+    /// slot `slot` picks: codes, pairs.
     fn int8_scratch(
         &self,
         m: usize,
         k: usize,
         slot: impl FnOnce(&mut Scratch) -> &mut Option<cudarc::driver::CudaSlice<u8>>,
     ) -> (u64, u64) {
-        let (pairs, bytes) = int8_x_bytes(m, k);
+        let (pairs, bytes) = int8_x_bytes(self.dev.int8.terms() * m, k);
         let mut s = self.dev.scratch.lock().expect("scratch lock");
         let base = ensure(&self.dev.stream, &self.dev.epoch, slot(&mut s), bytes);
         (base, base + pairs as u64)
@@ -956,7 +970,11 @@ impl Backend for CudaBackend {
         if w.int8 {
             WeightPath {
                 format: w.dtype,
-                activations: Activations::Int8,
+                activations: if self.dev.int8.terms() == 2 {
+                    Activations::Int8x2
+                } else {
+                    Activations::Int8
+                },
                 kernel: match self.dev.int8_mma_min_m {
                     usize::MAX => "cuda dp4a".into(),
                     m => format!("cuda dp4a; int8 mma from M = {m}"),
@@ -1300,6 +1318,7 @@ impl Backend for CudaBackend {
             int(zero_centred as usize),
             Arg::Ptr(qc),
             Arg::Ptr(qs),
+            int(self.dev.int8.terms()),
         ];
         // A block per group (NORM_THREADS, NORM_Q_THREADS, NORM_Q_FEW_THREADS in ops.cu); the plain norm takes
         // the first seven arguments.
@@ -1308,9 +1327,9 @@ impl Backend for CudaBackend {
                 &self.dev.k.rms_norm_q8_few,
                 "rms_norm q8",
                 NORM_Q_FEW_THREADS,
-                9,
+                10,
             ),
-            Some(_) => (&self.dev.k.rms_norm_q8, "rms_norm q8", NORM_Q_THREADS, 9),
+            Some(_) => (&self.dev.k.rms_norm_q8, "rms_norm q8", NORM_Q_THREADS, 10),
             None => (&self.dev.k.rms_norm, "rms_norm", NORM_THREADS, 7),
         };
         let grid = (groups as u32, 1, 1);
@@ -1321,6 +1340,7 @@ impl Backend for CudaBackend {
                 x: dst,
                 rows: groups,
                 k: dim,
+                terms: self.dev.int8.terms(),
                 codes,
                 pairs,
             });

@@ -53,6 +53,9 @@ pub enum Module {
     Gdn,
     Sample,
     Matmul(DType),
+    /// matmul.cu for a format with int8 kernels, its int8 products reading two-term int8
+    /// activations (`DF_X_TERMS` 2; `Int8Policy::TwoTerms`).
+    MatmulInt8x2(DType),
 }
 
 impl Module {
@@ -60,7 +63,31 @@ impl Module {
     pub fn all() -> Vec<Module> {
         let mut v = vec![Module::Ops, Module::Attention, Module::Sample, Module::Gdn];
         v.extend(DType::ALL.into_iter().map(Module::Matmul));
+        v.extend(
+            DType::ALL
+                .into_iter()
+                .filter(|&d| super::int8::int8_format(d))
+                .map(Module::MatmulInt8x2),
+        );
         v
+    }
+
+    /// The matmul module of format `d` whose int8 products read `terms` int8 rows per row of
+    /// x (1 or 2; formats without int8 kernels have one module).
+    pub fn matmul(d: DType, terms: usize) -> Module {
+        if terms == 2 && super::int8::int8_format(d) {
+            Module::MatmulInt8x2(d)
+        } else {
+            Module::Matmul(d)
+        }
+    }
+
+    /// The format of a matmul module.
+    pub fn format(self) -> Option<DType> {
+        match self {
+            Module::Matmul(d) | Module::MatmulInt8x2(d) => Some(d),
+            _ => None,
+        }
     }
 
     pub fn name(self) -> String {
@@ -70,13 +97,14 @@ impl Module {
             Module::Gdn => "gdn".into(),
             Module::Sample => "sample".into(),
             Module::Matmul(d) => format!("matmul_{}", d.info().kernel_name),
+            Module::MatmulInt8x2(d) => format!("matmul_{}_int8x2", d.info().kernel_name),
         }
     }
 
     /// The file's text: `$DFLASH_CUDA_KERNEL_DIR/<file>.cu` when that exists, else embedded.
     fn text(self) -> Cow<'static, str> {
         let file = match self {
-            Module::Matmul(_) => "matmul.cu",
+            Module::Matmul(_) | Module::MatmulInt8x2(_) => "matmul.cu",
             Module::Ops => "ops.cu",
             Module::Attention => "attention.cu",
             Module::Gdn => "gdn.cu",
@@ -87,7 +115,7 @@ impl Module {
 
     fn raw_source(self) -> &'static str {
         match self {
-            Module::Matmul(_) => include_str!("../../kernels/matmul.cu"),
+            Module::Matmul(_) | Module::MatmulInt8x2(_) => include_str!("../../kernels/matmul.cu"),
             Module::Ops => include_str!("../../kernels/ops.cu"),
             Module::Attention => include_str!("../../kernels/attention.cu"),
             Module::Gdn => include_str!("../../kernels/gdn.cu"),
@@ -109,12 +137,14 @@ impl Module {
         );
         let mut body = format_defines();
         body.push_str(&shared_defines());
-        if let Module::Matmul(d) = self {
+        if let Some(d) = self.format() {
             body.push_str(&format!(
-                "#define DF_MM_DTYPE {}\n#define DF_MM_SUFFIX {}\n#define DF_MM_INT8 {}\n",
+                "#define DF_MM_DTYPE {}\n#define DF_MM_SUFFIX {}\n#define DF_MM_INT8 {}\n\
+                 #define DF_X_TERMS {}\n",
                 d.index(),
                 d.info().kernel_name,
-                u8::from(super::int8::int8_format(d))
+                u8::from(super::int8::int8_format(d)),
+                1 + u8::from(matches!(self, Module::MatmulInt8x2(_)))
             ));
         }
         for line in raw.lines() {
@@ -643,12 +673,20 @@ mod tests {
             for (file, _) in MATMUL_PARTS {
                 assert!(!s.lines().any(|l| l.trim() == include_line(file)));
             }
-            if let Module::Matmul(d) = m {
+            if let Some(d) = m.format() {
                 assert!(s.contains("mmtc_body"));
                 assert!(s.contains("mmqt_body"));
                 let int8 = matches!(d, DType::Q4_0 | DType::Q4_1 | DType::Q8_0);
+                let terms = if matches!(m, Module::MatmulInt8x2(_)) {
+                    assert!(int8, "{d}: two-term modules only for the int8 formats");
+                    2
+                } else {
+                    1
+                };
+                assert_eq!(Module::matmul(d, terms), m);
                 assert!(s.contains(&format!(
-                    "#define DF_MM_DTYPE {}\n#define DF_MM_SUFFIX {}\n#define DF_MM_INT8 {}\n",
+                    "#define DF_MM_DTYPE {}\n#define DF_MM_SUFFIX {}\n#define DF_MM_INT8 {}\n\
+                     #define DF_X_TERMS {terms}\n",
                     d.index(),
                     d.info().kernel_name,
                     u8::from(int8)

@@ -675,8 +675,9 @@ impl Device {
         if let Some(f) = self.formats[i].get() {
             return Ok(f);
         }
-        let image = compile::load_or_compile(Module::Matmul(d), self.target)?;
-        let f = self.load_format(d, image)?;
+        let m = Module::matmul(d, self.int8.terms());
+        let image = compile::load_or_compile(m, self.target)?;
+        let f = self.load_format(m, image)?;
         Ok(self.formats[i].get_or_init(|| f))
     }
 
@@ -686,11 +687,11 @@ impl Device {
         let todo: Vec<Module> = formats
             .iter()
             .filter(|d| self.formats[d.index()].get().is_none())
-            .map(|&d| Module::Matmul(d))
+            .map(|&d| Module::matmul(d, self.int8.terms()))
             .collect();
         for (m, image) in compile::compile_many(&todo, self.target, true)? {
-            let Module::Matmul(d) = m else { unreachable!() };
-            let f = self.load_format(d, image)?;
+            let d = m.format().expect("a matmul module");
+            let f = self.load_format(m, image)?;
             let _ = self.formats[d.index()].set(f);
         }
         Ok(())
@@ -703,8 +704,8 @@ impl Device {
             .expect("weights are uploaded through upload_weight, which loads their kernels")
     }
 
-    fn load_format(&self, d: DType, image: Image) -> Result<FormatKernels, String> {
-        let m = Module::Matmul(d);
+    fn load_format(&self, m: Module, image: Image) -> Result<FormatKernels, String> {
+        let d = m.format().expect("a matmul module");
         let module = load_image(&self.ctx, m, image, self.target)?;
         let get = |name: &str| {
             module

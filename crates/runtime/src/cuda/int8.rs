@@ -7,8 +7,8 @@ use crate::dtype::DType;
 
 /// Which of the target's projections (Q4_0, Q4_1 or Q8_0, at least `PANEL` rows, as on the CPU)
 /// multiply int8-quantized activations (the `mmq_*` / `mmqt_*` kernels); `DFLASH_CUDA_INT8` =
-/// `1` (default; `auto` and `on` say the same) or `0`. Fixed per weight at upload, so every
-/// product with a weight, whatever M, takes one path.
+/// `1` (default; `auto` and `on` say the same), `x2` (two-term activations) or `0`. Fixed per
+/// weight at upload, so every product with a weight, whatever M, takes one path.
 ///
 /// The default is the CPU's rule (`cpu::policy`): both backends quantize the same projections'
 /// inputs to the same codes, which is also what llama.cpp's quantized CUDA products do. Measured
@@ -24,12 +24,27 @@ pub enum Int8Policy {
     Off,
     /// Every eligible projection (the default).
     All,
+    /// Every eligible projection, with two-term int8 activations (`x2`; the CPU's
+    /// `DFLASH_MATMUL=int8x2`): each row of x is carried by the codes of x and of its residual,
+    /// the products (the `matmul_<format>_int8x2` module, `DF_X_TERMS` 2 in matmul.cu) multiply
+    /// both and add the two sums, about 250 times closer to the f32 product than one term. The
+    /// weights' bytes are read once either way; the x bytes and the integer work double.
+    TwoTerms,
 }
 
 impl Int8Policy {
     /// Whether an eligible projection takes int8 activations.
     pub fn takes(self) -> bool {
-        self == Int8Policy::All
+        self != Int8Policy::Off
+    }
+
+    /// Int8 rows per row of x in the int8 copies (1, or 2 for [`Int8Policy::TwoTerms`]).
+    pub fn terms(self) -> usize {
+        if self == Int8Policy::TwoTerms {
+            2
+        } else {
+            1
+        }
     }
 }
 
@@ -40,7 +55,8 @@ impl std::str::FromStr for Int8Policy {
         match s.trim() {
             "" | "auto" | "1" | "on" => Ok(Int8Policy::All),
             "0" | "off" => Ok(Int8Policy::Off),
-            v => Err(format!("DFLASH_CUDA_INT8={v:?}: expected auto, 1 or 0")),
+            "x2" | "int8x2" => Ok(Int8Policy::TwoTerms),
+            v => Err(format!("DFLASH_CUDA_INT8={v:?}: expected auto, 1, x2 or 0")),
         }
     }
 }
@@ -94,12 +110,20 @@ mod tests {
         }
         assert_eq!("0".parse(), Ok(Int8Policy::Off));
         assert_eq!("off".parse(), Ok(Int8Policy::Off));
-        let bad = "yes".parse::<Int8Policy>().unwrap_err();
-        assert!(
-            bad.contains("DFLASH_CUDA_INT8") && bad.contains("auto, 1 or 0"),
-            "{bad}"
-        );
+        assert_eq!(" x2".parse(), Ok(Int8Policy::TwoTerms));
+        assert_eq!("int8x2".parse(), Ok(Int8Policy::TwoTerms));
+        for bad in ["yes", "2", "x3"] {
+            let e = bad.parse::<Int8Policy>().unwrap_err();
+            assert!(
+                e.contains("DFLASH_CUDA_INT8") && e.contains("auto, 1, x2 or 0"),
+                "{e}"
+            );
+        }
         assert!(Int8Policy::All.takes() && !Int8Policy::Off.takes());
+        assert!(Int8Policy::TwoTerms.takes());
+        assert_eq!(Int8Policy::All.terms(), 1);
+        assert_eq!(Int8Policy::TwoTerms.terms(), 2);
+        assert_eq!(Int8Policy::Off.terms(), 1);
         assert_eq!(CudaOptions::default().int8, Int8Policy::All);
     }
 

@@ -2,7 +2,9 @@
 //! that reads it next, so that product needs no quantizer launch.
 //!
 //! An int8 product (`mmq_*`, `mmqt_*`) multiplies x quantized per row and 32-value block
-//! (`q8_block` in common.cu): codes, then a (d, d·Σq) pair per block. The RMS norm and the
+//! (`q8_block` in common.cu): codes, then a (d, d·Σq) pair per block; with two-term
+//! activations (`Int8Policy::TwoTerms`) each row of x is two int8 rows, its codes then its
+//! residual's (`q8_terms`), so a copy of m rows holds 2m int8 rows. The RMS norm and the
 //! attention merge can write that copy of their output in the same launch (same bits as the
 //! quantizer). The device remembers the one copy written by the last launch ([`FreshX`]); any
 //! later launch or host copy forgets it, so a product only reads a copy when the kernel just
@@ -13,20 +15,23 @@ use std::sync::Mutex;
 
 use crate::quant::GROUP;
 
-/// Bytes of the int8 copy of `m` rows of `k` values: the codes (padded to 16 bytes), then
-/// 8 bytes (two f32) per 32-value block. Returns (offset of the pairs, total bytes).
+/// Bytes of the int8 copy of `m` int8 rows of `k` values (rows of x times their terms): the
+/// codes (padded to 16 bytes), then 8 bytes (two f32) per 32-value block. Returns (offset of
+/// the pairs, total bytes).
 pub(crate) fn int8_x_bytes(m: usize, k: usize) -> (usize, usize) {
     let codes = (m * k).next_multiple_of(16);
     (codes, codes + 8 * (m * k / GROUP))
 }
 
-/// An int8 copy of `rows` rows of `k` f32 values at device address `x`: codes at `codes`,
-/// pairs at `pairs` (the layout of [`int8_x_bytes`]).
+/// An int8 copy of `rows` rows of `k` f32 values at device address `x`, `terms` int8 rows per
+/// row (interleaved: row i's are int8 rows `terms · i ..`): codes at `codes`, pairs at `pairs`
+/// (the layout of [`int8_x_bytes`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct QuantizedX {
     pub x: u64,
     pub rows: usize,
     pub k: usize,
+    pub terms: usize,
     pub codes: u64,
     pub pairs: u64,
 }
@@ -47,9 +52,10 @@ impl QuantizedX {
         if r0.checked_add(m)? > self.rows {
             return None;
         }
+        let q0 = self.terms * r0;
         Some((
-            self.codes + (r0 * k) as u64,
-            self.pairs + (8 * r0 * (k / GROUP)) as u64,
+            self.codes + (q0 * k) as u64,
+            self.pairs + (8 * q0 * (k / GROUP)) as u64,
         ))
     }
 
@@ -100,6 +106,7 @@ mod tests {
             x: 0x1000,
             rows: 4,
             k: 64,
+            terms: 1,
             codes: 0x9000,
             pairs: 0x9100,
         };
@@ -112,6 +119,11 @@ mod tests {
         assert_eq!(q.rows_at(0x1000, 2, 32), None);
         assert_eq!(q.rows_at(0x1000 + 4, 1, 64), None);
         assert_eq!(q.rows_at(0x0f00, 1, 64), None);
+        // Two terms: row r's int8 rows are 2r and 2r + 1, so rows 1.. start two int8 rows in.
+        let q2 = QuantizedX { terms: 2, ..q };
+        assert_eq!(q2.rows_at(0x1000, 4, 64), Some((0x9000, 0x9100)));
+        assert_eq!(q2.rows_at(0x1000 + 256, 2, 64), Some((0x9080, 0x9120)));
+        assert_eq!(q2.rows_at(0x1000 + 256, 4, 64), None);
     }
 
     #[test]
@@ -120,6 +132,7 @@ mod tests {
             x: 0x1000,
             rows: 2,
             k: 32,
+            terms: 1,
             codes: 0,
             pairs: 0,
         };
@@ -139,6 +152,7 @@ mod tests {
             x: 1,
             rows: 1,
             k: 32,
+            terms: 2,
             codes: 2,
             pairs: 3,
         };

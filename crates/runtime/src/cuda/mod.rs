@@ -69,8 +69,9 @@
 //! `cublas` or `cublas:<min rows>`); `DFLASH_CUDA_FUSE_ROPE=0` (RoPE and the KV write as their
 //! own launch, not in the q/k/v products' epilogue); `DFLASH_CUDA_FUSE_MERGE` (`auto` default
 //! = prompt launches of 17+ tokens, a token count, or `0`: when the attention merges its splits
-//! inside the split kernel, same bits); `DFLASH_CUDA_INT8` (`1` default, also `auto`;
-//! `0`: f32 activations for the target's projections too, [`Int8Policy`]);
+//! inside the split kernel, same bits); `DFLASH_CUDA_INT8` (`1` default, also `auto`; `x2`:
+//! two-term int8 activations, the CPU's `int8x2`; `0`: f32 activations for the target's
+//! projections too, [`Int8Policy`]);
 //! `DFLASH_CUDA_INT8_MMA` (`auto` default = from 5 rows of x, a row count, or `0`: when int8
 //! products run on integer tensor cores, same bits); `DFLASH_CUDA_INT8_MMA_WIDTH` (`auto`
 //! default, `4` or `1`: column tiles of 8 per block of those kernels, same bits);

@@ -10,13 +10,22 @@ use dflash_runtime::cuda::{CudaBackend, CudaOptions, Int8Policy};
 use dflash_runtime::{DType, HostWeight, WeightBytes};
 use rand::{Rng, SeedableRng};
 
-/// The GPU, with int8 activations for every eligible projection (`Int8Policy::All`), so the
+/// The int8 activations the tests run: `DFLASH_CUDA_INT8=x2` runs them with two-term
+/// activations, anything else with one term (`0` too: the tests exist to run the int8 kernels).
+pub fn int8_policy() -> Int8Policy {
+    match CudaOptions::from_env().map(|o| o.int8) {
+        Ok(Int8Policy::TwoTerms) => Int8Policy::TwoTerms,
+        _ => Int8Policy::All,
+    }
+}
+
+/// The GPU, with int8 activations for every eligible projection ([`int8_policy`]), so the
 /// tests' small shapes run the int8 kernels; other roles (`Draft`, `Vocab`) keep f32.
 pub fn gpu() -> Option<&'static CudaBackend> {
     static GPU: OnceLock<Result<CudaBackend, String>> = OnceLock::new();
     let open = || {
         let opts = CudaOptions {
-            int8: Int8Policy::All,
+            int8: int8_policy(),
             ..CudaOptions::from_env()?
         };
         let b = CudaBackend::with_options(opts)?;
