@@ -24,7 +24,7 @@ mod golden;
 
 use std::sync::Arc;
 
-use dflash_models::bounds::{GPU_F32_LOGIT_BOUND, INT8X2_LOGIT_BOUND, INT8_LOGIT_BOUND};
+use dflash_models::bounds::{GPU_F32_LOGIT_BOUND, GPU_INT8X2_LOGIT_BOUND, INT8_LOGIT_BOUND};
 use dflash_models::default_model::{ensure_default_model, Silent};
 use dflash_models::load_model;
 use dflash_runtime::cuda::{CudaBackend, CudaOptions, Int8Policy};
@@ -70,7 +70,7 @@ fn int8_default_path_stays_within_the_int8_bound_of_transformers() {
 
 #[test]
 fn two_term_int8_path_stays_within_its_bound_of_transformers() {
-    check(Int8Policy::TwoTerms, INT8X2_LOGIT_BOUND);
+    check(Int8Policy::TwoTerms, GPU_INT8X2_LOGIT_BOUND);
 }
 
 #[test]

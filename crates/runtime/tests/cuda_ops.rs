@@ -297,12 +297,17 @@ fn matmul_every_dtype_matches_cpu_and_is_batch_invariant() {
 /// rows alike.
 #[test]
 fn matmul_two_term_int8_matches_cpu_and_is_batch_invariant() {
-    let Some(one) = gpu() else { return };
-    let g = &CudaBackend::with_options(CudaOptions {
-        int8: Int8Policy::TwoTerms,
-        ..CudaOptions::from_env().unwrap()
-    })
-    .unwrap();
+    if gpu().is_none() {
+        return;
+    }
+    let open = |int8| {
+        CudaBackend::with_options(CudaOptions {
+            int8,
+            ..CudaOptions::from_env().unwrap()
+        })
+        .unwrap()
+    };
+    let (g, one) = (&open(Int8Policy::TwoTerms), &open(Int8Policy::All));
     let c = cpu();
     let (k, n) = (1088usize, 67usize);
     for (di, dtype) in [DType::Q4_0, DType::Q4_1, DType::Q8_0]
@@ -389,10 +394,12 @@ fn weight_paths_follow_role_and_format() {
             assert_eq!(path.format, dtype);
             assert_eq!(
                 path.activations,
-                if int8 {
-                    Activations::Int8
-                } else {
+                if !int8 {
                     Activations::F32
+                } else if common::int8_policy() == Int8Policy::TwoTerms {
+                    Activations::Int8x2
+                } else {
+                    Activations::Int8
                 },
                 "{dtype} as {role:?}"
             );
