@@ -15,11 +15,13 @@
 //!
 //! Where CPU and GPU greedy tokens part, the step is reported with the top-2 logit margin of
 //! both backends and the largest logit difference seen before it: the kernels compute in a
-//! different order than the CPU (on the CPU's int8 path where the GPU's projections take int8
-//! activations, else f32 throughout), so a near-tie may resolve differently, and
+//! different order than the CPU (on the CPU's int8 path, one-term or two-term as the GPU's,
+//! where the GPU's projections take int8 activations, else f32 throughout), so a near-tie may
+//! resolve differently, and
 //! the check passes only when the CPU's margin there is inside `--margin` (default: the GPU
 //! path's end-to-end logit bound, `dflash_models::bounds`: 1.0 on the int8 path, the default,
-//! and 0.05 on the f32 path, `DFLASH_CUDA_INT8=0`); GPU-only checks must be exact.
+//! 0.06 on the two-term int8 path, `DFLASH_CUDA_INT8=x2`, with the CPU on `int8x2`, and 0.05 on
+//! the f32 path, `DFLASH_CUDA_INT8=0`); GPU-only checks must be exact.
 
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -204,8 +204,8 @@ fn matmul_every_dtype_matches_cpu_and_is_batch_invariant() {
         let w = random_weight(dtype, n, k, 200 + di as u64);
         let wg = g.upload_weight(&w, role).unwrap();
         let terms = common::int8_policy().terms();
-        let int8 = g.weight_path(&wg).activations
-            == [Activations::Int8, Activations::Int8x2][terms - 1];
+        let int8 =
+            g.weight_path(&wg).activations == [Activations::Int8, Activations::Int8x2][terms - 1];
         assert_eq!(
             int8,
             role == WeightRole::Projection
