@@ -182,6 +182,53 @@ fn product_magnitudes(w: &HostWeight, x: &[f32], m: usize) -> Vec<f32> {
     out
 }
 
+/// Keeps the first (largest) batch's outputs in `full`; a later, smaller batch's must equal
+/// its leading rows bit for bit.
+fn first_or_same_rows(full: &mut Vec<f32>, got: Vec<f32>, what: &str) {
+    if full.is_empty() {
+        *full = got;
+    } else {
+        assert_eq!(
+            bits(&got),
+            bits(&full[..got.len()]),
+            "{what}: rows differ from the same rows of the first, larger batch"
+        );
+    }
+}
+
+/// Each of `rows` of `x` (rows of `w.cols` values) multiplied alone (decode) gives the bits of
+/// the same row in `batch`, the product of many rows.
+fn assert_rows_alone_equal(
+    g: &CudaBackend,
+    w: &<CudaBackend as Backend>::Weight,
+    x: &[f32],
+    batch: &[f32],
+    rows: &[usize],
+    what: &str,
+) {
+    let (k, n) = (w.cols, w.rows);
+    for &r in rows {
+        let mut o = g.tensor(0, 0);
+        g.matmul(&g.upload(&x[r * k..(r + 1) * k], 1, k), w, &mut o);
+        assert_eq!(
+            bits(&g.to_host(&o)),
+            bits(&batch[r * n..(r + 1) * n]),
+            "{what}: row {r} alone differs from row {r} of the batch"
+        );
+    }
+}
+
+/// 100 random activation rows of `k` values, with an all-zero block (scale 0) in row 3 and a
+/// block of exact ties (x * 127 / amax = j + 0.5) in row 4.
+fn activation_rows(k: usize, seed: u64) -> Vec<f32> {
+    let mut x = random_vec(100 * k, -2.0, 2.0, seed);
+    x[3 * k + 64..3 * k + 96].fill(0.0);
+    for j in 0..32 {
+        x[4 * k + j] = if j == 0 { 127.0 } else { j as f32 - 0.5 } / 64.0;
+    }
+    x
+}
+
 #[test]
 fn matmul_every_dtype_matches_cpu_and_is_batch_invariant() {
     let Some(g) = gpu() else { return };
@@ -212,12 +259,7 @@ fn matmul_every_dtype_matches_cpu_and_is_batch_invariant() {
                 && matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q8_0),
             "{dtype} as {role:?}: int8 activations exactly for projections in Q4_0, Q4_1, Q8_0"
         );
-        let mut x_all = random_vec(100 * k, -2.0, 2.0, 300 + di as u64);
-        // An all-zero block (scale 0) and a block of exact ties (x * 127 / amax = j + 0.5).
-        x_all[3 * k + 64..3 * k + 96].fill(0.0);
-        for j in 0..32 {
-            x_all[4 * k + j] = if j == 0 { 127.0 } else { j as f32 - 0.5 } / 64.0;
-        }
+        let x_all = activation_rows(k, 300 + di as u64);
         let mag = product_magnitudes(&w, &x_all, 100);
         let mut full = Vec::new();
         for &m in ms.iter().rev() {
@@ -264,28 +306,12 @@ fn matmul_every_dtype_matches_cpu_and_is_batch_invariant() {
                     "matmul_add {dtype} as {role:?}"
                 );
             }
-            if m == 100 {
-                full = got;
-            } else {
-                assert_eq!(
-                    bits(&got),
-                    bits(&full[..m * n]),
-                    "matmul {dtype}: rows at M={m} differ from the same rows at M=100"
-                );
-            }
+            first_or_same_rows(&mut full, got, &format!("matmul {dtype} M={m}"));
         }
         // Single rows (decode) against the same rows inside the M=100 batch (prefill chunks
         // of 16: rows 15, 16 and 99 sit at chunk edges).
-        for r in [0usize, 7, 15, 16, 31, 50, 99] {
-            let xg = g.upload(&x_all[r * k..(r + 1) * k], 1, k);
-            let mut og = g.tensor(0, 0);
-            g.matmul(&xg, &wg, &mut og);
-            assert_eq!(
-                bits(&g.to_host(&og)),
-                bits(&full[r * n..(r + 1) * n]),
-                "matmul {dtype}: row {r} alone differs from row {r} of the M=100 batch"
-            );
-        }
+        let what = format!("matmul {dtype} as {role:?}");
+        assert_rows_alone_equal(g, &wg, &x_all, &full, &[0, 7, 15, 16, 31, 50, 99], &what);
     }
 }
 
@@ -318,12 +344,7 @@ fn matmul_two_term_int8_matches_cpu_and_is_batch_invariant() {
         let wg = g.upload_weight(&w, WeightRole::Projection).unwrap();
         let w1 = one.upload_weight(&w, WeightRole::Projection).unwrap();
         assert_eq!(g.weight_path(&wg).activations, Activations::Int8x2);
-        let mut x_all = random_vec(100 * k, -2.0, 2.0, 500 + di as u64);
-        // An all-zero block (both scales 0) and a block of exact ties.
-        x_all[3 * k + 64..3 * k + 96].fill(0.0);
-        for j in 0..32 {
-            x_all[4 * k + j] = if j == 0 { 127.0 } else { j as f32 - 0.5 } / 64.0;
-        }
+        let x_all = activation_rows(k, 500 + di as u64);
         let mag = product_magnitudes(&w, &x_all, 100);
         let mut full = Vec::new();
         for &m in [100usize, 1, 2, 3, 4, 5, 8, 9, 16, 17].iter() {
@@ -356,25 +377,10 @@ fn matmul_two_term_int8_matches_cpu_and_is_batch_invariant() {
             let (e2, e1) = (worst(&got), worst(&product(one, &w1)));
             println!("{what}: worst error / Σ|wx|: two terms {e2:.2e}, one term {e1:.2e}");
             assert!(e2 * 20.0 < e1, "{what}: two terms {e2:e} vs one {e1:e}");
-            if m == 100 {
-                full = got;
-            } else {
-                assert_eq!(
-                    bits(&got),
-                    bits(&full[..m * n]),
-                    "{what}: rows differ from the same rows at M=100"
-                );
-            }
+            first_or_same_rows(&mut full, got, &what);
         }
-        for r in [0usize, 7, 8, 15, 16, 99] {
-            let mut o = g.tensor(0, 0);
-            g.matmul(&g.upload(&x_all[r * k..(r + 1) * k], 1, k), &wg, &mut o);
-            assert_eq!(
-                bits(&g.to_host(&o)),
-                bits(&full[r * n..(r + 1) * n]),
-                "two-term matmul {dtype}: row {r} alone differs from row {r} of the batch"
-            );
-        }
+        let what = format!("two-term matmul {dtype}");
+        assert_rows_alone_equal(g, &wg, &x_all, &full, &[0, 7, 8, 15, 16, 99], &what);
     }
 }
 
