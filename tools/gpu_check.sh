@@ -24,7 +24,8 @@
 # Tests that print "skipped: no CUDA device" count as failures here: this script exists to
 # run them on a GPU. Logs go to $OUT (the device tool brings them back) or /tmp/gpu_check.
 #
-# Environment: GPU_CHECK_SANITIZER=0 skips the memcheck pass; GPU_CHECK_FILTER=<name> runs
+# Environment: GPU_CHECK_SANITIZER=0 skips the memcheck pass; GPU_CHECK_X2=0 skips the second
+# plain pass of cuda_ops and cuda_fused with two-term int8 activations; GPU_CHECK_FILTER=<name> runs
 # only tests whose name contains it; GPU_CHECK_TIMEOUT=<s> limits each plain run (400);
 # GPU_CHECK_MODEL=<file> puts a carried copy of the default model (SmolLM2-135M-Instruct
 # Q4_1) into the cache for cuda_golden_smollm2, which otherwise downloads it (the GPU machine
@@ -122,6 +123,27 @@ for b in "${bins[@]}"; do
     if [ $rc -ne 0 ] || [ "$skipped" -gt 0 ]; then status=1; fi
     summary+=("$name: exit $rc in ${secs}s; ${result:-no result line}; no-GPU skips: $skipped")
 done
+
+# The runtime's op tests again with two-term int8 activations (the shared test GPU of
+# tests/common takes DFLASH_CUDA_INT8=x2 from the environment), unless GPU_CHECK_X2=0.
+if [ "${GPU_CHECK_X2:-1}" != "0" ]; then
+    for b in "${bins[@]}"; do
+        name=$(basename "$b")
+        case "$name" in cuda_ops|cuda_fused) ;; *) continue ;; esac
+        say ""
+        say "== $name (plain run, DFLASH_CUDA_INT8=x2)"
+        start=$(date +%s)
+        DFLASH_CUDA_INT8=x2 timeout "${GPU_CHECK_TIMEOUT:-400}" "$b" --test-threads=1 --nocapture "${filter[@]}" \
+            > "$out/$name.x2.log" 2>&1
+        rc=$?
+        cat "$out/$name.x2.log" >> "$log"
+        grep -E "^test |test result|panicked|skipped" "$out/$name.x2.log" | head -60
+        secs=$(( $(date +%s) - start ))
+        skipped=$(grep -c "skipped: no CUDA device" "$out/$name.x2.log")
+        if [ $rc -ne 0 ] || [ "$skipped" -gt 0 ]; then status=1; fi
+        summary+=("$name (x2): exit $rc in ${secs}s; $(grep "test result" "$out/$name.x2.log" | tail -n 1); no-GPU skips: $skipped")
+    done
+fi
 
 if [ "${GPU_CHECK_SANITIZER:-1}" != "0" ] && command -v compute-sanitizer > /dev/null; then
     for b in "${bins[@]}"; do
