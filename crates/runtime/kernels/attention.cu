@@ -20,8 +20,8 @@
 //
 // attention_merge: a block per (token, query head) combines the token's splits in split
 // order: m* = max m_s, f_s = exp(m_s - m*), out = (sum acc_s f_s) / (sum l_s f_s).
-// attention_merge_q8 also quantizes out to int8 for the output projection (q8_block), saving
-// its quantizer launch.
+// attention_merge_q8 also quantizes out to int8 for the output projection (q8_terms: one or two
+// terms), saving its quantizer launch.
 //
 // With p.count set, attention_split merges by itself (one launch per layer instead of two):
 // every split block of a (token, KV head) counts itself in after writing its state, and the

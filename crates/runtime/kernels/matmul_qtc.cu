@@ -9,14 +9,15 @@
 // integer D_g = Σ w·x (8 dp4a; Q4_0 with q - 8), turns it into floats as
 //   acc_l = fma(dw·dx, D_g, acc_l)   (Q4_1: then acc_l = fma(m, ds, acc_l))
 // on lane l = g mod 32 in increasing g, then adds the 32 lane sums by the xor butterfly
-// (warp_sum). Here `mma.sync.m16n8k32.s32.s8.s8.s32` computes the same D_g for 16 rows of x
-// by 8 weight rows at once: integer sums are exact in any order, so D_g is equal. Each warp
+// (warp_sum). Here `mma.sync.m16n8k32.s32.s8.s8.s32` computes the same D_g for 16 int8 rows
+// (16 rows of x, or 8 rows' two terms) by 8 weight rows at once: integer sums are exact in any order, so D_g is equal. Each warp
 // then plays 4 of the 32 lanes ("lane classes"): for class l it walks groups l, l + 32,
 // ... in increasing order with the same two float operations; the class sums are added in
 // the butterfly's tree (below). The result depends on K and the format only, as mmq_warp's,
 // so a verify row equals its decode row.
 //
-// Tiles. A block (QT_WARPS = 8 warps) computes QT_BM = 16 rows of x (blockIdx.y) by T column
+// Tiles. A block (QT_WARPS = 8 warps) computes QT_BM = 16 int8 rows (blockIdx.y; QT_XM rows of
+// x: 16, or 8 with two terms, see below) by T column
 // tiles of 8 outputs (SwiGLU: T / 2 tiles, at least one, each with two MMAs per group, gate
 // and up), which share each A fragment. Two widths are built: T = QT_NT (4: x is read once
 // per 32 outputs, not per 8) and T = 1 for products whose wide blocks would leave SMs idle (a

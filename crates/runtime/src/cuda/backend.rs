@@ -485,10 +485,13 @@ impl CudaBackend {
             &p,
         );
         // x is unchanged unless an output overlaps it: the copy serves the next product too.
+        // (The outputs written are the segments' rows, from row `row0` of each product.)
         if let Some(q) = fresh.filter(|_| handed.is_some()) {
-            let writes_x = prods
+            let writes_x = p
+                .seg
                 .iter()
-                .any(|pr| q.overlaps(pr.out, (4 * m * pr.w.rows) as u64));
+                .zip(prods)
+                .any(|(sg, pr)| q.overlaps(sg.out, (4 * m * pr.w.rows) as u64));
             if !writes_x {
                 self.dev.fresh_x.note(q);
             }
@@ -533,6 +536,10 @@ impl CudaBackend {
     /// the device's terms per row) into the scratch buffer; returns the addresses of the codes
     /// and of the (d, ds) pairs.
     fn quantize_x(&self, x: u64, m: usize, k: usize) -> (u64, u64) {
+        debug_assert!(
+            k.is_multiple_of(GROUP),
+            "int8 x rows are whole 32-value blocks"
+        );
         let blocks = m * k / GROUP;
         let (base, pairs) = self.int8_x_buffer(m, k);
         let warps = (QUANT_THREADS / 32) as usize;

@@ -184,8 +184,8 @@ pub(crate) const SQ_R: usize = GROUP / SQ_WARPS;
 pub(crate) const SQ_MAX_MT: usize = 4;
 /// Warps per matmul block (MM_WARPS in matmul.cu).
 pub(crate) const MM_WARPS: usize = 4;
-/// Column tiles of 8 outputs, rows of x and warps per block of the int8 tensor-core kernels
-/// (QT_NT, QT_BM, QT_WARPS in matmul_qtc.cu).
+/// Column tiles of 8 outputs, int8 rows (rows of x, or half as many rows' two terms) and warps
+/// per block of the int8 tensor-core kernels (QT_NT, QT_BM, QT_WARPS in matmul_qtc.cu).
 pub(crate) const QT_NT: usize = 4;
 /// The narrow blocks' column tiles (QT_NT_NARROW): for products whose `QT_NT`-wide blocks
 /// would leave SMs idle.

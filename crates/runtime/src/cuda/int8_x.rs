@@ -4,12 +4,12 @@
 //! An int8 product (`mmq_*`, `mmqt_*`) multiplies x quantized per row and 32-value block
 //! (`q8_block` in common.cu): codes, then a (d, d·Σq) pair per block; with two-term
 //! activations (`Int8Policy::TwoTerms`) each row of x is two int8 rows, its codes then its
-//! residual's (`q8_terms`), so a copy of m rows holds 2m int8 rows. The RMS norm and the
-//! attention merge can write that copy of their output in the same launch (same bits as the
-//! quantizer). The device remembers the one copy written by the last launch ([`FreshX`]); any
-//! later launch or host copy forgets it, so a product only reads a copy when the kernel just
-//! before it wrote both x and the copy. A product that keeps x intact hands the copy on to the
-//! next product of the same x.
+//! residual's (`q8_terms`), so a copy of m rows holds 2m int8 rows. The RMS norm, the
+//! attention merge and the int8 SwiGLU product of few rows can write that copy of their output
+//! in the same launch (same bits as the quantizer). The device remembers the one copy written
+//! by the last launch ([`FreshX`]); any later launch or host copy forgets it, so a product only
+//! reads a copy when the kernel just before it wrote both x and the copy. A product that keeps
+//! x intact hands the copy on to the next product of the same x.
 
 use std::sync::Mutex;
 

@@ -21,7 +21,8 @@
 //! - **Batch invariance.** Every op computes each token on its own with an order that does
 //!   not depend on the batch: a matmul output is owned by one warp whose lanes walk fixed
 //!   32-value groups, for any number of rows of x (M = 1 decode, M = 2..16 verify, and
-//!   prefill as blocks of 16 rows of the same kernel); attention tiles keys at fixed offsets
+//!   prefill as blocks of 16 rows of the same kernel, 8 for two-term int8 products on tensor
+//!   cores); attention tiles keys at fixed offsets
 //!   from each token's `kv_start`. So verify equals decode bit for bit, as the lossless
 //!   contract needs. (The optional cuBLAS prefill path, `DFLASH_CUDA_GEMM=cublas`, trades
 //!   that for speed on large M.)
