@@ -446,7 +446,10 @@ impl CudaBackend {
         // The int8 copy of x the kernel before wrote (the RMS norm, the attention merge), else
         // the quantizer's.
         let fresh = self.dev.fresh_x.get();
-        let handed = fresh.and_then(|q| q.rows_at(p.x, m, k));
+        let handed = fresh.and_then(|q| {
+            debug_assert_eq!(q.terms, self.dev.int8.terms(), "one int8 code per device");
+            q.rows_at(p.x, m, k)
+        });
         if first.w.int8 {
             (p.x, p.xs) = match handed {
                 Some(c) => c,
