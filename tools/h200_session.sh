@@ -12,9 +12,9 @@
 #    background (H200_LLAMA_AT=B: at the start of stage B instead, when stage A's timings
 #    matter), runs the CUDA op tests (H200_TESTS, default: every CUDA test binary), then
 #    (unless H200_PROFILE=0) ncu on three kernels, the kernel microbench and memcheck.
-# B: assembles and checks the default model; the GPU golden test (both numeric paths against
-#    transformers); CPU-vs-GPU greedy parity on 24 MT-Bench prompts (int8, the default, and
-#    f32); `dflash bench` plain decoding (kernel split by class) at prompts 128 and 512;
+# B: assembles and checks the default model; the GPU golden test (every numeric path against
+#    transformers); CPU-vs-GPU greedy parity on 24 MT-Bench prompts (int8, the default;
+#    two-term int8, `x2`, with the CPU on `int8x2`; and f32); `dflash bench` plain decoding (kernel split by class) at prompts 128 and 512;
 #    (unless H200_PROFILE=0) every kernel of two decode steps timed alone by ncu
 #    (ncu_kernel_table.py).
 # C: the shipped drafter: DFlash parity on the GPU (B = 1 and B = 4); dflash bench AR vs
@@ -126,7 +126,7 @@ stage_a() {
                 | head -30 | tee -a "$out/ncu.txt"
         done
     fi
-    for int8 in 1 0; do
+    for int8 in 1 x2 0; do
         say "microbench (smollm2 shapes), DFLASH_CUDA_INT8=$int8"
         DFLASH_CUDA_INT8=$int8 timeout 240 "$W/cuda_microbench" --shapes smollm2 --only matmul --reps 30 \
             | tee "$out/microbench_smollm2_int8_$int8.md"
@@ -146,10 +146,10 @@ stage_b() {
     echo "$SHA  $MODEL" | sha256sum -c - || { say "model checksum FAILED"; return 1; }
     # The golden test finds the model in the cache (ensure_default_model: no network here).
     mkdir -p "$DFLASH_CACHE_DIR" && cp "$MODEL" "$DFLASH_CACHE_DIR/"
-    say "golden: the GPU's int8 (default) and f32 paths against transformers"
+    say "golden: the GPU's int8 (default), two-term int8 and f32 paths against transformers"
     timeout 300 "$W/cuda_golden_smollm2" --test-threads=1 --nocapture 2>&1 | tee "$out/cuda_golden_smollm2.log" \
         | grep -E "^test |test result|panicked|largest|skipped"
-    for int8 in 1 0; do
+    for int8 in 1 x2 0; do
         say "parity: CPU vs GPU greedy, batched vs single, DFLASH_CUDA_INT8=$int8"
         DFLASH_CUDA_INT8=$int8 timeout 300 "$W/gpu_parity" --model "$MODEL" \
             --prompts "$root/.gpu/common/prompts.jsonl" --count 24 --max-tokens 64 | tee "$out/parity_plain_int8_$int8.log"
