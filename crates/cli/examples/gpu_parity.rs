@@ -102,6 +102,7 @@ fn greedy<T: Target>(t: &mut T, prompt: &[u32], n: usize) -> Result<Vec<(u32, Ve
         tokens: prompt,
         logits: LogitRows::Last,
         prompt: true,
+        argmax_only: false,
     }])?;
     for _ in 0..n {
         t.backend().copy_to_host(t.logits(), &mut logits);
@@ -112,6 +113,7 @@ fn greedy<T: Target>(t: &mut T, prompt: &[u32], n: usize) -> Result<Vec<(u32, Ve
             tokens: &[next],
             logits: LogitRows::Last,
             prompt: false,
+            argmax_only: false,
         }])?;
     }
     t.release_row(row);

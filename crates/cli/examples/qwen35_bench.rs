@@ -241,6 +241,7 @@ fn forward<T: Target>(t: &mut T, row: usize, tokens: &[u32], which: LogitRows) -
         logits: which,
         // Here every multi-token step asking for the last logits is a prompt.
         prompt: which == LogitRows::Last && tokens.len() > 1,
+        argmax_only: false,
     }])?;
     Ok(())
 }

@@ -120,6 +120,7 @@ impl Block {
             tokens: prompt,
             logits: LogitRows::Last,
             prompt: true,
+            argmax_only: false,
         }])?;
         Ok(Self {
             row,
@@ -129,7 +130,8 @@ impl Block {
     }
 
     /// One forward over `n` tokens with the greedy choice of every position (of the last
-    /// for one token), then the row cut back; the wall time until the ids are on the host.
+    /// for one token; logits for the choice only, as greedy decoding asks them), then the
+    /// row cut back; the wall time until the ids are on the host.
     fn step<T: Target>(&self, t: &mut T, n: usize) -> Result<Duration> {
         let t0 = Instant::now();
         t.forward(&[RowStep {
@@ -141,6 +143,7 @@ impl Block {
                 LogitRows::All
             },
             prompt: false,
+            argmax_only: true,
         }])?;
         t.backend().argmax_rows(t.logits());
         let took = t0.elapsed();

@@ -4,7 +4,8 @@
 use dflash_models::ProjectionPath;
 use serde_json::{json, Value};
 
-/// One object per projection: model, name, shape (N x K), format, activations, kernel.
+/// One object per projection: model, name, shape (N x K), format, activations, kernel, and
+/// the int8 family that screens its greedy products (null when none does).
 pub fn paths_json(paths: &[ProjectionPath]) -> Value {
     json!(paths
         .iter()
@@ -16,6 +17,7 @@ pub fn paths_json(paths: &[ProjectionPath]) -> Value {
             "format": p.path.format.to_string(),
             "activations": p.path.activations.to_string(),
             "kernel": p.path.kernel,
+            "greedy_screen": p.path.greedy_screen,
         }))
         .collect::<Vec<_>>())
 }
@@ -56,6 +58,7 @@ mod tests {
                 format: f,
                 activations: a,
                 kernel: "k".into(),
+                greedy_screen: (name == "lm_head").then(|| "s".into()),
             },
         }
     }
@@ -70,10 +73,13 @@ mod tests {
         ];
         assert_eq!(
             paths_summary(&paths),
-            "target q/k Q4_1 x int8 (k); target lm_head Q8_0 x f32 (k); draft fc bf16 x f32 (k)"
+            "target q/k Q4_1 x int8 (k); target lm_head Q8_0 x f32 (k; greedy rows screened by s); \
+             draft fc bf16 x f32 (k)"
         );
         let j = paths_json(&paths);
         assert_eq!(j[2]["activations"], "f32");
         assert_eq!(j[0]["format"], "Q4_1");
+        assert_eq!(j[2]["greedy_screen"], "s");
+        assert!(j[0]["greedy_screen"].is_null());
     }
 }

@@ -13,12 +13,14 @@ use crate::sampling::SamplingParams;
 use crate::stats::RowStats;
 
 /// Feeds `prompt` into row `row` of `target` whole ([`whole_pieces`]); the last position's
-/// logits are left in `target.logits()`. `on_piece(target, len)` runs after each piece's
-/// forward (the DFlash decoder feeds its drafter there).
+/// logits are left in `target.logits()` (exact only in their largest value with
+/// `argmax_only`, see `SamplingParams::argmax_only`). `on_piece(target, len)` runs after each
+/// piece's forward (the DFlash decoder feeds its drafter there).
 pub(crate) fn prefill<T: Target>(
     target: &mut T,
     row: usize,
     prompt: &[u32],
+    argmax_only: bool,
     on_piece: &mut dyn FnMut(&T, usize) -> Result<()>,
 ) -> Result<()> {
     if prompt.is_empty() {
@@ -37,6 +39,7 @@ pub(crate) fn prefill<T: Target>(
                 LogitRows::None
             },
             prompt: true,
+            argmax_only,
         }])?;
         on_piece(target, len)?;
     }
@@ -181,7 +184,13 @@ impl<T: Target> Decoder for ArDecoder<T> {
         check_row(prompt, params)?;
         let t0 = Instant::now();
         let row = self.target.new_row(capacity)?;
-        if let Err(e) = prefill(&mut self.target, row, prompt, &mut |_, _| Ok(())) {
+        if let Err(e) = prefill(
+            &mut self.target,
+            row,
+            prompt,
+            params.argmax_only(),
+            &mut |_, _| Ok(()),
+        ) {
             self.target.release_row(row);
             return Err(e);
         }
@@ -245,6 +254,12 @@ impl<T: Target> Decoder for ArDecoder<T> {
                 tokens: tok,
                 logits: LogitRows::Last,
                 prompt: false,
+                argmax_only: self.rows[row]
+                    .as_ref()
+                    .expect("live")
+                    .sampling
+                    .params
+                    .argmax_only(),
             })
             .collect();
         steps.extend(prefill_steps(&self.queue, &pieces));
@@ -344,6 +359,7 @@ pub(crate) fn prefill_steps<'a, X>(
                     LogitRows::None
                 },
                 prompt: true,
+                argmax_only: q.params.argmax_only(),
             }
         })
         .collect()

@@ -362,7 +362,8 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
         let t0 = Instant::now();
         let (trow, drow) = self.open_rows(capacity)?;
         let drafter = &mut self.drafter;
-        let prefill = prefill(&mut self.target, trow, prompt, &mut |t, len| {
+        let greedy = params.argmax_only();
+        let prefill = prefill(&mut self.target, trow, prompt, greedy, &mut |t, len| {
             let rows: Vec<u32> = (0..len as u32).collect();
             Ok(drafter.extend(&[(drow, len)], t.taps(), &rows)?)
         });
@@ -580,6 +581,12 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
                 tokens: b,
                 logits: LogitRows::All,
                 prompt: false,
+                argmax_only: self.rows[r]
+                    .as_ref()
+                    .expect("live")
+                    .sampling
+                    .params
+                    .argmax_only(),
             })
             .collect();
         // Queued prompts' pieces ride in the same forward, in what the blocks leave of the

@@ -286,6 +286,32 @@ impl SamplingParams {
         Dist { items }
     }
 
+    /// Whether a row with these parameters reads its logits only for the position of the
+    /// largest (greedy, nothing that changes logits before the choice, nothing that reports
+    /// them), so a target may compute the others approximately (`RowStep::argmax_only`).
+    /// Every field is named here: a new option must say whether it reads the logits.
+    pub fn argmax_only(&self) -> bool {
+        let SamplingParams {
+            temperature: _,
+            // Filters keep the most likely token, so a greedy choice ignores them.
+            top_k: _,
+            top_p: _,
+            min_p: _,
+            repetition_penalty,
+            frequency_penalty,
+            presence_penalty,
+            seed: _,
+            logprobs,
+            keep_logits,
+        } = self;
+        self.is_greedy()
+            && *repetition_penalty == 1.0
+            && *frequency_penalty == 0.0
+            && *presence_penalty == 0.0
+            && logprobs.is_none()
+            && !*keep_logits
+    }
+
     /// These parameters in the device token choice's terms; `None` when the device cannot
     /// honour them (the row's logits are wanted on the host), so the row chooses on the host.
     /// Every field is named here: a new sampling option must say whether the device

@@ -65,6 +65,7 @@ fn pieces_give_the_logits_and_taps_of_a_whole_prefill() {
         tokens: &prompt,
         logits: LogitRows::All,
         prompt: true,
+        argmax_only: false,
     }])
     .unwrap();
     let want_logits = b.to_host(t.logits());
@@ -77,6 +78,7 @@ fn pieces_give_the_logits_and_taps_of_a_whole_prefill() {
         tokens: &other,
         logits: LogitRows::None,
         prompt: true,
+        argmax_only: false,
     }])
     .unwrap();
     let pieced = t.new_row(8).unwrap();
@@ -89,12 +91,14 @@ fn pieces_give_the_logits_and_taps_of_a_whole_prefill() {
                 tokens: &[other[at % other.len()]],
                 logits: LogitRows::Last,
                 prompt: false,
+                argmax_only: false,
             },
             RowStep {
                 row: pieced,
                 tokens: &prompt[at..at + len],
                 logits: LogitRows::All,
                 prompt: true,
+                argmax_only: false,
             },
         ])
         .unwrap();

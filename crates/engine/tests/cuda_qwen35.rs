@@ -35,6 +35,7 @@ fn step<T: Target>(m: &mut T, rows: &[(usize, &[u32])]) -> Vec<f32> {
             tokens,
             logits: LogitRows::Last,
             prompt: false,
+            argmax_only: false,
         })
         .collect();
     m.forward(&steps).unwrap();

@@ -276,6 +276,7 @@ impl Drafter for Peek {
                     tokens,
                     logits: LogitRows::Last,
                     prompt: false,
+                    argmax_only: false,
                 })
                 .collect();
             self.model.forward(&steps)?;

@@ -38,4 +38,4 @@ pub use drafter::Drafter;
 pub use load::{load_model, LoadedModel};
 pub use paths::ProjectionPath;
 pub use selector::CandidateLattice;
-pub use target::{LogitRows, RowStep, Target};
+pub use target::{argmax_only, LogitRows, RowStep, Target};

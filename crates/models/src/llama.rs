@@ -11,7 +11,7 @@ use crate::kv_usage::KvUsage;
 use crate::paths::{path_of, ProjectionPath};
 use crate::rows::RowTable;
 use crate::source::TensorSource;
-use crate::target::{LogitRows, RowStep, Target};
+use crate::target::{argmax_only, LogitRows, RowStep, Target};
 
 /// Steps of at most this many tokens (decode, verify blocks, batched decode) may be replayed
 /// from captured graphs; longer ones (prompt chunks, whose lengths vary) run eagerly.
@@ -138,6 +138,8 @@ pub struct LlamaModel<B: Backend> {
     /// backend's prefill path, `Backend::step_matmul_*`).
     spans: Vec<RowSpan>,
     sel_rows: Vec<u32>,
+    /// The planned step's rows read their logits only for greedy choices.
+    argmax_only: bool,
     /// The step inputs on the device (metadata, ids, selected rows).
     step: B::Step,
     /// This model's name for its captured step graphs.
@@ -268,6 +270,7 @@ impl<B: Backend> LlamaModel<B> {
             meta: Vec::new(),
             spans: Vec::new(),
             sel_rows: Vec::new(),
+            argmax_only: false,
             step,
             graph_owner,
             tap_gen: 0,
@@ -280,6 +283,7 @@ impl<B: Backend> LlamaModel<B> {
         self.meta.clear();
         self.spans.clear();
         self.sel_rows.clear();
+        self.argmax_only = argmax_only(steps);
         for s in steps {
             let start = self.rows.len_of(s.row)?;
             let end = start + s.tokens.len();
@@ -384,7 +388,13 @@ impl<B: Backend> LlamaModel<B> {
         if b.shape(&ws.sel).0 > 0 {
             b.gather_step(&ws.x, &self.step, &mut ws.sel);
             b.rms_norm(&mut ws.sel, &self.norm, self.cfg.rms_eps, false, None);
-            b.matmul(&ws.sel, &self.lm_head, &mut ws.logits);
+            // Graphs are not keyed on this choice: a backend that replays them gives
+            // `matmul_argmax` the work of `matmul` (the trait's default).
+            if self.argmax_only {
+                b.matmul_argmax(&ws.sel, &self.lm_head, &mut ws.logits);
+            } else {
+                b.matmul(&ws.sel, &self.lm_head, &mut ws.logits);
+            }
         }
     }
 

@@ -5,7 +5,7 @@ use dflash_runtime::{RowSpan, TokenMeta};
 
 use crate::error::{ModelError, Result};
 use crate::rows::RowTable;
-use crate::target::{LogitRows, RowStep};
+use crate::target::{argmax_only, LogitRows, RowStep};
 
 /// A step's batch layout (buffers reused across steps).
 #[derive(Default)]
@@ -15,6 +15,8 @@ pub struct StepPlan {
     pub spans: Vec<RowSpan>,
     /// Batch rows whose logits are returned, in step order.
     pub sel_rows: Vec<u32>,
+    /// Every row wanting logits reads them only for a greedy choice (`target::argmax_only`).
+    pub argmax_only: bool,
 }
 
 impl StepPlan {
@@ -32,6 +34,7 @@ impl StepPlan {
         self.meta.clear();
         self.spans.clear();
         self.sel_rows.clear();
+        self.argmax_only = argmax_only(steps);
         for (i, s) in steps.iter().enumerate() {
             let start = rows.len_of(s.row)?;
             if steps[..i].iter().any(|o| o.row == s.row) {

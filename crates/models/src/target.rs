@@ -28,6 +28,19 @@ pub struct RowStep<'a> {
     /// bits however it is cut, and generated tokens never with it, so that decode and verify
     /// rows keep equal bits.
     pub prompt: bool,
+    /// The row reads its logits only for a greedy choice (the first largest value of each
+    /// logit row and its position). When every row of a forward that wants logits says so,
+    /// the target may compute the head with [`dflash_runtime::Backend::matmul_argmax`]: those
+    /// values and positions stay exact, the other logits may not be.
+    pub argmax_only: bool,
+}
+
+/// Whether every step of `steps` that wants logits reads them only for a greedy choice.
+pub fn argmax_only(steps: &[RowStep<'_>]) -> bool {
+    steps
+        .iter()
+        .filter(|s| s.logits != LogitRows::None)
+        .all(|s| s.argmax_only)
 }
 
 /// A causal language model that runs batches of rows, each with its own KV cache length.
@@ -61,7 +74,9 @@ pub trait Target: Send {
 
     /// Runs all rows' tokens in one batch, appending them to each row's cache.
     fn forward(&mut self, steps: &[RowStep<'_>]) -> Result<()>;
-    /// Logits of the last forward: one row per requested position, rows in step order.
+    /// Logits of the last forward: one row per requested position, rows in step order (when
+    /// every row asked [`RowStep::argmax_only`], exact only in each row's first largest value
+    /// and its position).
     fn logits(&self) -> &<Self::B as Backend>::Tensor;
     /// Tapped hidden states of the last forward: `[tokens, layers x hidden]`, in step order.
     fn taps(&self) -> &<Self::B as Backend>::Tensor;

@@ -40,6 +40,7 @@ fn shortlist_logits_are_the_full_logits_at_the_listed_ids() {
                 tokens: &prompt,
                 logits: LogitRows::Last,
                 prompt: true,
+                argmax_only: false,
             }])
             .unwrap();
         let drow = drafter.new_row(64).unwrap();

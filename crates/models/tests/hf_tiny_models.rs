@@ -60,6 +60,7 @@ fn check(name: &str) {
                     tokens: &next,
                     logits: LogitRows::Last,
                     prompt: step == 0,
+                    argmax_only: false,
                 }])
                 .unwrap();
             let logits = model.backend().to_host(model.logits());

@@ -94,6 +94,7 @@ fn logits(
         logits: which,
         // Here every multi-token step asking for the last logits is a prompt.
         prompt: which == LogitRows::Last && tokens.len() > 1,
+        argmax_only: false,
     }])
     .unwrap();
     m.backend().to_host(m.logits())

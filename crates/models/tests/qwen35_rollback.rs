@@ -79,6 +79,7 @@ fn forward(
             // On the CPU the flag changes no product; these checks are about the gated
             // delta rule's forms (`chunked`).
             prompt: false,
+            argmax_only: false,
         })
         .collect();
     m.forward(&steps).unwrap();

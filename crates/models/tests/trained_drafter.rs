@@ -53,6 +53,7 @@ fn agreement(weights: Option<DType>) -> (usize, usize) {
                 tokens: &toks[..a],
                 logits: LogitRows::None,
                 prompt: true,
+                argmax_only: false,
             }])
             .unwrap();
         let tap_rows: Vec<u32> = (0..a as u32).collect();

@@ -56,15 +56,18 @@ pub struct WeightPath {
     pub format: DType,
     pub activations: Activations,
     pub kernel: String,
+    /// The int8 kernel family that screens products read only for their greedy choice
+    /// ([`Backend::matmul_argmax`]), if the backend screens this weight's.
+    pub greedy_screen: Option<String>,
 }
 
 impl fmt::Display for WeightPath {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{} x {} ({})",
-            self.format, self.activations, self.kernel
-        )
+        write!(f, "{} x {} ({}", self.format, self.activations, self.kernel)?;
+        match &self.greedy_screen {
+            Some(k) => write!(f, "; greedy rows screened by {k})"),
+            None => f.write_str(")"),
+        }
     }
 }
 
@@ -432,6 +435,14 @@ pub trait Backend: Send + Sync + 'static {
     fn embed(&self, table: &Self::Weight, ids: &[u32], out: &mut Self::Tensor);
     /// `out = x · wᵀ` (`x: [M, K]`, `w: [N, K]`, `out: [M, N]`).
     fn matmul(&self, x: &Self::Tensor, w: &Self::Weight, out: &mut Self::Tensor);
+    /// [`Backend::matmul`] for a caller that reads only each row's first largest value and
+    /// its position (a greedy choice): those are exactly `matmul`'s, bit for bit, while the
+    /// other outputs may hold cheaper values below that maximum (the CPU screens the
+    /// vocabulary projection with int8 activations and recomputes in f32 only the outputs
+    /// that could be the largest).
+    fn matmul_argmax(&self, x: &Self::Tensor, w: &Self::Weight, out: &mut Self::Tensor) {
+        self.matmul(x, w, out);
+    }
     /// Several products of the same `x` at once: `outs[i] = x · ws[i]ᵀ`.
     fn matmul_many(&self, x: &Self::Tensor, ws: &[&Self::Weight], outs: &mut [&mut Self::Tensor]);
     /// `x[t] += bias` for every row (`bias: [1, cols]`).

@@ -645,7 +645,11 @@ impl<B: Backend> Target for Qwen35Model<B> {
                     self.zero_centred,
                     None,
                 );
-                b.matmul(&ws.sel, &self.lm_head, &mut ws.logits);
+                if self.plan.argmax_only {
+                    b.matmul_argmax(&ws.sel, &self.lm_head, &mut ws.logits);
+                } else {
+                    b.matmul(&ws.sel, &self.lm_head, &mut ws.logits);
+                }
             } else {
                 b.reshape(&mut ws.logits, 0, self.cfg.vocab);
             }

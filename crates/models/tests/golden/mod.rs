@@ -84,6 +84,7 @@ pub fn walk<B: Backend>(m: &mut LoadedModel<B>, close: impl Fn(f32, f32) -> bool
                     tokens: &next,
                     logits: LogitRows::Last,
                     prompt: step == 0,
+                    argmax_only: false,
                 }])
                 .unwrap();
             let logits = model.backend().to_host(model.logits());

@@ -4,6 +4,7 @@
 use std::cell::RefCell;
 use std::sync::Arc;
 
+use super::argmax_screen::ArgmaxScreen;
 use super::gdn::CpuGdn;
 use super::int8::{self, pack::PackedWeight, quantize::Terms, Int8Kernel};
 use super::kv::CpuKv;
@@ -28,6 +29,8 @@ pub struct CpuBackend {
     pool: CpuPool,
     isa: Isa,
     mode: MatmulMode,
+    /// Whether vocabulary weights get a greedy screen (`policy::screen_for`).
+    screen: bool,
 }
 
 impl CpuBackend {
@@ -37,23 +40,30 @@ impl CpuBackend {
         Self::from_env(threads).unwrap_or_else(|e| panic!("{e}"))
     }
 
-    /// As [`CpuBackend::new`], refusing a bad `DFLASH_MATMUL` with an error.
+    /// As [`CpuBackend::new`], refusing a bad `DFLASH_MATMUL` or `DFLASH_ARGMAX_SCREEN` with
+    /// an error.
     pub fn from_env(threads: usize) -> Result<Self, RuntimeError> {
-        Ok(Self::with_options(
-            threads,
-            Isa::detect(),
-            MatmulMode::from_env()?,
-        ))
+        let b = Self::with_options(threads, Isa::detect(), MatmulMode::from_env()?);
+        Ok(b.with_screen(policy::screen_from_env()?))
     }
 
-    /// A backend using the f32 kernels of `isa` (which the CPU must support) and `mode`.
+    /// A backend using the f32 kernels of `isa` (which the CPU must support) and `mode`, with
+    /// greedy screens.
     pub fn with_options(threads: usize, isa: Isa, mode: MatmulMode) -> Self {
         assert!(isa.is_supported(), "{isa} kernels are not supported here");
         Self {
             pool: CpuPool::new(threads),
             isa,
             mode,
+            screen: true,
         }
+    }
+
+    /// This backend with greedy screens of the vocabulary weights uploaded from now on
+    /// (`on`) or without.
+    pub fn with_screen(mut self, on: bool) -> Self {
+        self.screen = on;
+        self
     }
 
     pub fn isa(&self) -> Isa {
@@ -205,7 +215,8 @@ impl Backend for CpuBackend {
     }
 
     fn upload_weight(&self, w: &HostWeight, role: WeightRole) -> Result<CpuWeight, RuntimeError> {
-        let int8 = match self.path_for(role, w.dtype, w.rows, w.cols) {
+        let path = self.path_for(role, w.dtype, w.rows, w.cols);
+        let int8 = match path {
             CpuPath::Int8(kernel, terms) => PackedWeight::pack(w).map(|packed| {
                 Arc::new(Int8Weight {
                     packed,
@@ -215,6 +226,10 @@ impl Backend for CpuBackend {
             }),
             CpuPath::F32(_) => None,
         };
+        let best = Int8Kernel::best();
+        let screen = policy::screen_for(self.mode, role, w.dtype, path, best, self.screen)
+            .and_then(|(k, format)| ArgmaxScreen::new(&self.pool, w, format, k))
+            .map(Arc::new);
         // Matrices the f32 kernels stream move to huge pages (see `huge`); embedding tables,
         // read a row at a time, and vectors stay where they are.
         let host = if int8.is_none() && role != WeightRole::Embedding && w.rows > 1 {
@@ -222,10 +237,11 @@ impl Backend for CpuBackend {
         } else {
             w.clone()
         };
-        Ok(CpuWeight { host, int8 })
+        Ok(CpuWeight { host, int8, screen })
     }
 
     fn weight_path(&self, w: &CpuWeight) -> WeightPath {
+        let greedy_screen = (w.screen.as_ref()).map(|s| format!("{} {}", s.format(), s.kernel()));
         match &w.int8 {
             Some(i) => WeightPath {
                 format: w.host.dtype,
@@ -234,11 +250,13 @@ impl Backend for CpuBackend {
                     Terms::Two => Activations::Int8x2,
                 },
                 kernel: i.kernel.to_string(),
+                greedy_screen,
             },
             None => WeightPath {
                 format: w.host.dtype,
                 activations: Activations::F32,
                 kernel: self.isa.to_string(),
+                greedy_screen,
             },
         }
     }
@@ -611,6 +629,27 @@ impl Backend for CpuBackend {
 
     fn matmul(&self, x: &CpuTensor, w: &CpuWeight, out: &mut CpuTensor) {
         self.matmul_many(x, &[w], &mut [out]);
+    }
+
+    fn matmul_argmax(&self, x: &CpuTensor, w: &CpuWeight, out: &mut CpuTensor) {
+        let Some(screen) = &w.screen else {
+            return self.matmul(x, w, out);
+        };
+        assert_eq!(
+            x.cols, w.host.cols,
+            "matmul {}: inner dimensions differ",
+            w.host.name
+        );
+        out.reshape(x.rows, w.host.rows);
+        let rescored = screen.matmul(
+            &self.pool,
+            self.isa,
+            &w.host,
+            &x.data,
+            x.rows,
+            &mut out.data,
+        );
+        tracing::trace!(?rescored, "greedy screen of {}", w.host.name);
     }
 
     fn matmul_many(&self, x: &CpuTensor, ws: &[&CpuWeight], outs: &mut [&mut CpuTensor]) {

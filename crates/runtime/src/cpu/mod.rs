@@ -4,6 +4,7 @@
 //! at run time (target projections with int8 activations, see `policy` and `int8`); work is split over a worker pool. Every op computes each token independently of the
 //! other tokens in the batch, so a row's results do not depend on what it is batched with.
 
+pub mod argmax_screen;
 mod backend;
 pub mod gdn;
 mod huge;

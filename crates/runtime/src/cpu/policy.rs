@@ -17,6 +17,11 @@
 //!
 //! A weight's path is fixed when it is uploaded, so every product with it, whatever the
 //! number of rows, uses one arithmetic: decode, verify and prefill rows agree bit for bit.
+//!
+//! A vocabulary projection on the f32 path also gets an int8 screen for the products read
+//! only for a greedy choice (`argmax_screen`: the same choice as the f32 product, bit for
+//! bit, at about the int8 product's cost), in every mode but `reference`;
+//! `DFLASH_ARGMAX_SCREEN=off` turns that off (for measurements).
 
 use std::fmt;
 use std::str::FromStr;
@@ -31,6 +36,24 @@ use crate::error::RuntimeError;
 
 /// The environment variable that picks the [`MatmulMode`].
 pub const ENV: &str = "DFLASH_MATMUL";
+
+/// The environment variable that turns greedy screens on (`on`, the default) or off (`off`).
+pub const SCREEN_ENV: &str = "DFLASH_ARGMAX_SCREEN";
+
+/// Whether `DFLASH_ARGMAX_SCREEN` lets greedy products be screened (unset: yes).
+pub fn screen_from_env() -> Result<bool, RuntimeError> {
+    parse_screen(&std::env::var(SCREEN_ENV).unwrap_or_default())
+}
+
+fn parse_screen(v: &str) -> Result<bool, RuntimeError> {
+    match v {
+        "" | "on" => Ok(true),
+        "off" => Ok(false),
+        other => Err(RuntimeError::Device(format!(
+            "{SCREEN_ENV}={other:?}: expected on or off"
+        ))),
+    }
+}
 
 /// The CPU's matmul policy.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -133,6 +156,30 @@ pub fn select(
             CpuPath::Int8(k, mode.terms())
         }
         _ => CpuPath::F32(isa),
+    }
+}
+
+/// The int8 family and format that screen greedy products through a `dtype` weight whose
+/// path is `path` (see the module docs): vocabulary weights left on the f32 path, unless the
+/// mode is `reference` or screening is off. The screen is the stored weight itself when the
+/// int8 kernels read its format (its bound is then the int8 rounding alone: one or two
+/// outputs recomputed a row on the default model), else its Q8_0 encoding (bf16, f16, f32
+/// and K-quant heads). A coarser screen would read fewer bytes, but the rigorous bound of
+/// its weight error spans almost every output (a Q4_0 screen of the default model's head
+/// recomputed 91 % of them).
+pub fn screen_for(
+    mode: MatmulMode,
+    role: WeightRole,
+    dtype: DType,
+    path: CpuPath,
+    int8: Option<Int8Kernel>,
+    enabled: bool,
+) -> Option<(Int8Kernel, DType)> {
+    let on = enabled && mode != MatmulMode::Reference && role == WeightRole::Vocab;
+    let format = Int8Format::of(dtype).map_or(DType::Q8_0, |f| f.dtype());
+    match (int8, path) {
+        (Some(k), CpuPath::F32(_)) if on => Some((k, format)),
+        _ => None,
     }
 }
 
@@ -241,5 +288,50 @@ mod tests {
             isa,
         );
         assert_eq!(none, CpuPath::F32(isa));
+    }
+
+    #[test]
+    fn only_f32_vocabulary_weights_are_screened() {
+        let f32 = CpuPath::F32(Isa::Portable(8));
+        let int8 = CpuPath::Int8(Int8Kernel::Avx2, Terms::One);
+        let v = WeightRole::Vocab;
+        let q8 = Some((Int8Kernel::Avx2, DType::Q8_0));
+        for mode in [MatmulMode::Auto, MatmulMode::Int8x2, MatmulMode::Int8Draft] {
+            assert_eq!(screen_for(mode, v, DType::Q8_0, f32, K, true), q8);
+        }
+        // The stored weight where the int8 kernels read it, else its Q8_0 encoding.
+        let q4 = Some((Int8Kernel::Avx2, DType::Q4_1));
+        assert_eq!(
+            screen_for(MatmulMode::Auto, v, DType::Q4_1, f32, K, true),
+            q4
+        );
+        for d in [DType::BF16, DType::F16, DType::Q6K] {
+            assert_eq!(screen_for(MatmulMode::Auto, v, d, f32, K, true), q8);
+        }
+        assert_eq!(
+            screen_for(MatmulMode::Auto, v, DType::Q8_0, f32, K, false),
+            None
+        );
+        assert_eq!(
+            screen_for(MatmulMode::Reference, v, DType::Q8_0, f32, K, true),
+            None
+        );
+        assert_eq!(
+            screen_for(MatmulMode::Int8Vocab, v, DType::Q8_0, int8, K, true),
+            None
+        );
+        assert_eq!(
+            screen_for(MatmulMode::Auto, v, DType::Q8_0, f32, None, true),
+            None
+        );
+        let p = WeightRole::Projection;
+        assert_eq!(
+            screen_for(MatmulMode::Auto, p, DType::Q8_0, f32, K, true),
+            None
+        );
+        assert!(parse_screen("").unwrap());
+        assert!(!parse_screen("off").unwrap());
+        let e = parse_screen("maybe").unwrap_err().to_string();
+        assert!(e.contains(SCREEN_ENV), "{e}");
     }
 }

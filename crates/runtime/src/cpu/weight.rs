@@ -1,8 +1,9 @@
 //! The CPU's uploaded weight: the stored weight, plus its int8 repacking when its path uses
-//! int8 activations.
+//! int8 activations, or its greedy screen (`argmax_screen`).
 
 use std::sync::Arc;
 
+use super::argmax_screen::ArgmaxScreen;
 use super::huge::HugeBytes;
 use super::int8::pack::PackedWeight;
 use super::int8::quantize::Terms;
@@ -16,6 +17,8 @@ pub struct CpuWeight {
     pub host: HostWeight,
     /// Set when products use int8 activations.
     pub int8: Option<Arc<Int8Weight>>,
+    /// Set when products read only for a greedy choice are screened with int8 activations.
+    pub screen: Option<Arc<ArgmaxScreen>>,
 }
 
 /// A weight repacked for one int8 kernel family.
@@ -30,7 +33,11 @@ pub struct Int8Weight {
 impl CpuWeight {
     /// A weight on the f32 path.
     pub fn f32(host: HostWeight) -> Self {
-        Self { host, int8: None }
+        Self {
+            host,
+            int8: None,
+            screen: None,
+        }
     }
 }
 

@@ -989,6 +989,7 @@ impl Backend for CudaBackend {
                     usize::MAX => "cuda dp4a".into(),
                     m => format!("cuda dp4a; int8 mma from M = {m}"),
                 },
+                greedy_screen: None,
             }
         } else {
             let tf32 = self.float_mma_kernel(w, Epilogue::Store, 1).is_some();
@@ -996,6 +997,7 @@ impl Backend for CudaBackend {
                 format: w.dtype,
                 activations: Activations::F32,
                 kernel: if tf32 { "cuda tf32x2 mma" } else { "cuda" }.into(),
+                greedy_screen: None,
             }
         }
     }

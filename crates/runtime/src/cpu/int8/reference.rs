@@ -22,6 +22,33 @@ fn f16(b: &[u8]) -> f32 {
     half::f16::from_le_bytes([b[0], b[1]]).to_f32()
 }
 
+/// One stored block of a weight row read as the int8 kernels see it: the scale `dw`, the
+/// minimum `mw` (Q4_1; 0 otherwise) and the 32 integer codes (Q4_0 already less 8), so that
+/// value `v` of the block is `dw · code[v] + mw`.
+pub fn block_parts(format: Int8Format, b: &[u8]) -> (f32, f32, [i32; GROUP]) {
+    let mut code = [0i32; GROUP];
+    for (v, c) in code.iter_mut().enumerate() {
+        *c = match format {
+            Int8Format::Q4_0 | Int8Format::Q4_1 => {
+                let byte = b[if format == Int8Format::Q4_0 { 2 } else { 4 } + v % 16];
+                let q = if v < 16 { byte & 0x0F } else { byte >> 4 } as i32;
+                if format == Int8Format::Q4_0 {
+                    q - 8
+                } else {
+                    q
+                }
+            }
+            Int8Format::Q8_0 => b[2 + v] as i8 as i32,
+        };
+    }
+    let mw = if format == Int8Format::Q4_1 {
+        f16(&b[2..4])
+    } else {
+        0.0
+    };
+    (f16(&b[0..2]), mw, code)
+}
+
 /// `out[i · n + j]` for all `m` rows of `x` and `n` rows of `w` (Q4_0, Q4_1 or Q8_0).
 pub fn matmul(w: &HostWeight, x: &QuantRows, out: &mut [f32]) {
     let format = Int8Format::of(w.dtype).expect("the int8 reference reads Q4_0, Q4_1 or Q8_0");
@@ -33,28 +60,13 @@ pub fn matmul(w: &HostWeight, x: &QuantRows, out: &mut [f32]) {
         for i in 0..x.m {
             let mut acc = 0f32;
             for g in 0..kb {
-                let b = &row[g * bb..(g + 1) * bb];
+                let (dw, mw, code) = block_parts(format, &row[g * bb..(g + 1) * bb]);
                 let xs = &x.q[i * x.k + g * GROUP..i * x.k + (g + 1) * GROUP];
                 let bi = i * kb + g;
-                let dw = f16(&b[0..2]);
-                let code = |v: usize| -> i32 {
-                    match format {
-                        Int8Format::Q4_0 | Int8Format::Q4_1 => {
-                            let byte = b[if format == Int8Format::Q4_0 { 2 } else { 4 } + v % 16];
-                            let q = if v < 16 { byte & 0x0F } else { byte >> 4 } as i32;
-                            if format == Int8Format::Q4_0 {
-                                q - 8
-                            } else {
-                                q
-                            }
-                        }
-                        Int8Format::Q8_0 => b[2 + v] as i8 as i32,
-                    }
-                };
-                let dot: i32 = (0..GROUP).map(|v| code(v) * xs[v] as i32).sum();
+                let dot: i32 = (0..GROUP).map(|v| code[v] * xs[v] as i32).sum();
                 acc = (dw * x.d[bi]).mul_add(dot as f32, acc);
                 if format == Int8Format::Q4_1 {
-                    acc = f16(&b[2..4]).mul_add(x.ds[bi], acc);
+                    acc = mw.mul_add(x.ds[bi], acc);
                 }
             }
             out[i * n + j] = acc;
