@@ -294,3 +294,42 @@ fn filters_equal_a_full_sort_also_when_the_head_is_enough() {
         assert!((mass - 1.0).abs() < 1e-6, "{p:?}: renormalised");
     }
 }
+
+#[test]
+fn only_plain_greedy_rows_read_just_the_argmax() {
+    assert!(SamplingParams::greedy().argmax_only());
+    // Filters keep the most likely token: still only the argmax is read.
+    let filtered = SamplingParams {
+        top_k: 5,
+        top_p: 0.5,
+        min_p: 0.1,
+        ..SamplingParams::greedy()
+    };
+    assert!(filtered.argmax_only());
+    let reads_more = [
+        params(0.7),
+        SamplingParams {
+            repetition_penalty: 1.1,
+            ..SamplingParams::greedy()
+        },
+        SamplingParams {
+            frequency_penalty: 0.5,
+            ..SamplingParams::greedy()
+        },
+        SamplingParams {
+            presence_penalty: 0.5,
+            ..SamplingParams::greedy()
+        },
+        SamplingParams {
+            logprobs: Some(2),
+            ..SamplingParams::greedy()
+        },
+        SamplingParams {
+            keep_logits: true,
+            ..SamplingParams::greedy()
+        },
+    ];
+    for p in reads_more {
+        assert!(!p.argmax_only(), "{p:?}");
+    }
+}

@@ -75,6 +75,9 @@ unsafe fn tile<const F: u8, const VNNI: bool, const MR: usize>(
         let mut acc = [_mm256_setzero_ps(); MR];
         for g in 0..kb {
             let blk = blk0.add(g * bb);
+            if h == 0 {
+                super::prefetch_ahead(blk, bb);
+            }
             let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(cb + 16 * h) as *const __m128i));
             let mut w = [_mm256_setzero_si256(); 8];
             if format == Int8Format::Q8_0 {

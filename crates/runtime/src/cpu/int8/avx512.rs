@@ -150,6 +150,7 @@ unsafe fn tile<const F: u8, const MR: usize>(job: &Job, blk0: *const u8, i0: usi
     let mut acc = [_mm512_setzero_ps(); MR];
     for g in 0..kb {
         let blk = blk0.add(g * bb);
+        super::prefetch_ahead(blk, bb);
         let dw = scales::<F>(blk);
         let w = operands::<F>(blk);
         // All rows' integer dots first: MR independent chains for the out-of-order core.
