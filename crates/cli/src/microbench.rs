@@ -2,7 +2,10 @@
 //! number of activation rows M, int8-activation kernels (one-term `int8` and two-term `int8x2`,
 //! which multiplies twice the int8 rows) against the f32 reference path, with the machine's
 //! measured peaks (streaming read bandwidth, FMA and int8 dot throughput; GFLOP/s counts the
-//! product's own 2·M·K·N for every path).
+//! product's own 2·M·K·N for every path). Vocabulary-shaped products (N ≥ 16·K) also time
+//! the f32 path's greedy screen (`screen`: the int8 screen, the bound and the f32 recompute of
+//! the candidates, `dflash_runtime::cpu::argmax_screen`); on synthetic weights and
+//! activations its candidates are fewer than on a model's.
 //!
 //! Weights are synthetic (fixed seeds) in the default model's shapes unless `--shapes` says
 //! otherwise; every int8 call includes quantizing its activations, as in the model. Arms
@@ -12,13 +15,14 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use dflash_runtime::cpu::argmax_screen::ArgmaxScreen;
 use dflash_runtime::cpu::int8::pack::PackedWeight;
 use dflash_runtime::cpu::int8::quantize::Terms;
 use dflash_runtime::cpu::int8::{self, synthetic, Int8Kernel};
 use dflash_runtime::cpu::matmul;
 use dflash_runtime::cpu::peaks;
 use dflash_runtime::cpu::pool::CpuPool;
-use dflash_runtime::cpu::{self, Isa};
+use dflash_runtime::cpu::{self, policy, Isa};
 use dflash_runtime::{DType, HostWeight};
 use serde_json::{json, Value};
 
@@ -35,7 +39,8 @@ const MODEL_SHAPES: [(usize, usize); 5] = [
 
 #[derive(Args, Debug)]
 pub struct MicrobenchArgs {
-    /// Weight formats (q4_0, q4_1, q8_0, q4_k, q6_k; the K-quants have only the f32 path).
+    /// Weight formats (q4_0, q4_1, q8_0, q4_k, q6_k; the K-quants have only the f32 path and,
+    /// vocabulary-shaped, its greedy screen).
     #[arg(long, value_delimiter = ',', default_value = "q4_1,q8_0,q4_0")]
     pub formats: Vec<String>,
     /// Shapes as KxN (inner x output rows); default: the default model's projections and head.
@@ -53,8 +58,8 @@ pub struct MicrobenchArgs {
     /// Worker threads (0 = one per core).
     #[arg(short = 't', long, default_value_t = 0)]
     pub threads: usize,
-    /// Profile one variant, `FORMAT:KxN:M:PATH` (PATH `int8`, `int8x2` or `f32`): it runs alone for
-    /// `--seconds` and one line is printed.
+    /// Profile one variant, `FORMAT:KxN:M:PATH` (PATH `int8`, `int8x2`, `screen` or `f32`): it
+    /// runs alone for `--seconds` and one line is printed.
     #[arg(long)]
     pub only: Option<String>,
     /// Duration of `--only`, in seconds.
@@ -97,6 +102,8 @@ fn parse_shape(s: &str) -> Result<(usize, usize)> {
 /// One kernel path over one weight.
 enum Arm {
     Int8(Int8Kernel, Terms, PackedWeight),
+    /// The f32 path's greedy screen.
+    Screen(Isa, HostWeight, ArgmaxScreen),
     F32(Isa, HostWeight),
 }
 
@@ -105,6 +112,7 @@ impl Arm {
         match self {
             Arm::Int8(k, Terms::One, _) => format!("int8 {k}"),
             Arm::Int8(k, Terms::Two, _) => format!("int8x2 {k}"),
+            Arm::Screen(_, _, s) => format!("screen {} {}", s.format(), s.kernel()),
             Arm::F32(i, _) => format!("f32 {i}"),
         }
     }
@@ -112,6 +120,7 @@ impl Arm {
     fn weight_bytes(&self) -> usize {
         match self {
             Arm::Int8(_, _, p) => p.bytes_len(),
+            Arm::Screen(_, _, s) => s.bytes_len(),
             Arm::F32(_, w) => w.bytes.len(),
         }
     }
@@ -119,6 +128,9 @@ impl Arm {
     fn call(&self, pool: &CpuPool, x: &[f32], m: usize, out: &mut [f32]) {
         match self {
             Arm::Int8(k, t, p) => int8::matmul_many(pool, *k, *t, x, m, &mut [(p, out)]),
+            Arm::Screen(i, w, s) => {
+                s.matmul(pool, *i, w, x, m, out);
+            }
             Arm::F32(i, w) => matmul::matmul_many(pool, *i, x, m, &mut [(w, out)]),
         }
     }
@@ -138,7 +150,7 @@ impl Arm {
     }
 }
 
-fn arms(dtype: DType, k: usize, n: usize, path: Option<&str>) -> Result<Vec<Arm>> {
+fn arms(pool: &CpuPool, dtype: DType, k: usize, n: usize, path: Option<&str>) -> Result<Vec<Arm>> {
     if dtype.row_bytes(k).is_none() {
         bail!("K = {k} is not a whole number of {dtype} blocks");
     }
@@ -157,9 +169,20 @@ fn arms(dtype: DType, k: usize, n: usize, path: Option<&str>) -> Result<Vec<Arm>
             _ => {}
         }
     }
+    // On huge pages, as the backend stores the matrices the f32 kernels stream.
+    let hw = cpu::on_huge_pages(&w);
+    let vocab_shaped = n >= 16 * k;
+    if path.is_some_and(|p| p == "screen") || (path.is_none() && vocab_shaped) {
+        let screen = int8
+            .and_then(|kernel| ArgmaxScreen::new(pool, &w, policy::screen_format(dtype), kernel));
+        match screen {
+            Some(s) => v.push(Arm::Screen(Isa::detect(), hw.clone(), s)),
+            None if path.is_some() => bail!("no int8 kernel on this CPU to screen with"),
+            None => {}
+        }
+    }
     if path.is_none_or(|p| p == "f32") {
-        // On huge pages, as the backend stores the matrices the f32 kernels stream.
-        v.push(Arm::F32(Isa::detect(), cpu::on_huge_pages(&w)));
+        v.push(Arm::F32(Isa::detect(), hw));
     }
     Ok(v)
 }
@@ -196,7 +219,7 @@ pub fn run(args: MicrobenchArgs) -> Result<()> {
     ];
     for &dtype in &formats {
         for &(k, n) in &shapes {
-            let arms = arms(dtype, k, n, None)?;
+            let arms = arms(&pool, dtype, k, n, None)?;
             let m_max = *args.rows.iter().max().unwrap_or(&1);
             let x = synthetic::activations(m_max, k, 99);
             let mut out = vec![0f32; m_max * n];
@@ -221,7 +244,7 @@ pub fn run(args: MicrobenchArgs) -> Result<()> {
                     let gb = a.weight_bytes() as f64 / s / 1e9;
                     let gflop = 2.0 * (m * k * n) as f64 / s / 1e9;
                     let compute_peak = peaks.map(|p| match a {
-                        Arm::Int8(..) => p.int8_gop_s.unwrap_or(f64::NAN),
+                        Arm::Int8(..) | Arm::Screen(..) => p.int8_gop_s.unwrap_or(f64::NAN),
                         Arm::F32(..) => p.fma_gflop_s,
                     });
                     let row = json!({
@@ -306,10 +329,10 @@ fn run_only(pool: &CpuPool, spec: &str, seconds: f64) -> Result<()> {
         .ok()
         .filter(|&m| m > 0)
         .with_context(|| format!("--only `{spec}`: M must be a positive integer"))?;
-    if !["int8", "int8x2", "f32"].contains(&path) {
-        bail!("--only `{spec}`: PATH must be int8, int8x2 or f32");
+    if !["int8", "int8x2", "screen", "f32"].contains(&path) {
+        bail!("--only `{spec}`: PATH must be int8, int8x2, screen or f32");
     }
-    let arm = arms(dtype, k, n, Some(path))?.remove(0);
+    let arm = arms(pool, dtype, k, n, Some(path))?.remove(0);
     let x = synthetic::activations(m, k, 99);
     let mut out = vec![0f32; m * n];
     let s = arm.time(pool, &x, m, &mut out, seconds);

@@ -128,6 +128,11 @@ impl ArgmaxScreen {
         self.packed.format.dtype()
     }
 
+    /// Bytes a screened product streams (the screen; the recomputed rows are few).
+    pub fn bytes_len(&self) -> usize {
+        self.packed.bytes_len()
+    }
+
     pub fn kernel(&self) -> Int8Kernel {
         self.kernel
     }
@@ -191,29 +196,45 @@ impl ArgmaxScreen {
         rescored
     }
 
-    /// The outputs of `row` whose `[I − B, I + B]` reaches the largest lower end, in order;
-    /// `None` when an output is not finite.
+    /// The outputs of `row` whose `[I − B, I + B]` reaches the largest lower end, in order
+    /// (a superset of them); `None` when an output is not finite.
+    ///
+    /// In f32, 16 lanes at a time: the scales are rounded up by 2⁻²⁰ (far more than the few
+    /// roundings of `b = A·abs + O·offset`, so every computed `b ≥ B`), and an output is kept
+    /// when `fl(I + b) + μ ≥ max fl(I − b)` with `μ = 2⁻²⁰ · max (|I| + b)`, more than the
+    /// rounding of the sums on both sides (`2⁻²³` of that): every output the exact
+    /// comparison keeps is kept.
     fn candidates(&self, row: &[f32], scale: Scale) -> Option<Vec<usize>> {
-        let bound = |j: usize| self.bound(j, scale);
-        let mut floor = f64::NEG_INFINITY;
-        for (j, &v) in row.iter().enumerate() {
-            if !v.is_finite() {
-                return None;
+        const L: usize = 16;
+        let up = 1.0 + f32::powi(2.0, -20);
+        let (sa, so) = ((scale.abs as f32) * up, (scale.offset as f32) * up);
+        let b = |j: usize| self.abs_norms[j] * sa + self.offsets[j] * so;
+        let n = row.len();
+        let (mut floor, mut reach, mut nan) = ([f32::NEG_INFINITY; L], [0f32; L], [0f32; L]);
+        for c in 0..n / L {
+            for l in 0..L {
+                let (j, v) = (c * L + l, row[c * L + l]);
+                let (lo, r) = (v - b(j), v.abs() + b(j));
+                floor[l] = if lo > floor[l] { lo } else { floor[l] };
+                reach[l] = if r > reach[l] { r } else { reach[l] };
+                nan[l] += v * 0.0;
             }
-            floor = floor.max(v as f64 - bound(j));
         }
-        Some(
-            (0..row.len())
-                .filter(|&j| row[j] as f64 + bound(j) >= floor)
-                .collect(),
-        )
-    }
-}
-
-impl ArgmaxScreen {
-    /// `B_j` for a row of `x` with this `scale`.
-    fn bound(&self, j: usize, scale: Scale) -> f64 {
-        self.abs_norms[j] as f64 * scale.abs + self.offsets[j] as f64 * scale.offset
+        let (mut floor, mut reach) = (
+            floor.into_iter().fold(f32::NEG_INFINITY, f32::max),
+            reach.into_iter().fold(0f32, f32::max),
+        );
+        let mut finite = nan.iter().all(|v| *v == 0.0);
+        for (j, &v) in row.iter().enumerate().skip(n / L * L) {
+            floor = floor.max(v - b(j));
+            reach = reach.max(v.abs() + b(j));
+            finite &= v.is_finite();
+        }
+        if !(finite && reach.is_finite()) {
+            return None;
+        }
+        let floor = floor - reach * f32::powi(2.0, -20);
+        Some((0..n).filter(|&j| row[j] + b(j) >= floor).collect())
     }
 }
 

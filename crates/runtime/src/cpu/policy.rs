@@ -176,11 +176,16 @@ pub fn screen_for(
     enabled: bool,
 ) -> Option<(Int8Kernel, DType)> {
     let on = enabled && mode != MatmulMode::Reference && role == WeightRole::Vocab;
-    let format = Int8Format::of(dtype).map_or(DType::Q8_0, |f| f.dtype());
     match (int8, path) {
-        (Some(k), CpuPath::F32(_)) if on => Some((k, format)),
+        (Some(k), CpuPath::F32(_)) if on => Some((k, screen_format(dtype))),
         _ => None,
     }
+}
+
+/// The format of a `dtype` weight's greedy screen: its own where the int8 kernels read it,
+/// else Q8_0 (see [`screen_for`]).
+pub fn screen_format(dtype: DType) -> DType {
+    Int8Format::of(dtype).map_or(DType::Q8_0, |f| f.dtype())
 }
 
 #[cfg(test)]

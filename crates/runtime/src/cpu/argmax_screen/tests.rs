@@ -245,7 +245,8 @@ fn the_bound_covers_every_output() {
                     let scale = Scale::of(&x[i * k..(i + 1) * k], &xq, i);
                     for j in 0..n {
                         let gap = (full[i * n + j] as f64 - approx[i * n + j] as f64).abs();
-                        let bound = screen.bound(j, scale);
+                        let bound = screen.abs_norms[j] as f64 * scale.abs
+                            + screen.offsets[j] as f64 * scale.offset;
                         assert!(
                             gap <= bound,
                             "{dtype} by {format} {kernel} row {i} output {j}: \
