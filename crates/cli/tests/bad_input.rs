@@ -256,3 +256,45 @@ fn a_closed_stdout_ends_quietly_and_a_full_disk_is_an_error() {
         }
     }
 }
+
+#[test]
+fn a_bad_argmax_screen_setting_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny(dir.path());
+    let out = Command::new(env!("CARGO_BIN_EXE_dflash"))
+        .args(["generate", "hi", "--model", m.to_str().unwrap(), "-n", "2"])
+        .args(["--device", "cpu"])
+        .env("DFLASH_ARGMAX_SCREEN", "sometimes")
+        .output()
+        .unwrap();
+    fails_with(out, "DFLASH_ARGMAX_SCREEN");
+}
+
+#[test]
+fn the_microbench_times_the_greedy_screen_and_refuses_unknown_paths() {
+    let out = dflash(&[
+        "microbench",
+        "--only",
+        "q8_0:64x2048:2:screen",
+        "--seconds",
+        "0.05",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    if out.status.success() {
+        assert!(text.contains("screen"), "{text}");
+    } else {
+        // CPUs without an int8 kernel family have nothing to screen with.
+        println!("SKIPPED: no int8 kernel family here to screen with");
+        fails_with(out, "no int8 kernel");
+    }
+    fails_with(
+        dflash(&[
+            "microbench",
+            "--only",
+            "q8_0:64x2048:2:fast",
+            "--seconds",
+            "0.05",
+        ]),
+        "PATH must be int8, int8x2, screen or f32",
+    );
+}
