@@ -477,6 +477,11 @@ impl<T: Target, D: Drafter<B = T::B>> Decoder for DflashDecoder<T, D> {
                     (row.drow, row.cur)
                 })
                 .collect();
+            let greedy = live.iter().all(|&r| {
+                let row = self.rows[r].as_ref().expect("live");
+                row.sampling.params.argmax_only()
+            });
+            self.drafter.set_argmax_only(greedy);
             self.drafter.draft(
                 &firsts,
                 block,

@@ -90,6 +90,8 @@ pub struct DflashDrafter<B: Backend> {
     patterns: Vec<LayerAttention>,
     layer_pattern: Vec<usize>,
     selector: Option<Selector<B>>,
+    /// Drafts read only each slot's largest logit (`Drafter::set_argmax_only`).
+    argmax_only: bool,
     lattice: CandidateLattice,
     host_logits: Vec<f32>,
     anchors: Vec<u32>,
@@ -287,6 +289,7 @@ impl<B: Backend> DflashDrafter<B> {
             patterns,
             layer_pattern,
             selector,
+            argmax_only: false,
             lattice: CandidateLattice::default(),
             host_logits: Vec::new(),
             anchors: Vec::new(),
@@ -523,6 +526,10 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
         Ok(())
     }
 
+    fn set_argmax_only(&mut self, on: bool) {
+        self.argmax_only = on;
+    }
+
     fn draft(
         &mut self,
         rows: &[(usize, u32)],
@@ -583,6 +590,8 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
         let (h, qd, kvd) = (cfg.hidden, cfg.heads * hd, cfg.kv_heads * hd);
         let embed_scale = cfg.input_embedding_scale;
         let hidden_proj = self.selector.as_ref().map(|s| &s.hidden_proj);
+        // DFlash2's selector reads every logit of its candidates.
+        let argmax_only = self.argmax_only && self.selector.is_none();
         let lm_head = self.shortlist.as_ref().map_or(lm_head, |s| &s.1);
         // The graph holds the embedding and head weights it was captured with: the key names
         // them (a drafter drafts for one target, whose weights stay where they are).
@@ -704,7 +713,13 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
                 }
                 b.gather_step(&ws.x, &self.draft_step, &mut ws.sel);
                 b.rms_norm(&mut ws.sel, &self.norm, eps, false, None);
-                b.matmul(&ws.sel, lm_head, &mut ws.logits);
+                // The graph key does not name this choice: a backend that replays graphs
+                // gives `matmul_argmax` the work of `matmul` (the trait's default).
+                if argmax_only {
+                    b.matmul_argmax(&ws.sel, lm_head, &mut ws.logits);
+                } else {
+                    b.matmul(&ws.sel, lm_head, &mut ws.logits);
+                }
                 if let Some(w) = hidden_proj {
                     b.matmul(&ws.sel, w, &mut ws.hproj);
                 }

@@ -51,6 +51,11 @@ pub trait Drafter: Send {
     fn flush(&mut self) -> Result<()> {
         Ok(())
     }
+    /// Whether the next drafts are read only for each slot's largest logit (every row drafts
+    /// greedily): the drafter may then compute its head with
+    /// [`dflash_runtime::Backend::matmul_argmax`], whose other logits may be approximate.
+    /// The default computes every logit anyway.
+    fn set_argmax_only(&mut self, _on: bool) {}
     /// Drafts a block of `block` slots for every `(row, current token)`; afterwards
     /// [`Drafter::logits`] holds `block - 1` rows of logits per row (slots 1..block), rows in
     /// order. The context is not changed.
