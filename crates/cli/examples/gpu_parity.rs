@@ -34,7 +34,7 @@ use dflash_engine::{Completion, Request, RowStats, SamplingParams};
 use dflash_models::bounds::gpu_logit_bound;
 use dflash_models::chat::Message;
 use dflash_models::{load_model, DflashDrafter, Drafter, LoadedModel, LogitRows, RowStep, Target};
-use dflash_runtime::cpu::{CpuBackend, Isa, MatmulMode};
+use dflash_runtime::cpu::{CpuBackend, Isa, KvType, MatmulMode};
 use dflash_runtime::cuda::CudaBackend;
 use dflash_runtime::{Activations, Backend};
 
@@ -156,7 +156,8 @@ fn main() -> Result<()> {
         Activations::Int8x2 => MatmulMode::Int8x2,
         Activations::F32 => MatmulMode::Reference,
     };
-    let cpu = Arc::new(CpuBackend::with_options(0, Isa::detect(), mode));
+    // The GPU's KV cache is f32; the CPU's matches it so the two differ only where stated.
+    let cpu = Arc::new(CpuBackend::with_options(0, Isa::detect(), mode).with_kv_type(KvType::F32));
     let margin = args.margin.unwrap_or(gpu_logit_bound(activations));
     println!(
         "GPU {} ({}), CPU x{} ({mode} matmul path); model {}; {activations} activations, \

@@ -100,7 +100,7 @@ pub struct Bundle {
     pub template: Option<ChatTemplate>,
     pub name: String,
     pub path: PathBuf,
-    /// Human-readable device description (e.g. `cpu avx512 x2`).
+    /// Human-readable device description (e.g. `cpu avx512 x2 kv f16`).
     pub device: String,
     /// True when the user named no model (the default model runs).
     pub is_default: bool,
@@ -178,14 +178,26 @@ pub fn load_target(args: &ModelArgs) -> Result<Bundle> {
     let context = || format!("cannot load the model at {}", path.display());
     let (target, device, loaded_parts) = match choice {
         DeviceChoice::Cpu => {
-            let backend = Arc::new(CpuBackend::from_env(args.cpu_threads())?);
-            let device = format!("cpu {} x{}", backend.isa(), backend.threads());
+            let mut backend = CpuBackend::from_env(args.cpu_threads())?;
+            if let Some(kv) = args.kv_cache {
+                backend = backend.with_kv_type(kv.into());
+            }
+            let backend = Arc::new(backend);
+            let device = format!(
+                "cpu {} x{} kv {}",
+                backend.isa(),
+                backend.threads(),
+                backend.kv_type()
+            );
             let m = load_model(backend.clone(), &path).with_context(context)?;
             let parts = (m.tokenizer, m.template, m.name);
             (DeviceTarget::Cpu(backend, Box::new(m.model)), device, parts)
         }
         #[cfg(feature = "cuda")]
         DeviceChoice::Cuda(ordinal) => {
+            if args.kv_cache == Some(crate::args::KvCache::F16) {
+                bail!("--kv-cache f16 (or DFLASH_KV_CACHE=f16): the CUDA backend's KV cache holds f32 only; use --kv-cache f32 or --device cpu");
+            }
             let mut opts = dflash_runtime::cuda::CudaOptions::from_env()?;
             opts.device = ordinal;
             let backend = Arc::new(CudaBackend::with_options(opts)?);

@@ -298,3 +298,38 @@ fn the_microbench_times_the_greedy_screen_and_refuses_unknown_paths() {
         "PATH must be int8, int8x2, screen or f32",
     );
 }
+
+#[test]
+fn kv_cache_types_run_and_bad_ones_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = tiny(dir.path());
+    let ms = m.to_str().unwrap();
+    let generate = |kv: &str| {
+        dflash(&[
+            "generate",
+            "hello",
+            "--model",
+            ms,
+            "-n",
+            "4",
+            "--device",
+            "cpu",
+            "--kv-cache",
+            kv,
+        ])
+    };
+    for kv in ["f16", "f32"] {
+        let out = generate(kv);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "--kv-cache {kv}: {err}");
+    }
+    fails_with(generate("bf16"), "possible values: f16, f32");
+    let out = Command::new(env!("CARGO_BIN_EXE_dflash"))
+        .args([
+            "generate", "hi", "--model", ms, "-n", "2", "--device", "cpu",
+        ])
+        .env("DFLASH_KV_CACHE", "q8_0")
+        .output()
+        .unwrap();
+    fails_with(out, "kv-cache");
+}

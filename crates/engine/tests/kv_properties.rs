@@ -1,6 +1,7 @@
 //! Properties of per-row cache commits and attention masks under random accept patterns.
 //!
-//! On the CPU backend's KV cache (several rows, 2 KV heads, GQA): every round each row writes
+//! On the CPU backend's KV cache (its default type, f16; several rows, 2 KV heads, GQA; the
+//! random K/V values are ones the cache holds exactly): every round each row writes
 //! a block at its current length, then commits a random accept count (or, under the clamp,
 //! the round's minimum) by moving its length — rejected slots stay behind as stale data and
 //! rows sometimes grow their storage, finish, or are replaced by new rows. After every round:
@@ -118,9 +119,15 @@ impl Committed {
     }
 }
 
+/// Random rows of values the test backend's KV cache holds exactly.
 fn random_rows(rng: &mut rand::rngs::StdRng, n: usize, dim: usize) -> Vec<Vec<f32>> {
+    let ty = cpu().kv_type();
     (0..n)
-        .map(|_| (0..dim).map(|_| rng.random_range(-1.0f32..1.0)).collect())
+        .map(|_| {
+            (0..dim)
+                .map(|_| ty.round(rng.random_range(-1.0f32..1.0)))
+                .collect()
+        })
         .collect()
 }
 
@@ -348,7 +355,7 @@ fn run_plan(p: &Plan) -> Result<(), TestCaseError> {
                 let want_k: Vec<f32> = c.k[l][r].concat();
                 let want_v: Vec<f32> = c.v[l][r].concat();
                 prop_assert_eq!(
-                    &row.k[..len * dim],
+                    &row.k.read(0..len * dim)[..],
                     &want_k[..],
                     "round {} layer {} row {}: K prefix",
                     ri,
@@ -356,7 +363,7 @@ fn run_plan(p: &Plan) -> Result<(), TestCaseError> {
                     r
                 );
                 prop_assert_eq!(
-                    &row.v[..len * dim],
+                    &row.v.read(0..len * dim)[..],
                     &want_v[..],
                     "round {} layer {} row {}: V prefix",
                     ri,

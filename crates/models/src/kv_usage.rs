@@ -5,9 +5,6 @@ use serde::Serialize;
 
 use crate::rows::RowTable;
 
-/// Bytes of one cached value: the KV caches of every backend store f32.
-const KV_VALUE_BYTES: usize = 4;
-
 /// KV cache memory of one model (or the sum over several).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct KvUsage {
@@ -31,12 +28,13 @@ impl KvUsage {
         kv_dim: usize,
     ) -> Self {
         let mut u = Self::default();
+        let value_bytes = b.kv_value_bytes(kv);
         for (row, len) in rows.open_rows() {
             let cap = b.kv_capacity(kv, row);
             u.rows += 1;
             u.positions += len;
             u.reserved_positions += cap;
-            u.bytes += 2 * layers * cap * kv_dim * KV_VALUE_BYTES;
+            u.bytes += 2 * layers * cap * kv_dim * value_bytes;
         }
         u
     }

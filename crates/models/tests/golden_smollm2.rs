@@ -3,31 +3,35 @@
 //!
 //! The model comes from the user cache (downloaded on first use, as `dflash generate` does).
 //!
-//! Three numeric paths: the f32 reference (`DFLASH_MATMUL=reference`), held to 5e-4 and every
-//! greedy token; the default CPU path (int8 activations for the target's projections) and
-//! the two-term int8 path (`DFLASH_MATMUL=int8x2`), each held to its bound stated in
-//! `dflash_models::bounds`.
+//! Numeric paths: the f32 reference (`DFLASH_MATMUL=reference`, f32 KV cache), held to 5e-4
+//! and every greedy token; the int8 path (int8 activations for the target's projections) and
+//! the two-term int8 path (`DFLASH_MATMUL=int8x2`) on an f32 cache, the f32 products on an f16
+//! cache, and the CPU's default (int8 activations, f16 cache), each held to its bound stated
+//! in `dflash_models::bounds`.
 
 mod golden;
 
 use std::sync::Arc;
 
-use dflash_models::bounds::{INT8X2_LOGIT_BOUND as INT8X2_BOUND, INT8_LOGIT_BOUND as INT8_BOUND};
+use dflash_models::bounds::{
+    F16_KV_LOGIT_BOUND as F16_KV_BOUND, INT8X2_LOGIT_BOUND as INT8X2_BOUND,
+    INT8_LOGIT_BOUND as INT8_BOUND,
+};
 use dflash_models::chat::Message;
 use dflash_models::default_model::{ensure_default_model, Silent};
 use dflash_models::load_model;
 use dflash_runtime::cpu::int8::Int8Kernel;
-use dflash_runtime::cpu::{CpuBackend, Isa, MatmulMode};
+use dflash_runtime::cpu::{CpuBackend, Isa, KvType, MatmulMode};
 use golden::{fixture, ids, walk};
 
-fn load_with(mode: MatmulMode) -> dflash_models::LoadedModel<CpuBackend> {
+fn load_with(mode: MatmulMode, kv: KvType) -> dflash_models::LoadedModel<CpuBackend> {
     let path = ensure_default_model(&Silent).expect("the default model must be obtainable");
-    let backend = CpuBackend::with_options(0, Isa::detect(), mode);
+    let backend = CpuBackend::with_options(0, Isa::detect(), mode).with_kv_type(kv);
     load_model(Arc::new(backend), &path).unwrap()
 }
 
 fn load() -> dflash_models::LoadedModel<CpuBackend> {
-    load_with(MatmulMode::Reference)
+    load_with(MatmulMode::Reference, KvType::F32)
 }
 
 #[test]
@@ -94,25 +98,41 @@ fn greedy_tokens_and_logits_match_transformers() {
 /// to 0.29).
 #[test]
 fn int8_logits_stay_within_the_stated_bound_of_transformers() {
-    let w = walk_int8(MatmulMode::Auto, INT8_BOUND);
+    let w = walk_path(MatmulMode::Auto, KvType::F32, INT8_BOUND);
     eprintln!("int8 path: {}", w.flips_within(INT8_BOUND));
 }
 
 /// The two-term int8 path, held to its bound.
 #[test]
 fn int8x2_logits_stay_within_the_stated_bound_of_transformers() {
-    let w = walk_int8(MatmulMode::Int8x2, INT8X2_BOUND);
+    let w = walk_path(MatmulMode::Int8x2, KvType::F32, INT8X2_BOUND);
     eprintln!("int8x2 path: {}", w.flips_within(INT8X2_BOUND));
 }
 
-fn walk_int8(mode: MatmulMode, bound: f32) -> golden::Walk {
-    let mut m = load_with(mode);
+/// The f16 KV cache (the CPU's default) on the f32 products, held to its bound.
+#[test]
+fn f16_cache_logits_stay_within_the_stated_bound_of_transformers() {
+    let w = walk_path(MatmulMode::Reference, KvType::F16, F16_KV_BOUND);
+    eprintln!("f16 cache: {}", w.flips_within(F16_KV_BOUND));
+}
+
+/// The CPU's default numerics: int8 activations for the projections and an f16 KV cache, held
+/// to the sum of the two bounds (measured: 0.658, against 0.616 with an f32 cache).
+#[test]
+fn default_path_logits_stay_within_the_stated_bound_of_transformers() {
+    let bound = INT8_BOUND + F16_KV_BOUND;
+    let w = walk_path(MatmulMode::Auto, KvType::F16, bound);
+    eprintln!("default path: {}", w.flips_within(bound));
+}
+
+fn walk_path(mode: MatmulMode, kv: KvType, bound: f32) -> golden::Walk {
+    let mut m = load_with(mode, kv);
     if Int8Kernel::best().is_none() {
         println!("no tuned int8 kernel on this CPU: the {mode} path is the f32 one");
     }
     let w = walk(&mut m, |a, b| (a - b).abs() <= bound);
     eprintln!(
-        "{mode}: largest logit difference from transformers {:.3e}",
+        "{mode}, {kv} cache: largest logit difference from transformers {:.3e}",
         w.worst
     );
     w

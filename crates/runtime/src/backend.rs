@@ -347,6 +347,11 @@ pub trait Backend: Send + Sync + 'static {
     /// Makes row `row` hold at least `capacity` positions, keeping its first `keep` positions.
     fn kv_reserve(&self, kv: &mut Self::Kv, row: usize, capacity: usize, keep: usize);
     fn kv_capacity(&self, kv: &Self::Kv, row: usize) -> usize;
+    /// Bytes of one value `kv` stores (default: f32).
+    fn kv_value_bytes(&self, kv: &Self::Kv) -> usize {
+        let _ = kv;
+        4
+    }
     /// Copies positions `0..len` of `src` into `dst` (all layers).
     fn kv_copy_row(&self, kv: &mut Self::Kv, src: usize, dst: usize, len: usize);
     /// Releases row `row`'s storage.

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use super::argmax_screen::ArgmaxScreen;
 use super::gdn::CpuGdn;
 use super::int8::{self, pack::PackedWeight, quantize::Terms, Int8Kernel};
-use super::kv::CpuKv;
+use super::kv::{CpuKv, KvType};
 use super::matmul::{self, Isa};
 use super::ops::{attention, conv, elementwise, gdn, norm, rope};
 use super::policy::{self, CpuPath, MatmulMode};
@@ -31,6 +31,8 @@ pub struct CpuBackend {
     mode: MatmulMode,
     /// Whether vocabulary weights get a greedy screen (`policy::screen_for`).
     screen: bool,
+    /// How KV caches made from now on hold their values.
+    kv_type: KvType,
 }
 
 impl CpuBackend {
@@ -40,15 +42,16 @@ impl CpuBackend {
         Self::from_env(threads).unwrap_or_else(|e| panic!("{e}"))
     }
 
-    /// As [`CpuBackend::new`], refusing a bad `DFLASH_MATMUL` or `DFLASH_ARGMAX_SCREEN` with
-    /// an error.
+    /// As [`CpuBackend::new`], refusing a bad `DFLASH_MATMUL`, `DFLASH_ARGMAX_SCREEN` or
+    /// `DFLASH_KV_CACHE` with an error.
     pub fn from_env(threads: usize) -> Result<Self, RuntimeError> {
         let b = Self::with_options(threads, Isa::detect(), MatmulMode::from_env()?);
-        Ok(b.with_screen(policy::screen_from_env()?))
+        Ok(b.with_screen(policy::screen_from_env()?)
+            .with_kv_type(KvType::from_env()?))
     }
 
     /// A backend using the f32 kernels of `isa` (which the CPU must support) and `mode`, with
-    /// greedy screens.
+    /// greedy screens and f16 KV caches.
     pub fn with_options(threads: usize, isa: Isa, mode: MatmulMode) -> Self {
         assert!(isa.is_supported(), "{isa} kernels are not supported here");
         Self {
@@ -56,7 +59,18 @@ impl CpuBackend {
             isa,
             mode,
             screen: true,
+            kv_type: KvType::default(),
         }
+    }
+
+    /// This backend with KV caches made from now on holding `ty` values.
+    pub fn with_kv_type(mut self, ty: KvType) -> Self {
+        self.kv_type = ty;
+        self
+    }
+
+    pub fn kv_type(&self) -> KvType {
+        self.kv_type
     }
 
     /// This backend with greedy screens of the vocabulary weights uploaded from now on
@@ -313,7 +327,7 @@ impl Backend for CpuBackend {
     }
 
     fn kv_new(&self, layers: usize, kv_dim: usize) -> CpuKv {
-        CpuKv::new(layers, kv_dim)
+        CpuKv::new(layers, kv_dim, self.kv_type)
     }
 
     fn kv_reserve(&self, kv: &mut CpuKv, row: usize, capacity: usize, keep: usize) {
@@ -322,6 +336,10 @@ impl Backend for CpuBackend {
 
     fn kv_capacity(&self, kv: &CpuKv, row: usize) -> usize {
         kv.capacity(row)
+    }
+
+    fn kv_value_bytes(&self, kv: &CpuKv) -> usize {
+        kv.ty.bytes()
     }
 
     fn kv_copy_row(&self, kv: &mut CpuKv, src: usize, dst: usize, len: usize) {
@@ -351,8 +369,8 @@ impl Backend for CpuBackend {
                 at + dim <= r.k.len(),
                 "KV write past the row's reserved capacity"
             );
-            r.k[at..at + dim].copy_from_slice(k.row(t));
-            r.v[at..at + dim].copy_from_slice(v.row(t));
+            r.k.write(at, k.row(t));
+            r.v.write(at, v.row(t));
         }
     }
 
@@ -762,8 +780,8 @@ impl Backend for CpuBackend {
                 )
             };
             let kv_slice = attention::KvSlice {
-                k: &row.k,
-                v: &row.v,
+                k: row.k.data(),
+                v: row.v.data(),
                 kv_dim,
                 head_off: (h / group) * head_dim,
                 start: m.kv_start as usize,

@@ -20,7 +20,7 @@ mod weight;
 
 pub use backend::{CpuBackend, CpuStep};
 pub use gdn::CpuGdn;
-pub use kv::CpuKv;
+pub use kv::{CpuKv, KvType};
 pub use matmul::Isa;
 pub use policy::{CpuPath, MatmulMode};
 pub use tensor::CpuTensor;

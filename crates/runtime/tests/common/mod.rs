@@ -5,7 +5,7 @@
 
 use std::sync::OnceLock;
 
-use dflash_runtime::cpu::{CpuBackend, Isa, MatmulMode};
+use dflash_runtime::cpu::{CpuBackend, Isa, KvType, MatmulMode};
 use dflash_runtime::cuda::{CudaBackend, CudaOptions, Int8Policy};
 use dflash_runtime::{DType, HostWeight, WeightBytes};
 use rand::{Rng, SeedableRng};
@@ -44,8 +44,11 @@ pub fn gpu() -> Option<&'static CudaBackend> {
 
 pub fn cpu() -> &'static CpuBackend {
     static CPU: OnceLock<CpuBackend> = OnceLock::new();
-    // The f32 reference path: the GPU multiplies with f32 activations too.
-    CPU.get_or_init(|| CpuBackend::with_options(2, Isa::detect(), MatmulMode::Reference))
+    // The f32 reference path: the GPU multiplies with f32 activations too, and holds an f32
+    // KV cache.
+    CPU.get_or_init(|| {
+        CpuBackend::with_options(2, Isa::detect(), MatmulMode::Reference).with_kv_type(KvType::F32)
+    })
 }
 
 pub fn rng(seed: u64) -> rand::rngs::StdRng {

@@ -4,9 +4,11 @@
 //! `d = amax / 127` (`amax` the largest |x[j]|; an all-zero block has `d = 0` and `q = 0`), plus
 //! the exact integer `sum = Σ q[j]` and `ds = d · sum` (rounded once, in f32), which the
 //! kernels need for Q4_0/Q8_0 offsets and the Q4_1 minimum. Each row is quantized on its own,
-//! so a row gets the same codes alone or in any batch. The code is one scalar definition;
-//! the AVX-512/AVX2 entry points only compile it with wider instructions (the arithmetic is
-//! IEEE-exact either way, so every build yields the same bits).
+//! so a row gets the same codes alone or in any batch. The code is one scalar definition; the
+//! AVX2 entry point only compiles it with wider instructions, and the AVX-512 one writes the
+//! same arithmetic in intrinsics (a block whose largest |x| or its inverse scale is not finite
+//! takes the scalar definition): every operation is IEEE-exact or an exact integer step, so every build yields
+//! the same bits (tested).
 //!
 //! With [`Terms::Two`] a row is carried by two int8 rows: the codes of `x` as above, then the
 //! codes of its residual `r[j] = x[j] − q[j] · d` (each operation rounded once in f32), which
@@ -118,7 +120,41 @@ impl QuantRows {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw,avx2")]
     unsafe fn blocks_avx512(&mut self, x: &[f32], first: usize) {
-        self.all_blocks(x, first)
+        use std::arch::x86_64::*;
+        const NEAREST: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+        let abs = _mm512_set1_epi32(0x7FFF_FFFF);
+        let (lo, hi) = (_mm512_set1_epi32(-127), _mm512_set1_epi32(127));
+        let q = &mut self.q[first * GROUP..];
+        let blocks = x.chunks_exact(GROUP).zip(q.chunks_exact_mut(GROUP));
+        for (b, (xs, qs)) in blocks.enumerate() {
+            let b = first + b;
+            let v0 = _mm512_loadu_ps(xs.as_ptr());
+            let v1 = _mm512_loadu_ps(xs.as_ptr().add(16));
+            // |x| as bits, as in `quantize_block`.
+            let a0 = _mm512_and_si512(_mm512_castps_si512(v0), abs);
+            let a1 = _mm512_and_si512(_mm512_castps_si512(v1), abs);
+            let amax_bits = _mm512_reduce_max_epu32(_mm512_max_epu32(a0, a1));
+            let amax = f32::from_bits(amax_bits);
+            let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+            if !amax.is_finite() || !inv.is_finite() {
+                let xs: &[f32; GROUP] = xs.try_into().expect("whole block");
+                let qs: &mut [i8; GROUP] = qs.try_into().expect("whole block");
+                let (d, sum) = quantize_block(xs, qs);
+                (self.d[b], self.sum[b], self.ds[b]) = (d, sum, d * sum as f32);
+                continue;
+            }
+            // Finite scales: every |x · inv| is at most about 127, so no code is NaN.
+            let d = amax / 127.0;
+            let inv = _mm512_set1_ps(inv);
+            let c0 = _mm512_cvt_roundps_epi32::<NEAREST>(_mm512_mul_ps(v0, inv));
+            let c1 = _mm512_cvt_roundps_epi32::<NEAREST>(_mm512_mul_ps(v1, inv));
+            let c0 = _mm512_min_epi32(_mm512_max_epi32(c0, lo), hi);
+            let c1 = _mm512_min_epi32(_mm512_max_epi32(c1, lo), hi);
+            let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
+            _mm_storeu_si128(qs.as_mut_ptr().cast(), _mm512_cvtepi32_epi8(c0));
+            _mm_storeu_si128(qs.as_mut_ptr().add(16).cast(), _mm512_cvtepi32_epi8(c1));
+            (self.d[b], self.sum[b], self.ds[b]) = (d, sum, d * sum as f32);
+        }
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -193,9 +229,24 @@ mod tests {
 
     #[test]
     fn the_wide_builds_give_the_scalar_bits() {
-        let x: Vec<f32> = (0..16 * 96)
+        let mut x: Vec<f32> = (0..16 * 96)
             .map(|i| ((i * 7919) % 1013) as f32 * 0.013 - 6.5)
             .collect();
+        // Blocks with ties (amax 127: codes are the values, halves round to even), signed
+        // zeros, subnormals, huge values, infinities and NaN.
+        let ties: Vec<f32> = (0..32).map(|j| j as f32 - 15.5).collect();
+        x[..32].copy_from_slice(&ties);
+        x[31] = 127.0;
+        x[32..64].fill(-0.0);
+        x[33] = f32::from_bits(1);
+        x[64..96].fill(f32::MIN_POSITIVE / 3.0);
+        x[70] = -f32::MIN_POSITIVE / 7.0;
+        x[96] = f32::MAX;
+        x[97] = -f32::MAX / 3.0;
+        x[128] = f32::INFINITY;
+        x[160] = f32::NEG_INFINITY;
+        x[192] = f32::NAN;
+        x[230] = -f32::NAN;
         let mut wide = QuantRows::default();
         wide.quantize(&x, 16, 96);
         let mut plain = QuantRows {
@@ -207,9 +258,14 @@ mod tests {
             ds: vec![0.0; 48],
         };
         plain.all_blocks(&x, 0);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(wide.q, plain.q);
-        assert_eq!(wide.d, plain.d);
+        assert_eq!(bits(&wide.d), bits(&plain.d));
         assert_eq!(wide.sum, plain.sum);
-        assert_eq!(wide.ds, plain.ds);
+        assert_eq!(bits(&wide.ds), bits(&plain.ds));
+        assert!(
+            plain.d[6].is_nan() && plain.d[4] == f32::INFINITY,
+            "special blocks"
+        );
     }
 }

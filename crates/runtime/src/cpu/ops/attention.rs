@@ -1,22 +1,56 @@
 //! Softmax attention of one query head over a slice of its row's KV cache.
 //!
-//! `attend` picks a SIMD implementation for the CPU (AVX-512, AVX2) or the scalar one. Each
-//! query is computed on its own with a fixed order, so a query's result never depends on the
-//! other queries of the batch.
+//! `attend` picks a SIMD implementation for the CPU (AVX-512, AVX2) or the scalar one, for a
+//! cache of f32 or f16 values (widened exactly as they are loaded, so both types run the same
+//! arithmetic on the stored values). Each query is computed on its own with a fixed order, so
+//! a query's result never depends on the other queries of the batch.
+
+use half::f16;
 
 use super::dot;
+use crate::cpu::kv::KvData;
 use crate::cpu::matmul::Isa;
 
 /// Where one head's keys and values live: position-major rows of `kv_dim` values, the head's
 /// slice starting at `head_off`, positions `start..end` visible.
 #[derive(Clone, Copy)]
 pub struct KvSlice<'a> {
-    pub k: &'a [f32],
-    pub v: &'a [f32],
+    pub k: KvData<'a>,
+    pub v: KvData<'a>,
     pub kv_dim: usize,
     pub head_off: usize,
     pub start: usize,
     pub end: usize,
+}
+
+/// [`KvSlice`] with its values' type known.
+#[derive(Clone, Copy)]
+struct Typed<'a, T> {
+    k: &'a [T],
+    v: &'a [T],
+    kv_dim: usize,
+    head_off: usize,
+    start: usize,
+    end: usize,
+}
+
+/// A value type a KV cache may hold.
+trait KvValue: Copy {
+    fn widen(self) -> f32;
+}
+
+impl KvValue for f32 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self
+    }
+}
+
+impl KvValue for f16 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
 }
 
 /// Attends query head `q` to `kv`, writing `q.len()` outputs to `out`; `scores` is scratch.
@@ -28,30 +62,90 @@ pub fn attend(
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
+    let KvSlice {
+        kv_dim,
+        head_off,
+        start,
+        end,
+        ..
+    } = kv;
+    match (kv.k, kv.v) {
+        (KvData::F32(k), KvData::F32(v)) => {
+            let kv = Typed {
+                k,
+                v,
+                kv_dim,
+                head_off,
+                start,
+                end,
+            };
+            attend_typed(isa, q, kv, scale, scores, out)
+        }
+        (KvData::F16(k), KvData::F16(v)) => {
+            let kv = Typed {
+                k,
+                v,
+                kv_dim,
+                head_off,
+                start,
+                end,
+            };
+            attend_typed(isa, q, kv, scale, scores, out)
+        }
+        _ => panic!("the keys and values of one cache have one type"),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn attend_typed<T: x86::Lanes>(
+    isa: Isa,
+    q: &[f32],
+    kv: Typed<'_, T>,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    let hd = prepare(q, &kv, scores, out);
+    // SAFETY: the CPU supports the instruction set (checked when the backend was built; AVX2
+    // there includes F16C) and the bounds were asserted by `prepare`.
+    unsafe {
+        if isa == Isa::Avx512 && hd == 64 {
+            return x86::attend_avx512_regs::<T, 4>(q, kv, scale, scores, out);
+        }
+        if isa == Isa::Avx512 && hd == 128 {
+            return x86::attend_avx512_regs::<T, 8>(q, kv, scale, scores, out);
+        }
+        if isa == Isa::Avx512 && hd.is_multiple_of(16) {
+            return x86::attend_avx512(q, kv, scale, scores, out);
+        }
+        if matches!(isa, Isa::Avx512 | Isa::Avx2) && hd.is_multiple_of(8) {
+            return x86::attend_avx2(q, kv, scale, scores, out);
+        }
+    }
+    attend_scalar(q, kv, scale, scores, out)
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn attend_typed<T: KvValue>(
+    isa: Isa,
+    q: &[f32],
+    kv: Typed<'_, T>,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    let _ = (isa, prepare(q, &kv, scores, out));
+    attend_scalar(q, kv, scale, scores, out)
+}
+
+/// Checks the bounds every kernel relies on and sizes `scores`; returns the head size.
+fn prepare<T>(q: &[f32], kv: &Typed<'_, T>, scores: &mut Vec<f32>, out: &[f32]) -> usize {
     let hd = q.len();
     assert!(kv.end * kv.kv_dim <= kv.k.len() && kv.end * kv.kv_dim <= kv.v.len());
     assert!(kv.head_off + hd <= kv.kv_dim && out.len() == hd);
     scores.clear();
     scores.resize(kv.end.saturating_sub(kv.start), 0.0);
-    #[cfg(target_arch = "x86_64")]
-    {
-        // SAFETY: the CPU supports the instruction set (checked when the backend was built)
-        // and the bounds were asserted above.
-        if isa == Isa::Avx512 && hd == 64 {
-            return unsafe { x86::attend_avx512_regs::<4>(q, kv, scale, scores, out) };
-        }
-        if isa == Isa::Avx512 && hd == 128 {
-            return unsafe { x86::attend_avx512_regs::<8>(q, kv, scale, scores, out) };
-        }
-        if isa == Isa::Avx512 && hd.is_multiple_of(16) {
-            return unsafe { x86::attend_avx512(q, kv, scale, scores, out) };
-        }
-        if matches!(isa, Isa::Avx512 | Isa::Avx2) && hd.is_multiple_of(8) {
-            return unsafe { x86::attend_avx2(q, kv, scale, scores, out) };
-        }
-    }
-    let _ = isa;
-    attend_scalar(q, kv, scale, scores, out)
+    hd
 }
 
 /// Turns raw scores into unnormalised weights `exp(s - max)`; returns their sum.
@@ -65,11 +159,31 @@ fn softmax_weights(scores: &mut [f32]) -> f32 {
     sum
 }
 
-fn attend_scalar(q: &[f32], kv: KvSlice<'_>, scale: f32, scores: &mut [f32], out: &mut [f32]) {
+/// The largest head the scalar kernel widens on the stack (larger heads widen on the heap).
+const STACK_HEAD: usize = 256;
+
+fn attend_scalar<T: KvValue>(
+    q: &[f32],
+    kv: Typed<'_, T>,
+    scale: f32,
+    scores: &mut [f32],
+    out: &mut [f32],
+) {
     let hd = q.len();
+    let mut stack = [0f32; STACK_HEAD];
+    let mut heap = Vec::new();
+    let key: &mut [f32] = if hd <= STACK_HEAD {
+        &mut stack[..hd]
+    } else {
+        heap.resize(hd, 0.0);
+        &mut heap
+    };
     for (s, j) in scores.iter_mut().zip(kv.start..kv.end) {
         let at = j * kv.kv_dim + kv.head_off;
-        *s = dot(q, &kv.k[at..at + hd]) * scale;
+        for (w, x) in key.iter_mut().zip(&kv.k[at..at + hd]) {
+            *w = x.widen();
+        }
+        *s = dot(q, key) * scale;
     }
     out.fill(0.0);
     if scores.is_empty() {
@@ -78,8 +192,8 @@ fn attend_scalar(q: &[f32], kv: KvSlice<'_>, scale: f32, scores: &mut [f32], out
     let inv = 1.0 / softmax_weights(scores);
     for (&p, j) in scores.iter().zip(kv.start..kv.end) {
         let at = j * kv.kv_dim + kv.head_off;
-        for (o, &x) in out.iter_mut().zip(&kv.v[at..at + hd]) {
-            *o += p * x;
+        for (o, x) in out.iter_mut().zip(&kv.v[at..at + hd]) {
+            *o += p * x.widen();
         }
     }
     for o in out.iter_mut() {
@@ -91,18 +205,76 @@ fn attend_scalar(q: &[f32], kv: KvSlice<'_>, scale: f32, scores: &mut [f32], out
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{softmax_weights, KvSlice};
+    use half::f16;
+
+    use super::super::vexp::{exp16, lane_mask, LANES};
+    use super::{KvValue, Typed};
+
+    /// `softmax_weights` in 16 lanes: `exp(s - max)` by [`exp16`], summed in 16 partial sums
+    /// reduced at the end (one order for a given count, whichever query asks).
+    #[target_feature(enable = "avx512f")]
+    unsafe fn softmax_weights_avx512(scores: &mut [f32]) -> f32 {
+        let mut mx = _mm512_set1_ps(f32::NEG_INFINITY);
+        for s in scores.chunks(LANES) {
+            let v = _mm512_mask_loadu_ps(mx, lane_mask(s.len()), s.as_ptr());
+            mx = _mm512_max_ps(mx, v);
+        }
+        let mx = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        let mut sum = _mm512_setzero_ps();
+        for s in scores.chunks_mut(LANES) {
+            let m = lane_mask(s.len());
+            let e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s.as_ptr()), mx));
+            _mm512_mask_storeu_ps(s.as_mut_ptr(), m, e);
+            sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
+        }
+        _mm512_reduce_add_ps(sum)
+    }
 
     /// Keys scored together (independent dependency chains).
     const KEYS: usize = 4;
 
+    /// Loads of 16 (AVX-512) or 8 (AVX2) stored values as f32 lanes. Only called from the
+    /// kernels below, which enable the features the loads need.
+    pub trait Lanes: KvValue {
+        /// # Safety
+        /// AVX-512F is available; `p` is valid for 16 values.
+        unsafe fn load16(p: *const Self) -> __m512;
+        /// # Safety
+        /// AVX2 and F16C are available; `p` is valid for 8 values.
+        unsafe fn load8(p: *const Self) -> __m256;
+    }
+
+    impl Lanes for f32 {
+        #[inline(always)]
+        unsafe fn load16(p: *const f32) -> __m512 {
+            _mm512_loadu_ps(p)
+        }
+
+        #[inline(always)]
+        unsafe fn load8(p: *const f32) -> __m256 {
+            _mm256_loadu_ps(p)
+        }
+    }
+
+    impl Lanes for f16 {
+        #[inline(always)]
+        unsafe fn load16(p: *const f16) -> __m512 {
+            _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
+        }
+
+        #[inline(always)]
+        unsafe fn load8(p: *const f16) -> __m256 {
+            _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
+        }
+    }
+
     /// `attend_avx512` for a head of `16 · C` values with the query and the output held in
     /// registers and `KEYS` keys scored at a time; every score and every output lane takes
     /// the same operations in the same order, so the results are the same bits.
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    pub unsafe fn attend_avx512_regs<const C: usize>(
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub unsafe fn attend_avx512_regs<T: Lanes, const C: usize>(
         q: &[f32],
-        kv: KvSlice<'_>,
+        kv: Typed<'_, T>,
         scale: f32,
         scores: &mut [f32],
         out: &mut [f32],
@@ -120,7 +292,7 @@ mod x86 {
             for (c, qc) in qv.iter().enumerate() {
                 for (u, a) in acc.iter_mut().enumerate() {
                     let key = base.add((s + u) * kv.kv_dim + 16 * c);
-                    *a = _mm512_fmadd_ps(*qc, _mm512_loadu_ps(key), *a);
+                    *a = _mm512_fmadd_ps(*qc, T::load16(key), *a);
                 }
             }
             for (u, a) in acc.iter().enumerate() {
@@ -132,7 +304,7 @@ mod x86 {
             let mut acc = _mm512_setzero_ps();
             for (c, qc) in qv.iter().enumerate() {
                 let key = base.add(j * kv.kv_dim + 16 * c);
-                acc = _mm512_fmadd_ps(*qc, _mm512_loadu_ps(key), acc);
+                acc = _mm512_fmadd_ps(*qc, T::load16(key), acc);
             }
             *sc = _mm512_reduce_add_ps(acc) * scale;
         }
@@ -140,13 +312,13 @@ mod x86 {
             out.fill(0.0);
             return;
         }
-        let inv = 1.0 / softmax_weights(scores);
+        let inv = 1.0 / softmax_weights_avx512(scores);
         let vbase = kv.v.as_ptr().add(kv.start * kv.kv_dim + kv.head_off);
         let mut o = [_mm512_setzero_ps(); C];
         for (j, &p) in scores.iter().enumerate() {
             let (pv, val) = (_mm512_set1_ps(p), vbase.add(j * kv.kv_dim));
             for (c, oc) in o.iter_mut().enumerate() {
-                *oc = _mm512_fmadd_ps(pv, _mm512_loadu_ps(val.add(16 * c)), *oc);
+                *oc = _mm512_fmadd_ps(pv, T::load16(val.add(16 * c)), *oc);
             }
         }
         let iv = _mm512_set1_ps(inv);
@@ -155,10 +327,10 @@ mod x86 {
         }
     }
 
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    pub unsafe fn attend_avx512(
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub unsafe fn attend_avx512<T: Lanes>(
         q: &[f32],
-        kv: KvSlice<'_>,
+        kv: Typed<'_, T>,
         scale: f32,
         scores: &mut [f32],
         out: &mut [f32],
@@ -171,7 +343,7 @@ mod x86 {
             for c in 0..chunks {
                 acc = _mm512_fmadd_ps(
                     _mm512_loadu_ps(q.as_ptr().add(16 * c)),
-                    _mm512_loadu_ps(key.add(16 * c)),
+                    T::load16(key.add(16 * c)),
                     acc,
                 );
             }
@@ -181,7 +353,7 @@ mod x86 {
         if scores.is_empty() {
             return;
         }
-        let inv = 1.0 / softmax_weights(scores);
+        let inv = 1.0 / softmax_weights_avx512(scores);
         for (&p, j) in scores.iter().zip(kv.start..kv.end) {
             let val = kv.v.as_ptr().add(j * kv.kv_dim + kv.head_off);
             let pv = _mm512_set1_ps(p);
@@ -189,7 +361,7 @@ mod x86 {
                 let o = out.as_mut_ptr().add(16 * c);
                 _mm512_storeu_ps(
                     o,
-                    _mm512_fmadd_ps(pv, _mm512_loadu_ps(val.add(16 * c)), _mm512_loadu_ps(o)),
+                    _mm512_fmadd_ps(pv, T::load16(val.add(16 * c)), _mm512_loadu_ps(o)),
                 );
             }
         }
@@ -200,10 +372,10 @@ mod x86 {
         }
     }
 
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn attend_avx2(
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn attend_avx2<T: Lanes>(
         q: &[f32],
-        kv: KvSlice<'_>,
+        kv: Typed<'_, T>,
         scale: f32,
         scores: &mut [f32],
         out: &mut [f32],
@@ -216,7 +388,7 @@ mod x86 {
             for c in 0..chunks {
                 acc = _mm256_fmadd_ps(
                     _mm256_loadu_ps(q.as_ptr().add(8 * c)),
-                    _mm256_loadu_ps(key.add(8 * c)),
+                    T::load8(key.add(8 * c)),
                     acc,
                 );
             }
@@ -228,7 +400,7 @@ mod x86 {
         if scores.is_empty() {
             return;
         }
-        let inv = 1.0 / softmax_weights(scores);
+        let inv = 1.0 / super::softmax_weights(scores);
         for (&p, j) in scores.iter().zip(kv.start..kv.end) {
             let val = kv.v.as_ptr().add(j * kv.kv_dim + kv.head_off);
             let pv = _mm256_set1_ps(p);
@@ -236,7 +408,7 @@ mod x86 {
                 let o = out.as_mut_ptr().add(8 * c);
                 _mm256_storeu_ps(
                     o,
-                    _mm256_fmadd_ps(pv, _mm256_loadu_ps(val.add(8 * c)), _mm256_loadu_ps(o)),
+                    _mm256_fmadd_ps(pv, T::load8(val.add(8 * c)), _mm256_loadu_ps(o)),
                 );
             }
         }
@@ -252,12 +424,12 @@ mod x86 {
 mod tests {
     use super::*;
 
-    fn reference(q: &[f32], kv: KvSlice<'_>, scale: f32) -> Vec<f64> {
+    fn reference(q: &[f32], k: &[f32], v: &[f32], kv: KvSlice<'_>, scale: f32) -> Vec<f64> {
         let hd = q.len();
         let s: Vec<f64> = (kv.start..kv.end)
             .map(|j| {
                 (0..hd)
-                    .map(|d| q[d] as f64 * kv.k[j * kv.kv_dim + kv.head_off + d] as f64)
+                    .map(|d| q[d] as f64 * k[j * kv.kv_dim + kv.head_off + d] as f64)
                     .sum::<f64>()
                     * scale as f64
             })
@@ -269,41 +441,123 @@ mod tests {
             .map(|d| {
                 (kv.start..kv.end)
                     .zip(&e)
-                    .map(|(j, p)| p * kv.v[j * kv.kv_dim + kv.head_off + d] as f64)
+                    .map(|(j, p)| p * v[j * kv.kv_dim + kv.head_off + d] as f64)
                     .sum::<f64>()
                     / sum
             })
             .collect()
     }
 
+    /// Keys and values of `n` positions, with f16 copies (and the f32 values those hold).
+    struct Cache {
+        k: Vec<f32>,
+        v: Vec<f32>,
+        k16: Vec<f16>,
+        v16: Vec<f16>,
+        k_wide: Vec<f32>,
+        v_wide: Vec<f32>,
+    }
+
+    impl Cache {
+        fn new(n: usize, kv_dim: usize) -> Self {
+            let k: Vec<f32> = (0..n * kv_dim)
+                .map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0 + (i as f32 * 1e-4))
+                .collect();
+            let v: Vec<f32> = (0..n * kv_dim)
+                .map(|i| ((i * 53 % 97) as f32 / 48.0) - 1.0 - (i as f32 * 3e-5))
+                .collect();
+            let k16: Vec<f16> = k.iter().map(|&x| f16::from_f32(x)).collect();
+            let v16: Vec<f16> = v.iter().map(|&x| f16::from_f32(x)).collect();
+            let k_wide = k16.iter().map(|x| x.to_f32()).collect();
+            let v_wide = v16.iter().map(|x| x.to_f32()).collect();
+            Cache {
+                k,
+                v,
+                k16,
+                v16,
+                k_wide,
+                v_wide,
+            }
+        }
+
+        fn slice<'a>(
+            &'a self,
+            half: bool,
+            kv_dim: usize,
+            head_off: usize,
+            range: (usize, usize),
+        ) -> KvSlice<'a> {
+            let (k, v) = if half {
+                (KvData::F16(&self.k16), KvData::F16(&self.v16))
+            } else {
+                (KvData::F32(&self.k), KvData::F32(&self.v))
+            };
+            KvSlice {
+                k,
+                v,
+                kv_dim,
+                head_off,
+                start: range.0,
+                end: range.1,
+            }
+        }
+    }
+
+    fn isas() -> Vec<Isa> {
+        [Isa::detect(), Isa::Avx2, Isa::Portable(8)]
+            .into_iter()
+            .filter(|i| i.is_supported())
+            .collect()
+    }
+
+    fn bits(o: &[f32]) -> Vec<u32> {
+        o.iter().map(|x| x.to_bits()).collect()
+    }
+
     #[test]
     fn every_isa_matches_an_f64_reference() {
         let (hd, kv_dim, n) = (32, 96, 40);
-        let k: Vec<f32> = (0..n * kv_dim)
-            .map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0)
-            .collect();
-        let v: Vec<f32> = (0..n * kv_dim)
-            .map(|i| ((i * 53 % 97) as f32 / 48.0) - 1.0)
-            .collect();
+        let c = Cache::new(n, kv_dim);
         let q: Vec<f32> = (0..hd).map(|i| (i as f32 * 0.3).sin()).collect();
-        let kv = KvSlice {
-            k: &k,
-            v: &v,
-            kv_dim,
-            head_off: 32,
-            start: 3,
-            end: 37,
-        };
-        let want = reference(&q, kv, 0.2);
         let mut scores = Vec::new();
-        for isa in [Isa::detect(), Isa::Avx2, Isa::Portable(8)] {
-            if !isa.is_supported() {
-                continue;
+        for half in [false, true] {
+            let kv = c.slice(half, kv_dim, 32, (3, 37));
+            let want = if half {
+                reference(&q, &c.k_wide, &c.v_wide, kv, 0.2)
+            } else {
+                reference(&q, &c.k, &c.v, kv, 0.2)
+            };
+            for isa in isas() {
+                let mut out = vec![0f32; hd];
+                attend(isa, &q, kv, 0.2, &mut scores, &mut out);
+                for (g, w) in out.iter().zip(&want) {
+                    assert!((*g as f64 - w).abs() < 1e-5, "{isa} f16 {half}: {g} vs {w}");
+                }
             }
-            let mut out = vec![0f32; hd];
-            attend(isa, &q, kv, 0.2, &mut scores, &mut out);
-            for (g, w) in out.iter().zip(&want) {
-                assert!((*g as f64 - w).abs() < 1e-5, "{isa}: {g} vs {w}");
+        }
+    }
+
+    /// An f16 cache widens exactly, so every kernel gives the bits it gives for an f32 cache
+    /// holding the widened values.
+    #[test]
+    fn an_f16_cache_gives_the_bits_of_its_widened_values() {
+        for (hd, kv_dim) in [(64usize, 192usize), (128, 256), (32, 96), (24, 48)] {
+            let n = 37;
+            let c = Cache::new(n, kv_dim);
+            let q: Vec<f32> = (0..hd).map(|i| (i as f32 * 0.7).cos()).collect();
+            for isa in isas() {
+                for range in [(0, 0), (0, 1), (2, 7), (5, 37)] {
+                    let half = c.slice(true, kv_dim, kv_dim - hd, range);
+                    let wide = KvSlice {
+                        k: KvData::F32(&c.k_wide),
+                        v: KvData::F32(&c.v_wide),
+                        ..half
+                    };
+                    let (mut got, mut want) = (vec![f32::NAN; hd], vec![f32::NAN; hd]);
+                    attend(isa, &q, half, 0.125, &mut Vec::new(), &mut got);
+                    attend(isa, &q, wide, 0.125, &mut Vec::new(), &mut want);
+                    assert_eq!(bits(&got), bits(&want), "{isa} hd {hd} keys {range:?}");
+                }
             }
         }
     }
@@ -317,37 +571,47 @@ mod tests {
         }
         for hd in [64usize, 128] {
             let kv_dim = 2 * hd;
-            let n = 41;
-            let k: Vec<f32> = (0..n * kv_dim)
-                .map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0)
-                .collect();
-            let v: Vec<f32> = (0..n * kv_dim)
-                .map(|i| ((i * 53 % 97) as f32 / 48.0) - 1.0)
-                .collect();
+            let c = Cache::new(41, kv_dim);
             let q: Vec<f32> = (0..hd).map(|i| (i as f32 * 0.3).sin()).collect();
             for (start, end) in [(0, 0), (2, 3), (1, 5), (0, 8), (3, 40)] {
-                let kv = KvSlice {
-                    k: &k,
-                    v: &v,
-                    kv_dim,
-                    head_off: hd,
-                    start,
-                    end,
-                };
                 let mut want = vec![f32::NAN; hd];
                 let mut got = vec![f32::NAN; hd];
                 let mut sc = vec![0f32; end - start];
-                // SAFETY: AVX-512F was detected; the slices are in bounds.
-                unsafe {
-                    x86::attend_avx512(&q, kv, 0.125, &mut sc, &mut want);
-                    if hd == 64 {
-                        x86::attend_avx512_regs::<4>(&q, kv, 0.125, &mut sc, &mut got);
-                    } else {
-                        x86::attend_avx512_regs::<8>(&q, kv, 0.125, &mut sc, &mut got);
+                fn typed<'a, T>(
+                    k: &'a [T],
+                    v: &'a [T],
+                    d: usize,
+                    r: (usize, usize),
+                ) -> Typed<'a, T> {
+                    let (kv_dim, head_off, start, end) = (2 * d, d, r.0, r.1);
+                    Typed {
+                        k,
+                        v,
+                        kv_dim,
+                        head_off,
+                        start,
+                        end,
                     }
                 }
-                let bits = |o: &[f32]| o.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&got), bits(&want), "hd {hd}, keys {start}..{end}");
+                // SAFETY: AVX-512F was detected; the slices are in bounds.
+                unsafe {
+                    let kv = typed(&c.k[..], &c.v[..], hd, (start, end));
+                    x86::attend_avx512(&q, kv, 0.125, &mut sc, &mut want);
+                    if hd == 64 {
+                        x86::attend_avx512_regs::<f32, 4>(&q, kv, 0.125, &mut sc, &mut got);
+                    } else {
+                        x86::attend_avx512_regs::<f32, 8>(&q, kv, 0.125, &mut sc, &mut got);
+                    }
+                    assert_eq!(bits(&got), bits(&want), "f32 hd {hd}, keys {start}..{end}");
+                    let kv = typed(&c.k16[..], &c.v16[..], hd, (start, end));
+                    x86::attend_avx512(&q, kv, 0.125, &mut sc, &mut want);
+                    if hd == 64 {
+                        x86::attend_avx512_regs::<f16, 4>(&q, kv, 0.125, &mut sc, &mut got);
+                    } else {
+                        x86::attend_avx512_regs::<f16, 8>(&q, kv, 0.125, &mut sc, &mut got);
+                    }
+                    assert_eq!(bits(&got), bits(&want), "f16 hd {hd}, keys {start}..{end}");
+                }
             }
         }
     }
@@ -356,8 +620,8 @@ mod tests {
     fn empty_slice_gives_zeros() {
         let mut out = [1f32; 8];
         let kv = KvSlice {
-            k: &[0.0; 8],
-            v: &[0.0; 8],
+            k: KvData::F16(&[f16::ZERO; 8]),
+            v: KvData::F16(&[f16::ZERO; 8]),
             kv_dim: 8,
             head_off: 0,
             start: 0,
@@ -365,5 +629,26 @@ mod tests {
         };
         attend(Isa::detect(), &[1.0; 8], kv, 1.0, &mut Vec::new(), &mut out);
         assert_eq!(out, [0.0; 8]);
+    }
+
+    #[test]
+    #[should_panic(expected = "one type")]
+    fn mixed_types_are_refused() {
+        let kv = KvSlice {
+            k: KvData::F16(&[f16::ZERO; 8]),
+            v: KvData::F32(&[0.0; 8]),
+            kv_dim: 8,
+            head_off: 0,
+            start: 0,
+            end: 1,
+        };
+        attend(
+            Isa::detect(),
+            &[1.0; 8],
+            kv,
+            1.0,
+            &mut Vec::new(),
+            &mut [0.0; 8],
+        );
     }
 }

@@ -10,6 +10,7 @@ pub mod elementwise;
 pub mod gdn;
 pub mod norm;
 pub mod rope;
+pub mod vexp;
 
 /// Sum of `a[i] * b[i]` with sixteen running partial sums combined pairwise (fixed order;
 /// plain multiply and add, which the compiler vectorises on any x86-64 or aarch64).
