@@ -24,6 +24,13 @@ use crate::weight::HostWeight;
 /// Rows x columns below which element-wise ops stay on the calling thread.
 const PARALLEL_MIN_ELEMS: usize = 1 << 15;
 
+/// Visible keys from which attention takes a task per KV head rather than per query head.
+/// Below it a step's few KV heads would leave threads idle while the keys and values fit in
+/// cache anyway (a task per KV head lost 3–7 % of decode speed at ~600 keys on a 2-vCPU Xeon,
+/// docs/benchmarks/2026-12-03-cpu-attention-grouping.md); above it each extra read of them
+/// comes from memory.
+const GROUP_MIN_KEYS: usize = 1024;
+
 /// The CPU backend.
 pub struct CpuBackend {
     pool: CpuPool,
@@ -765,29 +772,40 @@ impl Backend for CpuBackend {
         let rows = &kv.layers[layer];
         let kv_dim = kv.kv_dim;
         let out_ptr = SyncPtr(out.data.as_mut_ptr());
-        let tasks = q.rows * n_heads;
+        // A task per query head, or, once some token sees `GROUP_MIN_KEYS` keys, per KV head:
+        // its query heads then read each tile of keys and values once instead of once each.
+        // Both give every head the same bits (`attention::attend_group`).
+        let longest = meta.iter().map(|m| m.kv_end.saturating_sub(m.kv_start));
+        let heads = if longest.max().unwrap_or(0) as usize >= GROUP_MIN_KEYS {
+            group
+        } else {
+            1
+        };
+        let units = n_heads / heads;
+        let tasks = q.rows * units;
         let isa = self.isa;
         self.pool.for_each(tasks, |task| {
-            let (t, h) = (task / n_heads, task % n_heads);
+            let (t, u) = (task / units, task % units);
             let m = meta[t];
             let row = &rows[m.row as usize];
-            let qh = &q.data[t * q.cols + h * head_dim..t * q.cols + (h + 1) * head_dim];
-            // SAFETY: each task writes its own (token, head) slice of `out`.
-            let o = unsafe {
-                std::slice::from_raw_parts_mut(
-                    out_ptr.get().add(t * q.cols + h * head_dim),
-                    head_dim,
-                )
-            };
+            let h0 = u * heads;
+            let at = t * q.cols + h0 * head_dim;
+            let qh = &q.data[at..at + heads * head_dim];
+            // SAFETY: each task writes its own (token, heads) slice of `out`.
+            let o =
+                unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(at), heads * head_dim) };
             let kv_slice = attention::KvSlice {
                 k: row.k.data(),
                 v: row.v.data(),
                 kv_dim,
-                head_off: (h / group) * head_dim,
+                head_off: (h0 / group) * head_dim,
                 start: m.kv_start as usize,
                 end: m.kv_end as usize,
             };
-            SCORES.with(|s| attention::attend(isa, qh, kv_slice, scale, &mut s.borrow_mut(), o));
+            SCORES.with(|s| {
+                let s = &mut s.borrow_mut();
+                attention::attend_group(isa, qh, head_dim, kv_slice, scale, s, o)
+            });
         });
     }
 

@@ -285,6 +285,20 @@ mod tests {
     }
 
     #[test]
+    fn the_backend_makes_caches_of_its_type_and_counts_their_bytes() {
+        use crate::cpu::{CpuBackend, Isa, MatmulMode};
+        use crate::Backend;
+        for ty in [KvType::F16, KvType::F32] {
+            let b = CpuBackend::with_options(1, Isa::detect(), MatmulMode::Auto).with_kv_type(ty);
+            let kv = b.kv_new(2, 8);
+            assert_eq!(kv.ty, ty);
+            assert_eq!(b.kv_value_bytes(&kv), ty.bytes());
+        }
+        let b = CpuBackend::with_options(1, Isa::detect(), MatmulMode::Auto);
+        assert_eq!(b.kv_type(), KvType::F16, "the default");
+    }
+
+    #[test]
     fn f32_rows_keep_values_exactly() {
         let mut kv = CpuKv::new(1, 3, KvType::F32);
         kv.reserve(1, 1, 0);

@@ -62,6 +62,22 @@ pub fn attend(
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
+    attend_group(isa, q, q.len(), kv, scale, scores, out)
+}
+
+/// Attends the query heads of `q` (`q.len() / hd` heads of `hd` values, one after another)
+/// that share the KV head at `kv.head_off`, writing their outputs to `out` in the same layout.
+/// Each head gets the bits [`attend`] gives it alone; the register kernels read each tile of
+/// keys and values once for all the heads instead of once per head.
+pub fn attend_group(
+    isa: Isa,
+    q: &[f32],
+    hd: usize,
+    kv: KvSlice<'_>,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
     let KvSlice {
         kv_dim,
         head_off,
@@ -79,7 +95,7 @@ pub fn attend(
                 start,
                 end,
             };
-            attend_typed(isa, q, kv, scale, scores, out)
+            attend_typed(isa, q, hd, kv, scale, scores, out)
         }
         (KvData::F16(k), KvData::F16(v)) => {
             let kv = Typed {
@@ -90,7 +106,7 @@ pub fn attend(
                 start,
                 end,
             };
-            attend_typed(isa, q, kv, scale, scores, out)
+            attend_typed(isa, q, hd, kv, scale, scores, out)
         }
         _ => panic!("the keys and values of one cache have one type"),
     }
@@ -100,52 +116,77 @@ pub fn attend(
 fn attend_typed<T: x86::Lanes>(
     isa: Isa,
     q: &[f32],
+    hd: usize,
     kv: Typed<'_, T>,
     scale: f32,
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
-    let hd = prepare(q, &kv, scores, out);
+    let (heads, n) = prepare(q, hd, &kv, scores, out);
     // SAFETY: the CPU supports the instruction set (checked when the backend was built; AVX2
     // there includes F16C) and the bounds were asserted by `prepare`.
     unsafe {
-        if isa == Isa::Avx512 && hd == 64 {
-            return x86::attend_avx512_regs::<T, 4>(q, kv, scale, scores, out);
-        }
-        if isa == Isa::Avx512 && hd == 128 {
-            return x86::attend_avx512_regs::<T, 8>(q, kv, scale, scores, out);
-        }
-        if isa == Isa::Avx512 && hd.is_multiple_of(16) {
-            return x86::attend_avx512(q, kv, scale, scores, out);
-        }
-        if matches!(isa, Isa::Avx512 | Isa::Avx2) && hd.is_multiple_of(8) {
-            return x86::attend_avx2(q, kv, scale, scores, out);
+        for h0 in (0..heads).step_by(x86::MAX_GROUP) {
+            let g = (heads - h0).min(x86::MAX_GROUP);
+            let (q, out) = (&q[h0 * hd..(h0 + g) * hd], &mut out[h0 * hd..(h0 + g) * hd]);
+            let scores = &mut scores[h0 * n..(h0 + g) * n];
+            if isa == Isa::Avx512 && hd == 64 {
+                x86::attend_group_regs::<T, 4>(q, g, kv, scale, scores, out);
+                continue;
+            }
+            if isa == Isa::Avx512 && hd == 128 {
+                x86::attend_group_regs::<T, 8>(q, g, kv, scale, scores, out);
+                continue;
+            }
+            for h in 0..g {
+                let (q, out) = (&q[h * hd..(h + 1) * hd], &mut out[h * hd..(h + 1) * hd]);
+                let scores = &mut scores[h * n..(h + 1) * n];
+                if isa == Isa::Avx512 && hd.is_multiple_of(16) {
+                    x86::attend_avx512(q, kv, scale, scores, out);
+                } else if matches!(isa, Isa::Avx512 | Isa::Avx2) && hd.is_multiple_of(8) {
+                    x86::attend_avx2(q, kv, scale, scores, out);
+                } else {
+                    attend_scalar(q, kv, scale, scores, out);
+                }
+            }
         }
     }
-    attend_scalar(q, kv, scale, scores, out)
 }
 
 #[cfg(not(target_arch = "x86_64"))]
 fn attend_typed<T: KvValue>(
     isa: Isa,
     q: &[f32],
+    hd: usize,
     kv: Typed<'_, T>,
     scale: f32,
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
-    let _ = (isa, prepare(q, &kv, scores, out));
-    attend_scalar(q, kv, scale, scores, out)
+    let _ = isa;
+    let (heads, n) = prepare(q, hd, &kv, scores, out);
+    for h in 0..heads {
+        let (q, out) = (&q[h * hd..(h + 1) * hd], &mut out[h * hd..(h + 1) * hd]);
+        attend_scalar(q, kv, scale, &mut scores[h * n..(h + 1) * n], out);
+    }
 }
 
-/// Checks the bounds every kernel relies on and sizes `scores`; returns the head size.
-fn prepare<T>(q: &[f32], kv: &Typed<'_, T>, scores: &mut Vec<f32>, out: &[f32]) -> usize {
-    let hd = q.len();
+/// Checks the bounds every kernel relies on and sizes `scores` (a row of visible keys per
+/// head); returns the heads and the visible keys.
+fn prepare<T>(
+    q: &[f32],
+    hd: usize,
+    kv: &Typed<'_, T>,
+    scores: &mut Vec<f32>,
+    out: &[f32],
+) -> (usize, usize) {
+    assert!(hd > 0 && q.len().is_multiple_of(hd) && out.len() == q.len());
     assert!(kv.end * kv.kv_dim <= kv.k.len() && kv.end * kv.kv_dim <= kv.v.len());
-    assert!(kv.head_off + hd <= kv.kv_dim && out.len() == hd);
+    assert!(kv.head_off + hd <= kv.kv_dim);
+    let (heads, n) = (q.len() / hd, kv.end.saturating_sub(kv.start));
     scores.clear();
-    scores.resize(kv.end.saturating_sub(kv.start), 0.0);
-    hd
+    scores.resize(heads * n, 0.0);
+    (heads, n)
 }
 
 /// Turns raw scores into unnormalised weights `exp(s - max)`; returns their sum.
@@ -268,30 +309,37 @@ mod x86 {
         }
     }
 
-    /// `attend_avx512` for a head of `16 · C` values with the query and the output held in
-    /// registers and `KEYS` keys scored at a time; every score and every output lane takes
-    /// the same operations in the same order, so the results are the same bits.
+    /// Heads [`attend_group_regs`] takes at once (more are taken in turns).
+    pub const MAX_GROUP: usize = 16;
+
+    /// Keys per tile: the tile's keys (or values) of one KV head, 16 KB at most, stay in L1
+    /// while every head of the group reads them.
+    const TILE: usize = 64;
+
+    /// Scores of `scores.len()` keys from key `first` on (`kbase` points at key 0 of the head)
+    /// for one query head of `16 · C` values held in registers, `KEYS` keys at a time; every
+    /// key takes the same chain of operations, alone or with others.
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    pub unsafe fn attend_avx512_regs<T: Lanes, const C: usize>(
+    #[inline]
+    unsafe fn score_keys<T: Lanes, const C: usize>(
         q: &[f32],
-        kv: Typed<'_, T>,
+        kbase: *const T,
+        kv_dim: usize,
+        first: usize,
         scale: f32,
         scores: &mut [f32],
-        out: &mut [f32],
     ) {
-        debug_assert!(q.len() == 16 * C && out.len() == 16 * C);
         let mut qv = [_mm512_setzero_ps(); C];
         for (c, v) in qv.iter_mut().enumerate() {
             *v = _mm512_loadu_ps(q.as_ptr().add(16 * c));
         }
-        let base = kv.k.as_ptr().add(kv.start * kv.kv_dim + kv.head_off);
         let n = scores.len();
         let mut s = 0;
         while s + KEYS <= n {
             let mut acc = [_mm512_setzero_ps(); KEYS];
             for (c, qc) in qv.iter().enumerate() {
                 for (u, a) in acc.iter_mut().enumerate() {
-                    let key = base.add((s + u) * kv.kv_dim + 16 * c);
+                    let key = kbase.add((first + s + u) * kv_dim + 16 * c);
                     *a = _mm512_fmadd_ps(*qc, T::load16(key), *a);
                 }
             }
@@ -303,27 +351,87 @@ mod x86 {
         for (j, sc) in scores.iter_mut().enumerate().skip(s) {
             let mut acc = _mm512_setzero_ps();
             for (c, qc) in qv.iter().enumerate() {
-                let key = base.add(j * kv.kv_dim + 16 * c);
+                let key = kbase.add((first + j) * kv_dim + 16 * c);
                 acc = _mm512_fmadd_ps(*qc, T::load16(key), acc);
             }
             *sc = _mm512_reduce_add_ps(acc) * scale;
         }
-        if n == 0 {
-            out.fill(0.0);
-            return;
-        }
-        let inv = 1.0 / softmax_weights_avx512(scores);
-        let vbase = kv.v.as_ptr().add(kv.start * kv.kv_dim + kv.head_off);
+    }
+
+    /// Adds `Σ_j p[j] · v[first + j]` to the `16 · C` outputs `out` (loaded, accumulated in
+    /// registers key by key, stored: the chain of one pass over all keys).
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    #[inline]
+    unsafe fn add_values<T: Lanes, const C: usize>(
+        p: &[f32],
+        vbase: *const T,
+        kv_dim: usize,
+        first: usize,
+        out: &mut [f32],
+    ) {
         let mut o = [_mm512_setzero_ps(); C];
-        for (j, &p) in scores.iter().enumerate() {
-            let (pv, val) = (_mm512_set1_ps(p), vbase.add(j * kv.kv_dim));
+        for (c, oc) in o.iter_mut().enumerate() {
+            *oc = _mm512_loadu_ps(out.as_ptr().add(16 * c));
+        }
+        for (j, &pj) in p.iter().enumerate() {
+            let (pv, val) = (_mm512_set1_ps(pj), vbase.add((first + j) * kv_dim));
             for (c, oc) in o.iter_mut().enumerate() {
                 *oc = _mm512_fmadd_ps(pv, T::load16(val.add(16 * c)), *oc);
             }
         }
-        let iv = _mm512_set1_ps(inv);
         for (c, oc) in o.iter().enumerate() {
-            _mm512_storeu_ps(out.as_mut_ptr().add(16 * c), _mm512_mul_ps(*oc, iv));
+            _mm512_storeu_ps(out.as_mut_ptr().add(16 * c), *oc);
+        }
+    }
+
+    /// `attend_avx512` for `g ≤ MAX_GROUP` query heads of `16 · C` values sharing one KV
+    /// head: keys and values are walked in tiles of `TILE`, each tile read by every head
+    /// before the next. A head's scores, softmax and output take exactly the operations of
+    /// `attend_avx512` (same chains, in the same order; outputs pass through memory between
+    /// tiles, which is exact), so every head gets its bits.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub unsafe fn attend_group_regs<T: Lanes, const C: usize>(
+        q: &[f32],
+        g: usize,
+        kv: Typed<'_, T>,
+        scale: f32,
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) {
+        let hd = 16 * C;
+        debug_assert!(g <= MAX_GROUP && q.len() == g * hd && out.len() == g * hd);
+        out.fill(0.0);
+        let n = scores.len() / g.max(1);
+        if n == 0 {
+            return;
+        }
+        let at = kv.start * kv.kv_dim + kv.head_off;
+        let (kbase, vbase) = (kv.k.as_ptr().add(at), kv.v.as_ptr().add(at));
+        for t0 in (0..n).step_by(TILE) {
+            let t1 = (t0 + TILE).min(n);
+            for h in 0..g {
+                let qh = &q[h * hd..(h + 1) * hd];
+                let sc = &mut scores[h * n + t0..h * n + t1];
+                score_keys::<T, C>(qh, kbase, kv.kv_dim, t0, scale, sc);
+            }
+        }
+        let mut inv = [0f32; MAX_GROUP];
+        for (h, iv) in inv.iter_mut().enumerate().take(g) {
+            *iv = 1.0 / softmax_weights_avx512(&mut scores[h * n..(h + 1) * n]);
+        }
+        for t0 in (0..n).step_by(TILE) {
+            let t1 = (t0 + TILE).min(n);
+            for h in 0..g {
+                let p = &scores[h * n + t0..h * n + t1];
+                add_values::<T, C>(p, vbase, kv.kv_dim, t0, &mut out[h * hd..(h + 1) * hd]);
+            }
+        }
+        for (h, &iv) in inv.iter().enumerate().take(g) {
+            let iv = _mm512_set1_ps(iv);
+            for c in 0..C {
+                let o = out.as_mut_ptr().add(h * hd + 16 * c);
+                _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(o), iv));
+            }
         }
     }
 
@@ -562,55 +670,94 @@ mod tests {
         }
     }
 
+    /// The grouped register kernels, for one head or several, over one tile of keys or
+    /// several, give every head the bits of the generic AVX-512 kernel on that head alone.
     #[cfg(target_arch = "x86_64")]
     #[test]
-    fn register_kernels_give_the_bits_of_the_generic_avx512_kernel() {
+    fn grouped_register_kernels_give_each_head_the_bits_of_the_generic_avx512_kernel() {
         if Isa::detect() != Isa::Avx512 {
             eprintln!("skipped: this CPU has no AVX-512F");
             return;
         }
-        for hd in [64usize, 128] {
-            let kv_dim = 2 * hd;
-            let c = Cache::new(41, kv_dim);
-            let q: Vec<f32> = (0..hd).map(|i| (i as f32 * 0.3).sin()).collect();
-            for (start, end) in [(0, 0), (2, 3), (1, 5), (0, 8), (3, 40)] {
-                let mut want = vec![f32::NAN; hd];
-                let mut got = vec![f32::NAN; hd];
-                let mut sc = vec![0f32; end - start];
-                fn typed<'a, T>(
-                    k: &'a [T],
-                    v: &'a [T],
-                    d: usize,
-                    r: (usize, usize),
-                ) -> Typed<'a, T> {
-                    let (kv_dim, head_off, start, end) = (2 * d, d, r.0, r.1);
-                    Typed {
-                        k,
-                        v,
-                        kv_dim,
-                        head_off,
-                        start,
-                        end,
-                    }
+        fn check<T: x86::Lanes>(k: &[T], v: &[T], hd: usize, g: usize, r: (usize, usize)) {
+            let kv = Typed {
+                k,
+                v,
+                kv_dim: 2 * hd,
+                head_off: hd,
+                start: r.0,
+                end: r.1,
+            };
+            let n = r.1 - r.0;
+            let q: Vec<f32> = (0..g * hd).map(|i| (i as f32 * 0.3).sin()).collect();
+            let mut got = vec![f32::NAN; g * hd];
+            let mut sc = vec![0f32; g * n];
+            // SAFETY: AVX-512F was detected; the slices are in bounds.
+            unsafe {
+                if hd == 64 {
+                    x86::attend_group_regs::<T, 4>(&q, g, kv, 0.125, &mut sc, &mut got);
+                } else {
+                    x86::attend_group_regs::<T, 8>(&q, g, kv, 0.125, &mut sc, &mut got);
                 }
-                // SAFETY: AVX-512F was detected; the slices are in bounds.
-                unsafe {
-                    let kv = typed(&c.k[..], &c.v[..], hd, (start, end));
-                    x86::attend_avx512(&q, kv, 0.125, &mut sc, &mut want);
-                    if hd == 64 {
-                        x86::attend_avx512_regs::<f32, 4>(&q, kv, 0.125, &mut sc, &mut got);
-                    } else {
-                        x86::attend_avx512_regs::<f32, 8>(&q, kv, 0.125, &mut sc, &mut got);
+                for h in 0..g {
+                    let mut want = vec![f32::NAN; hd];
+                    let mut sc = vec![0f32; n];
+                    let qh = &q[h * hd..(h + 1) * hd];
+                    x86::attend_avx512(qh, kv, 0.125, &mut sc, &mut want);
+                    let got = &got[h * hd..(h + 1) * hd];
+                    assert_eq!(
+                        bits(got),
+                        bits(&want),
+                        "hd {hd}, {g} heads, head {h}, {r:?}"
+                    );
+                }
+            }
+        }
+        for hd in [64usize, 128] {
+            let c = Cache::new(210, 2 * hd);
+            for g in [1, 3, 4] {
+                for r in [
+                    (0, 0),
+                    (2, 3),
+                    (1, 5),
+                    (0, 8),
+                    (3, 40),
+                    (0, 64),
+                    (1, 129),
+                    (5, 210),
+                ] {
+                    check(&c.k, &c.v, hd, g, r);
+                    check(&c.k16, &c.v16, hd, g, r);
+                }
+            }
+        }
+    }
+
+    /// `attend_group` gives each head the bits `attend` gives it alone, on every ISA and for
+    /// groups larger than the register kernels take at once.
+    #[test]
+    fn a_group_gives_each_head_its_own_bits() {
+        for (hd, g) in [(64usize, 3usize), (128, 2), (32, 3), (64, 19)] {
+            let kv_dim = 2 * hd;
+            let c = Cache::new(150, kv_dim);
+            let q: Vec<f32> = (0..g * hd).map(|i| (i as f32 * 0.37).cos()).collect();
+            for isa in isas() {
+                for half in [false, true] {
+                    for range in [(0, 0), (0, 1), (7, 150)] {
+                        let kv = c.slice(half, kv_dim, hd, range);
+                        let mut got = vec![f32::NAN; g * hd];
+                        attend_group(isa, &q, hd, kv, 0.2, &mut Vec::new(), &mut got);
+                        for h in 0..g {
+                            let mut want = vec![f32::NAN; hd];
+                            let qh = &q[h * hd..(h + 1) * hd];
+                            attend(isa, qh, kv, 0.2, &mut Vec::new(), &mut want);
+                            assert_eq!(
+                                bits(&got[h * hd..(h + 1) * hd]),
+                                bits(&want),
+                                "{isa} hd {hd} group {g} head {h} {range:?} f16 {half}"
+                            );
+                        }
                     }
-                    assert_eq!(bits(&got), bits(&want), "f32 hd {hd}, keys {start}..{end}");
-                    let kv = typed(&c.k16[..], &c.v16[..], hd, (start, end));
-                    x86::attend_avx512(&q, kv, 0.125, &mut sc, &mut want);
-                    if hd == 64 {
-                        x86::attend_avx512_regs::<f16, 4>(&q, kv, 0.125, &mut sc, &mut got);
-                    } else {
-                        x86::attend_avx512_regs::<f16, 8>(&q, kv, 0.125, &mut sc, &mut got);
-                    }
-                    assert_eq!(bits(&got), bits(&want), "f16 hd {hd}, keys {start}..{end}");
                 }
             }
         }
