@@ -1,5 +1,6 @@
 //! The CPU backend's attention splits its work per query head for short contexts and per KV
-//! head once a token sees 1,024 keys or more; either way every (token, head) output must be
+//! head and piece of a row's tokens once a token sees 1,024 keys or more; either way every
+//! (token, head) output must be
 //! the bits of that head computed alone, so a token gets the same result whatever it is
 //! batched with (decode steps and verify blocks agree), for both KV cache types.
 
@@ -55,8 +56,12 @@ fn every_task_split_gives_each_head_its_own_bits() {
         let m = b.upload_meta(&meta);
         b.run(|| b.kv_write(&mut kv, 0, &kt, &vt, &m));
 
-        // Tokens seeing 1, 40, 700, 1,023 (per query head) and 1,024, 1,300 keys (per KV head).
-        let positions = [0u32, 39, 699, 1022, 1023, 1299];
+        // Tokens seeing 1, 40, 700, 1,023 keys and 1,024, 1,300 (a step with them takes a task
+        // per KV head), then a verify block's 10 consecutive tokens near the end.
+        let positions: Vec<u32> = [0u32, 39, 699, 1022, 1023, 1299]
+            .into_iter()
+            .chain(1280..1290)
+            .collect();
         let q: Vec<Vec<f32>> = positions
             .iter()
             .map(|_| {

@@ -135,6 +135,23 @@ impl CpuBackend {
     }
 }
 
+/// Runs of consecutive tokens of one row, cut into pieces so that `kv_heads` tasks per piece
+/// give each of `threads` threads a few: the attention units of long contexts.
+fn token_pieces(meta: &[TokenMeta], kv_heads: usize, threads: usize) -> Vec<(usize, usize)> {
+    let chunk = (meta.len() * kv_heads / (4 * threads)).max(1);
+    let mut pieces = Vec::new();
+    let mut t0 = 0;
+    while t0 < meta.len() {
+        let mut t1 = t0 + 1;
+        while t1 < meta.len() && t1 - t0 < chunk && meta[t1].row == meta[t0].row {
+            t1 += 1;
+        }
+        pieces.push((t0, t1));
+        t0 = t1;
+    }
+    pieces
+}
+
 /// The CPU's step inputs: host vectors.
 #[derive(Debug, Default)]
 pub struct CpuStep {
@@ -772,40 +789,55 @@ impl Backend for CpuBackend {
         let rows = &kv.layers[layer];
         let kv_dim = kv.kv_dim;
         let out_ptr = SyncPtr(out.data.as_mut_ptr());
-        // A task per query head, or, once some token sees `GROUP_MIN_KEYS` keys, per KV head:
-        // its query heads then read each tile of keys and values once instead of once each.
-        // Both give every head the same bits (`attention::attend_group`).
+        // A task per (token, query head); or, once some token sees `GROUP_MIN_KEYS` keys, per
+        // (piece of a row's consecutive tokens, KV head), whose queries then read each tile of
+        // keys and values once instead of once each. Every query gets the same bits either
+        // way (`attention::attend_many`).
         let longest = meta.iter().map(|m| m.kv_end.saturating_sub(m.kv_start));
-        let heads = if longest.max().unwrap_or(0) as usize >= GROUP_MIN_KEYS {
-            group
+        let long = longest.max().unwrap_or(0) as usize >= GROUP_MIN_KEYS;
+        let (pieces, heads) = if long {
+            (token_pieces(meta, n_kv_heads, self.pool.threads()), group)
         } else {
-            1
+            ((0..q.rows).map(|t| (t, t + 1)).collect(), 1)
         };
         let units = n_heads / heads;
-        let tasks = q.rows * units;
         let isa = self.isa;
-        self.pool.for_each(tasks, |task| {
-            let (t, u) = (task / units, task % units);
-            let m = meta[t];
-            let row = &rows[m.row as usize];
-            let h0 = u * heads;
-            let at = t * q.cols + h0 * head_dim;
-            let qh = &q.data[at..at + heads * head_dim];
-            // SAFETY: each task writes its own (token, heads) slice of `out`.
-            let o =
-                unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(at), heads * head_dim) };
-            let kv_slice = attention::KvSlice {
-                k: row.k.data(),
-                v: row.v.data(),
-                kv_dim,
-                head_off: (h0 / group) * head_dim,
+        let query = |t: usize, h: usize| {
+            let (m, at) = (meta[t], t * q.cols + h * head_dim);
+            attention::Query {
+                q: &q.data[at..at + head_dim],
                 start: m.kv_start as usize,
                 end: m.kv_end as usize,
+                // SAFETY: each (token, head) slice of `out` belongs to one task.
+                out: unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(at), head_dim) },
+            }
+        };
+        self.pool.for_each(pieces.len() * units, |task| {
+            let ((t0, t1), h0) = (pieces[task / units], (task % units) * heads);
+            let row = &rows[meta[t0].row as usize];
+            let run = |queries: &mut [attention::Query<'_>]| {
+                let kv_slice = attention::KvSlice {
+                    k: row.k.data(),
+                    v: row.v.data(),
+                    kv_dim,
+                    head_off: (h0 / group) * head_dim,
+                    start: queries.iter().map(|q| q.start).min().unwrap_or(0),
+                    end: queries.iter().map(|q| q.end).max().unwrap_or(0),
+                };
+                SCORES.with(|s| {
+                    let s = &mut s.borrow_mut();
+                    attention::attend_many(isa, kv_slice, queries, scale, s)
+                });
             };
-            SCORES.with(|s| {
-                let s = &mut s.borrow_mut();
-                attention::attend_group(isa, qh, head_dim, kv_slice, scale, s, o)
-            });
+            if t1 - t0 == 1 && heads == 1 {
+                run(&mut [query(t0, h0)]);
+            } else {
+                let mut queries: Vec<_> = (t0..t1)
+                    .flat_map(|t| (h0..h0 + heads).map(move |h| (t, h)))
+                    .map(|(t, h)| query(t, h))
+                    .collect();
+                run(&mut queries);
+            }
         });
     }
 

@@ -53,6 +53,15 @@ impl KvValue for f16 {
     }
 }
 
+/// One query head for [`attend_many`]: its values, the positions `start..end` it sees and its
+/// output (as many values as the query).
+pub struct Query<'a> {
+    pub q: &'a [f32],
+    pub start: usize,
+    pub end: usize,
+    pub out: &'a mut [f32],
+}
+
 /// Attends query head `q` to `kv`, writing `q.len()` outputs to `out`; `scores` is scratch.
 pub fn attend(
     isa: Isa,
@@ -62,91 +71,94 @@ pub fn attend(
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
-    attend_group(isa, q, q.len(), kv, scale, scores, out)
+    let (start, end) = (kv.start, kv.end);
+    attend_many(isa, kv, &mut [Query { q, start, end, out }], scale, scores)
 }
 
-/// Attends the query heads of `q` (`q.len() / hd` heads of `hd` values, one after another)
-/// that share the KV head at `kv.head_off`, writing their outputs to `out` in the same layout.
-/// Each head gets the bits [`attend`] gives it alone; the register kernels read each tile of
-/// keys and values once for all the heads instead of once per head.
-pub fn attend_group(
+/// Attends every query head of `queries` (the same size each) to its own positions of the KV
+/// head of `kv`, whose `start..end` holds all of them. Each query gets the bits [`attend`]
+/// gives it alone; the AVX-512 kernels for heads of 64 and 128 values walk the keys and values
+/// in tiles, each tile read by every query that sees it before the next, so queries sharing a
+/// KV head (a GQA group, the tokens of a verify block) read it once instead of once each.
+pub fn attend_many(
     isa: Isa,
-    q: &[f32],
-    hd: usize,
     kv: KvSlice<'_>,
+    queries: &mut [Query<'_>],
     scale: f32,
     scores: &mut Vec<f32>,
-    out: &mut [f32],
 ) {
-    let KvSlice {
-        kv_dim,
-        head_off,
-        start,
-        end,
-        ..
-    } = kv;
     match (kv.k, kv.v) {
         (KvData::F32(k), KvData::F32(v)) => {
-            let kv = Typed {
-                k,
-                v,
-                kv_dim,
-                head_off,
-                start,
-                end,
-            };
-            attend_typed(isa, q, hd, kv, scale, scores, out)
+            attend_typed(isa, kv.typed(k, v), queries, scale, scores)
         }
         (KvData::F16(k), KvData::F16(v)) => {
-            let kv = Typed {
-                k,
-                v,
-                kv_dim,
-                head_off,
-                start,
-                end,
-            };
-            attend_typed(isa, q, hd, kv, scale, scores, out)
+            attend_typed(isa, kv.typed(k, v), queries, scale, scores)
         }
         _ => panic!("the keys and values of one cache have one type"),
+    }
+}
+
+impl<'a> KvSlice<'a> {
+    /// This slice over keys `k` and values `v` of a known type.
+    fn typed<T>(&self, k: &'a [T], v: &'a [T]) -> Typed<'a, T> {
+        Typed {
+            k,
+            v,
+            kv_dim: self.kv_dim,
+            head_off: self.head_off,
+            start: self.start,
+            end: self.end,
+        }
+    }
+}
+
+impl<T> Typed<'_, T> {
+    /// This slice narrowed to one query's positions.
+    fn narrowed(self, q: &Query<'_>) -> Self {
+        Typed {
+            start: q.start,
+            end: q.end,
+            ..self
+        }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 fn attend_typed<T: x86::Lanes>(
     isa: Isa,
-    q: &[f32],
-    hd: usize,
     kv: Typed<'_, T>,
+    queries: &mut [Query<'_>],
     scale: f32,
     scores: &mut Vec<f32>,
-    out: &mut [f32],
 ) {
-    let (heads, n) = prepare(q, hd, &kv, scores, out);
-    // SAFETY: the CPU supports the instruction set (checked when the backend was built; AVX2
-    // there includes F16C) and the bounds were asserted by `prepare`.
-    unsafe {
-        for h0 in (0..heads).step_by(x86::MAX_GROUP) {
-            let g = (heads - h0).min(x86::MAX_GROUP);
-            let (q, out) = (&q[h0 * hd..(h0 + g) * hd], &mut out[h0 * hd..(h0 + g) * hd]);
-            let scores = &mut scores[h0 * n..(h0 + g) * n];
+    let hd = prepare(&kv, queries, scores);
+    let mut off = 0;
+    for chunk in queries.chunks_mut(x86::MAX_QUERIES) {
+        let n: usize = chunk.iter().map(|q| q.end - q.start).sum();
+        let sc = &mut scores[off..off + n];
+        off += n;
+        // SAFETY: the CPU supports the instruction set (checked when the backend was built;
+        // AVX2 there includes F16C) and the bounds were asserted by `prepare`.
+        unsafe {
             if isa == Isa::Avx512 && hd == 64 {
-                x86::attend_group_regs::<T, 4>(q, g, kv, scale, scores, out);
+                x86::attend_many_regs::<T, 4>(kv, chunk, scale, sc);
                 continue;
             }
             if isa == Isa::Avx512 && hd == 128 {
-                x86::attend_group_regs::<T, 8>(q, g, kv, scale, scores, out);
+                x86::attend_many_regs::<T, 8>(kv, chunk, scale, sc);
                 continue;
             }
-            for h in 0..g {
-                let (q, out) = (&q[h * hd..(h + 1) * hd], &mut out[h * hd..(h + 1) * hd]);
-                let scores = &mut scores[h * n..(h + 1) * n];
+            let mut at = 0;
+            for q in chunk.iter_mut() {
+                let (kv, n) = (kv.narrowed(q), q.end - q.start);
+                let sc = &mut sc[at..at + n];
+                at += n;
                 if isa == Isa::Avx512 && hd.is_multiple_of(16) {
-                    x86::attend_avx512(q, kv, scale, scores, out);
+                    x86::attend_avx512(q.q, kv, scale, sc, q.out);
                 } else if matches!(isa, Isa::Avx512 | Isa::Avx2) && hd.is_multiple_of(8) {
-                    x86::attend_avx2(q, kv, scale, scores, out);
+                    x86::attend_avx2(q.q, kv, scale, sc, q.out);
                 } else {
-                    attend_scalar(q, kv, scale, scores, out);
+                    attend_scalar(q.q, kv, scale, sc, q.out);
                 }
             }
         }
@@ -156,37 +168,38 @@ fn attend_typed<T: x86::Lanes>(
 #[cfg(not(target_arch = "x86_64"))]
 fn attend_typed<T: KvValue>(
     isa: Isa,
-    q: &[f32],
-    hd: usize,
     kv: Typed<'_, T>,
+    queries: &mut [Query<'_>],
     scale: f32,
     scores: &mut Vec<f32>,
-    out: &mut [f32],
 ) {
-    let _ = isa;
-    let (heads, n) = prepare(q, hd, &kv, scores, out);
-    for h in 0..heads {
-        let (q, out) = (&q[h * hd..(h + 1) * hd], &mut out[h * hd..(h + 1) * hd]);
-        attend_scalar(q, kv, scale, &mut scores[h * n..(h + 1) * n], out);
+    let _ = (isa, prepare(&kv, queries, scores));
+    let mut at = 0;
+    for q in queries.iter_mut() {
+        let (kv, n) = (kv.narrowed(q), q.end - q.start);
+        attend_scalar(q.q, kv, scale, &mut scores[at..at + n], q.out);
+        at += n;
     }
 }
 
-/// Checks the bounds every kernel relies on and sizes `scores` (a row of visible keys per
-/// head); returns the heads and the visible keys.
-fn prepare<T>(
-    q: &[f32],
-    hd: usize,
-    kv: &Typed<'_, T>,
-    scores: &mut Vec<f32>,
-    out: &[f32],
-) -> (usize, usize) {
-    assert!(hd > 0 && q.len().is_multiple_of(hd) && out.len() == q.len());
+/// Checks the bounds every kernel relies on and sizes `scores` (each query's visible keys, one
+/// query after another); returns the head size.
+fn prepare<T>(kv: &Typed<'_, T>, queries: &[Query<'_>], scores: &mut Vec<f32>) -> usize {
+    let hd = queries.first().map_or(0, |q| q.q.len());
     assert!(kv.end * kv.kv_dim <= kv.k.len() && kv.end * kv.kv_dim <= kv.v.len());
     assert!(kv.head_off + hd <= kv.kv_dim);
-    let (heads, n) = (q.len() / hd, kv.end.saturating_sub(kv.start));
+    let mut n = 0;
+    for q in queries {
+        assert!(
+            q.q.len() == hd && q.out.len() == hd,
+            "queries of one head size"
+        );
+        assert!(kv.start <= q.start && q.start <= q.end && q.end <= kv.end);
+        n += q.end - q.start;
+    }
     scores.clear();
-    scores.resize(heads * n, 0.0);
-    (heads, n)
+    scores.resize(n, 0.0);
+    hd
 }
 
 /// Turns raw scores into unnormalised weights `exp(s - max)`; returns their sum.
@@ -249,7 +262,7 @@ mod x86 {
     use half::f16;
 
     use super::super::vexp::{exp16, lane_mask, LANES};
-    use super::{KvValue, Typed};
+    use super::{KvValue, Query, Typed};
 
     /// `softmax_weights` in 16 lanes: `exp(s - max)` by [`exp16`], summed in 16 partial sums
     /// reduced at the end (one order for a given count, whichever query asks).
@@ -309,8 +322,8 @@ mod x86 {
         }
     }
 
-    /// Heads [`attend_group_regs`] takes at once (more are taken in turns).
-    pub const MAX_GROUP: usize = 16;
+    /// Queries [`attend_many_regs`] takes at once (more are taken in turns).
+    pub const MAX_QUERIES: usize = 64;
 
     /// Keys per tile: the tile's keys (or values) of one KV head, 16 KB at most, stay in L1
     /// while every head of the group reads them.
@@ -384,53 +397,72 @@ mod x86 {
         }
     }
 
-    /// `attend_avx512` for `g ≤ MAX_GROUP` query heads of `16 · C` values sharing one KV
-    /// head: keys and values are walked in tiles of `TILE`, each tile read by every head
-    /// before the next. A head's scores, softmax and output take exactly the operations of
-    /// `attend_avx512` (same chains, in the same order; outputs pass through memory between
-    /// tiles, which is exact), so every head gets its bits.
+    /// `attend_avx512` for up to `MAX_QUERIES` query heads of `16 · C` values on one KV head,
+    /// each over its own positions: keys and values are walked in tiles of `TILE` positions,
+    /// each tile read by every query that sees part of it before the next. A query's scores,
+    /// softmax and output take exactly the operations of `attend_avx512` (same chains, in the
+    /// same order; outputs pass through memory between tiles, which is exact), so every query
+    /// gets its bits. `scores` holds each query's visible keys, one query after another.
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    pub unsafe fn attend_group_regs<T: Lanes, const C: usize>(
-        q: &[f32],
-        g: usize,
+    pub unsafe fn attend_many_regs<T: Lanes, const C: usize>(
         kv: Typed<'_, T>,
+        queries: &mut [Query<'_>],
         scale: f32,
         scores: &mut [f32],
-        out: &mut [f32],
     ) {
-        let hd = 16 * C;
-        debug_assert!(g <= MAX_GROUP && q.len() == g * hd && out.len() == g * hd);
-        out.fill(0.0);
-        let n = scores.len() / g.max(1);
-        if n == 0 {
+        debug_assert!(queries.len() <= MAX_QUERIES);
+        let mut off = [0usize; MAX_QUERIES + 1];
+        for (i, q) in queries.iter_mut().enumerate() {
+            debug_assert!(q.q.len() == 16 * C && q.out.len() == 16 * C);
+            off[i + 1] = off[i] + (q.end - q.start);
+            q.out.fill(0.0);
+        }
+        let (lo, hi) = queries
+            .iter()
+            .filter(|q| q.end > q.start)
+            .fold((usize::MAX, 0), |(lo, hi), q| {
+                (lo.min(q.start), hi.max(q.end))
+            });
+        if lo >= hi {
             return;
         }
-        let at = kv.start * kv.kv_dim + kv.head_off;
+        let at = kv.head_off;
         let (kbase, vbase) = (kv.k.as_ptr().add(at), kv.v.as_ptr().add(at));
-        for t0 in (0..n).step_by(TILE) {
-            let t1 = (t0 + TILE).min(n);
-            for h in 0..g {
-                let qh = &q[h * hd..(h + 1) * hd];
-                let sc = &mut scores[h * n + t0..h * n + t1];
-                score_keys::<T, C>(qh, kbase, kv.kv_dim, t0, scale, sc);
+        // The part of tile `t0..t1` query `q` sees, as key positions.
+        let part = |q: &Query<'_>, t0: usize, t1: usize| (q.start.max(t0), q.end.min(t1));
+        for t0 in (lo..hi).step_by(TILE) {
+            let t1 = (t0 + TILE).min(hi);
+            for (i, q) in queries.iter().enumerate() {
+                let (a, b) = part(q, t0, t1);
+                if a < b {
+                    let sc = &mut scores[off[i] + a - q.start..off[i] + b - q.start];
+                    score_keys::<T, C>(q.q, kbase, kv.kv_dim, a, scale, sc);
+                }
             }
         }
-        let mut inv = [0f32; MAX_GROUP];
-        for (h, iv) in inv.iter_mut().enumerate().take(g) {
-            *iv = 1.0 / softmax_weights_avx512(&mut scores[h * n..(h + 1) * n]);
-        }
-        for t0 in (0..n).step_by(TILE) {
-            let t1 = (t0 + TILE).min(n);
-            for h in 0..g {
-                let p = &scores[h * n + t0..h * n + t1];
-                add_values::<T, C>(p, vbase, kv.kv_dim, t0, &mut out[h * hd..(h + 1) * hd]);
+        let mut inv = [0f32; MAX_QUERIES];
+        for (i, iv) in inv.iter_mut().enumerate().take(queries.len()) {
+            if off[i + 1] > off[i] {
+                *iv = 1.0 / softmax_weights_avx512(&mut scores[off[i]..off[i + 1]]);
             }
         }
-        for (h, &iv) in inv.iter().enumerate().take(g) {
-            let iv = _mm512_set1_ps(iv);
-            for c in 0..C {
-                let o = out.as_mut_ptr().add(h * hd + 16 * c);
-                _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(o), iv));
+        for t0 in (lo..hi).step_by(TILE) {
+            let t1 = (t0 + TILE).min(hi);
+            for (i, q) in queries.iter_mut().enumerate() {
+                let (a, b) = part(q, t0, t1);
+                if a < b {
+                    let p = &scores[off[i] + a - q.start..off[i] + b - q.start];
+                    add_values::<T, C>(p, vbase, kv.kv_dim, a, q.out);
+                }
+            }
+        }
+        for (q, &iv) in queries.iter_mut().zip(&inv) {
+            if q.end > q.start {
+                let iv = _mm512_set1_ps(iv);
+                for c in 0..C {
+                    let o = q.out.as_mut_ptr().add(16 * c);
+                    _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(o), iv));
+                }
             }
         }
     }
@@ -670,53 +702,70 @@ mod tests {
         }
     }
 
-    /// The grouped register kernels, for one head or several, over one tile of keys or
-    /// several, give every head the bits of the generic AVX-512 kernel on that head alone.
+    /// Query heads over their own positions (a GQA group, the causal rows of a verify block),
+    /// `n` query heads of `hd` values: `(start, end)` of query `i`.
+    fn ranges(n: usize, first: (usize, usize), causal: bool) -> Vec<(usize, usize)> {
+        (0..n)
+            .map(|i| {
+                if causal {
+                    (first.0, first.1 + i)
+                } else {
+                    first
+                }
+            })
+            .collect()
+    }
+
+    /// The many-query register kernels, for one query or several, over one tile of keys or
+    /// several, give every query the bits of the generic AVX-512 kernel on that query alone.
     #[cfg(target_arch = "x86_64")]
     #[test]
-    fn grouped_register_kernels_give_each_head_the_bits_of_the_generic_avx512_kernel() {
+    fn many_query_register_kernels_give_each_query_the_bits_of_the_generic_avx512_kernel() {
         if Isa::detect() != Isa::Avx512 {
             eprintln!("skipped: this CPU has no AVX-512F");
             return;
         }
-        fn check<T: x86::Lanes>(k: &[T], v: &[T], hd: usize, g: usize, r: (usize, usize)) {
+        fn check<T: x86::Lanes>(k: &[T], v: &[T], hd: usize, rs: &[(usize, usize)]) {
             let kv = Typed {
                 k,
                 v,
                 kv_dim: 2 * hd,
                 head_off: hd,
-                start: r.0,
-                end: r.1,
+                start: 0,
+                end: k.len() / (2 * hd),
             };
-            let n = r.1 - r.0;
-            let q: Vec<f32> = (0..g * hd).map(|i| (i as f32 * 0.3).sin()).collect();
-            let mut got = vec![f32::NAN; g * hd];
-            let mut sc = vec![0f32; g * n];
+            let qs: Vec<Vec<f32>> = (0..rs.len())
+                .map(|i| (0..hd).map(|d| ((i * hd + d) as f32 * 0.3).sin()).collect())
+                .collect();
+            let mut outs = vec![vec![f32::NAN; hd]; rs.len()];
+            let mut queries: Vec<Query<'_>> = qs
+                .iter()
+                .zip(outs.iter_mut())
+                .zip(rs)
+                .map(|((q, out), &(start, end))| Query { q, start, end, out })
+                .collect();
+            let mut sc = vec![0f32; rs.iter().map(|r| r.1 - r.0).sum()];
             // SAFETY: AVX-512F was detected; the slices are in bounds.
             unsafe {
                 if hd == 64 {
-                    x86::attend_group_regs::<T, 4>(&q, g, kv, 0.125, &mut sc, &mut got);
+                    x86::attend_many_regs::<T, 4>(kv, &mut queries, 0.125, &mut sc);
                 } else {
-                    x86::attend_group_regs::<T, 8>(&q, g, kv, 0.125, &mut sc, &mut got);
+                    x86::attend_many_regs::<T, 8>(kv, &mut queries, 0.125, &mut sc);
                 }
-                for h in 0..g {
+                drop(queries);
+                for (i, &(start, end)) in rs.iter().enumerate() {
                     let mut want = vec![f32::NAN; hd];
-                    let mut sc = vec![0f32; n];
-                    let qh = &q[h * hd..(h + 1) * hd];
-                    x86::attend_avx512(qh, kv, 0.125, &mut sc, &mut want);
-                    let got = &got[h * hd..(h + 1) * hd];
-                    assert_eq!(
-                        bits(got),
-                        bits(&want),
-                        "hd {hd}, {g} heads, head {h}, {r:?}"
-                    );
+                    let mut sc = vec![0f32; end - start];
+                    let kv = Typed { start, end, ..kv };
+                    x86::attend_avx512(&qs[i], kv, 0.125, &mut sc, &mut want);
+                    assert_eq!(bits(&outs[i]), bits(&want), "hd {hd}, query {i} of {rs:?}");
                 }
             }
         }
         for hd in [64usize, 128] {
             let c = Cache::new(210, 2 * hd);
-            for g in [1, 3, 4] {
-                for r in [
+            for n in [1, 3, 4, 16] {
+                for first in [
                     (0, 0),
                     (2, 3),
                     (1, 5),
@@ -724,37 +773,59 @@ mod tests {
                     (3, 40),
                     (0, 64),
                     (1, 129),
-                    (5, 210),
+                    (5, 190),
                 ] {
-                    check(&c.k, &c.v, hd, g, r);
-                    check(&c.k16, &c.v16, hd, g, r);
+                    for causal in [false, true] {
+                        let rs = ranges(n, first, causal);
+                        check(&c.k, &c.v, hd, &rs);
+                        check(&c.k16, &c.v16, hd, &rs);
+                    }
                 }
             }
         }
     }
 
-    /// `attend_group` gives each head the bits `attend` gives it alone, on every ISA and for
-    /// groups larger than the register kernels take at once.
+    /// `attend_many` gives each query the bits `attend` gives it alone, on every ISA and for
+    /// more queries than the register kernels take at once.
     #[test]
-    fn a_group_gives_each_head_its_own_bits() {
-        for (hd, g) in [(64usize, 3usize), (128, 2), (32, 3), (64, 19)] {
+    fn many_queries_give_each_query_its_own_bits() {
+        for (hd, n, causal) in [
+            (64usize, 3usize, false),
+            (128, 5, true),
+            (32, 3, true),
+            (64, 70, true),
+        ] {
             let kv_dim = 2 * hd;
             let c = Cache::new(150, kv_dim);
-            let q: Vec<f32> = (0..g * hd).map(|i| (i as f32 * 0.37).cos()).collect();
+            let qs: Vec<Vec<f32>> = (0..n)
+                .map(|i| {
+                    (0..hd)
+                        .map(|d| ((i * hd + d) as f32 * 0.37).cos())
+                        .collect()
+                })
+                .collect();
             for isa in isas() {
                 for half in [false, true] {
-                    for range in [(0, 0), (0, 1), (7, 150)] {
-                        let kv = c.slice(half, kv_dim, hd, range);
-                        let mut got = vec![f32::NAN; g * hd];
-                        attend_group(isa, &q, hd, kv, 0.2, &mut Vec::new(), &mut got);
-                        for h in 0..g {
+                    for first in [(0, 0), (0, 1), (7, 70)] {
+                        let rs = ranges(n, first, causal);
+                        let all = c.slice(half, kv_dim, hd, (0, 150));
+                        let mut outs = vec![vec![f32::NAN; hd]; n];
+                        let mut queries: Vec<Query<'_>> = qs
+                            .iter()
+                            .zip(outs.iter_mut())
+                            .zip(&rs)
+                            .map(|((q, out), &(start, end))| Query { q, start, end, out })
+                            .collect();
+                        attend_many(isa, all, &mut queries, 0.2, &mut Vec::new());
+                        drop(queries);
+                        for (i, &r) in rs.iter().enumerate() {
                             let mut want = vec![f32::NAN; hd];
-                            let qh = &q[h * hd..(h + 1) * hd];
-                            attend(isa, qh, kv, 0.2, &mut Vec::new(), &mut want);
+                            let kv = c.slice(half, kv_dim, hd, r);
+                            attend(isa, &qs[i], kv, 0.2, &mut Vec::new(), &mut want);
                             assert_eq!(
-                                bits(&got[h * hd..(h + 1) * hd]),
+                                bits(&outs[i]),
                                 bits(&want),
-                                "{isa} hd {hd} group {g} head {h} {range:?} f16 {half}"
+                                "{isa} hd {hd} query {i} {r:?} f16 {half}"
                             );
                         }
                     }
