@@ -24,11 +24,12 @@ use crate::weight::HostWeight;
 /// Rows x columns below which element-wise ops stay on the calling thread.
 const PARALLEL_MIN_ELEMS: usize = 1 << 15;
 
-/// Visible keys from which attention takes a task per KV head rather than per query head.
-/// Below it a step's few KV heads would leave threads idle while the keys and values fit in
-/// cache anyway (a task per KV head lost 3–7 % of decode speed at ~600 keys on a 2-vCPU Xeon,
-/// docs/benchmarks/2026-12-03-cpu-attention-grouping.md); above it each extra read of them
-/// comes from memory.
+/// Visible keys from which attention takes a task per KV head (and piece of a row's tokens)
+/// rather than per (token, query head). Below it a step's few KV heads would leave threads idle
+/// (a task per KV head lost 3–7 % of decode speed at ~600 keys on a 2-vCPU Xeon,
+/// docs/benchmarks/2026-12-03-cpu-attention-grouping.md); at 1,536 keys it decoded 5 % faster
+/// on a 2-vCPU EPYC (docs/benchmarks/2026-12-05-cpu-f16-kv-vector-exp.md). The bits are the
+/// same either way.
 const GROUP_MIN_KEYS: usize = 1024;
 
 /// The CPU backend.
