@@ -34,7 +34,7 @@ use dflash_engine::{Completion, Request, RowStats, SamplingParams};
 use dflash_models::bounds::gpu_logit_bound;
 use dflash_models::chat::Message;
 use dflash_models::{load_model, DflashDrafter, Drafter, LoadedModel, LogitRows, RowStep, Target};
-use dflash_runtime::cpu::{CpuBackend, Isa, KvType, MatmulMode};
+use dflash_runtime::cpu::{CpuBackend, Isa, MatmulMode};
 use dflash_runtime::cuda::CudaBackend;
 use dflash_runtime::{Activations, Backend};
 
@@ -156,15 +156,17 @@ fn main() -> Result<()> {
         Activations::Int8x2 => MatmulMode::Int8x2,
         Activations::F32 => MatmulMode::Reference,
     };
-    // The GPU's KV cache is f32; the CPU's matches it so the two differ only where stated.
-    let cpu = Arc::new(CpuBackend::with_options(0, Isa::detect(), mode).with_kv_type(KvType::F32));
+    // The CPU's KV cache holds what the GPU's holds (f32, or f16 with DFLASH_KV_CACHE=f16), so
+    // the two differ only where stated.
+    let cpu = Arc::new(CpuBackend::with_options(0, Isa::detect(), mode).with_kv_type(cuda.kv_type()));
     let margin = args.margin.unwrap_or(gpu_logit_bound(activations));
     println!(
-        "GPU {} ({}), CPU x{} ({mode} matmul path); model {}; {activations} activations, \
-         parting allowed at a CPU top-2 margin <= {margin}",
+        "GPU {} ({}), CPU x{} ({mode} matmul path), KV cache {}; model {}; {activations} \
+         activations, parting allowed at a CPU top-2 margin <= {margin}",
         cuda.device_name(),
         cuda.kernel_target(),
         cpu.threads(),
+        cuda.kv_type(),
         args.model.display()
     );
     let mut cpu_model = match args.skip_cpu {

@@ -18,9 +18,9 @@ pub struct ModelArgs {
     /// Device to run on: `cpu`, or `cuda` / `cuda:N` (default: cuda when available, else cpu).
     #[arg(long)]
     pub device: Option<String>,
-    /// How the CPU KV cache holds keys and values: f16 (the default; half the bytes attention
-    /// reads, logits within 0.05 of f32's on the default model) or f32. The CUDA backend's KV
-    /// cache is f32.
+    /// How the KV cache holds keys and values: f16 (half the bytes attention reads and half the
+    /// memory a position takes; logits within 0.05 of f32's on the default model) or f32.
+    /// Default: f16 on the CPU, f32 on a GPU.
     #[arg(long, value_enum, env = "DFLASH_KV_CACHE")]
     pub kv_cache: Option<KvCache>,
 }
@@ -32,11 +32,11 @@ pub enum KvCache {
     F32,
 }
 
-impl From<KvCache> for dflash_runtime::cpu::KvType {
+impl From<KvCache> for dflash_runtime::KvType {
     fn from(k: KvCache) -> Self {
         match k {
-            KvCache::F16 => dflash_runtime::cpu::KvType::F16,
-            KvCache::F32 => dflash_runtime::cpu::KvType::F32,
+            KvCache::F16 => dflash_runtime::KvType::F16,
+            KvCache::F32 => dflash_runtime::KvType::F32,
         }
     }
 }

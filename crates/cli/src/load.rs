@@ -195,16 +195,17 @@ pub fn load_target(args: &ModelArgs) -> Result<Bundle> {
         }
         #[cfg(feature = "cuda")]
         DeviceChoice::Cuda(ordinal) => {
-            if args.kv_cache == Some(crate::args::KvCache::F16) {
-                bail!("--kv-cache f16 (or DFLASH_KV_CACHE=f16): the CUDA backend's KV cache holds f32 only; use --kv-cache f32 or --device cpu");
-            }
             let mut opts = dflash_runtime::cuda::CudaOptions::from_env()?;
             opts.device = ordinal;
+            if let Some(kv) = args.kv_cache {
+                opts.kv_type = kv.into();
+            }
             let backend = Arc::new(CudaBackend::with_options(opts)?);
             let device = format!(
-                "cuda:{ordinal} {} ({})",
+                "cuda:{ordinal} {} ({}) kv {}",
                 backend.device_name(),
-                backend.kernel_target()
+                backend.kernel_target(),
+                backend.kv_type()
             );
             let m = load_model(backend.clone(), &path).with_context(context)?;
             let parts = (m.tokenizer, m.template, m.name);

@@ -30,7 +30,24 @@
 
 // ATT_WARPS (4), ATT_MAX_SPLITS (16), ATT_MAX_GHD (1024: query heads per group x head_dim)
 // and ATT_PREFETCH_MAX_TOKENS (16) are defined by the host (cuda/compile.rs,
-// `shared_constants`).
+// `shared_constants`), and so is DF_KV_HALF: the module is compiled for one cache type
+// (`KvType`), 1 where the cache holds f16. Keys and values are widened to f32 as they are
+// loaded (exactly), so every variant does the same arithmetic on the values the cache holds.
+
+#if DF_KV_HALF
+typedef u16 kv_t;
+// Four consecutive cache values (8-byte aligned), widened.
+__device__ __forceinline__ float4 kv_load4(const kv_t* p) {
+    const uint2 w = *(const uint2*)p;
+    return make_float4(f16_to_f32((u16)(w.x & 0xffffu)), f16_to_f32((u16)(w.x >> 16)),
+                       f16_to_f32((u16)(w.y & 0xffffu)), f16_to_f32((u16)(w.y >> 16)));
+}
+__device__ __forceinline__ float kv_load(const kv_t* p) { return f16_to_f32(*p); }
+#else
+typedef float kv_t;
+__device__ __forceinline__ float4 kv_load4(const kv_t* p) { return *(const float4*)p; }
+__device__ __forceinline__ float kv_load(const kv_t* p) { return *p; }
+#endif
 
 struct AttParams {
     u64 q;        // [T, n_heads * head_dim]
@@ -162,17 +179,18 @@ __device__ __forceinline__ void attention_split_body(const AttParams& p) {
     int nsplit, tps;
     att_splits(end > start ? end - start : 0, &nsplit, &tps);
     const RowDesc rd = ((const RowDesc*)p.rows)[meta[0]];
-    const float* kb = (const float*)rd.base + (size_t)(2 * p.layer) * rd.cap * p.kv_dim + (size_t)kvh * hd;
-    const float* vb = (const float*)rd.base + (size_t)(2 * p.layer + 1) * rd.cap * p.kv_dim + (size_t)kvh * hd;
+    const kv_t* kb = (const kv_t*)rd.base + (size_t)(2 * p.layer) * rd.cap * p.kv_dim + (size_t)kvh * hd;
+    const kv_t* vb = (const kv_t*)rd.base + (size_t)(2 * p.layer + 1) * rd.cap * p.kv_dim + (size_t)kvh * hd;
     if ((EARLY || p.t <= ATT_PREFETCH_MAX_TOKENS) && sp < nsplit) {
         const int k0 = start + 32 * sp * tps;
         const int nk = min(32 * tps, end - k0);
-        const int lines = (hd + 31) >> 5;  // 128-byte lines of a key's head_dim values
+        constexpr int LINE = 128 / (int)sizeof(kv_t);  // values per 128-byte line
+        const int lines = (hd + LINE - 1) / LINE;      // lines of a key's head_dim values
         for (int i = threadIdx.x; i < 2 * nk * lines; i += blockDim.x) {
             const int kv = i / (nk * lines);
             const int r = i - kv * nk * lines;
             const int key = r / lines;
-            const float* row = (kv ? vb : kb) + (size_t)(k0 + key) * p.kv_dim + 32 * (r - key * lines);
+            const kv_t* row = (kv ? vb : kb) + (size_t)(k0 + key) * p.kv_dim + LINE * (r - key * lines);
             asm volatile("prefetch.global.L2 [%0];" ::"l"(row));
         }
     }
@@ -197,19 +215,19 @@ __device__ __forceinline__ void attention_split_body(const AttParams& p) {
     float vv[VB][PER];
     const auto load_k = [&](int t0, int d0) {
         const int j = t0 + lane;
-        const float4* k4 = (const float4*)(kb + (size_t)j * p.kv_dim);
+        const kv_t* kr = kb + (size_t)j * p.kv_dim;
         const int n4 = hd / 4;
 #pragma unroll
-        for (int u = 0; u < 16; u++) kk[u] = j < end && d0 + u < n4 ? k4[d0 + u] : make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int u = 0; u < 16; u++) kk[u] = j < end && d0 + u < n4 ? kv_load4(kr + 4 * (d0 + u)) : make_float4(0.f, 0.f, 0.f, 0.f);
     };
     const auto load_v = [&](int t0, int k0, int nk) {
 #pragma unroll
         for (int u = 0; u < VB; u++) {
-            const float* vr = vb + (size_t)(t0 + k0 + u) * p.kv_dim;
+            const kv_t* vr = vb + (size_t)(t0 + k0 + u) * p.kv_dim;
 #pragma unroll
             for (int i = 0; i < PER; i++) {
                 const int d = lane + 32 * i;
-                vv[u][i] = (k0 + u < nk && d < hd) ? vr[d] : 0.0f;
+                vv[u][i] = (k0 + u < nk && d < hd) ? kv_load(vr + d) : 0.0f;
             }
         }
     };
@@ -284,9 +302,9 @@ __device__ __forceinline__ void attention_split_body(const AttParams& p) {
                 }
             }
         } else if (valid) {
-            const float* kr = kb + (size_t)j * p.kv_dim;
+            const kv_t* kr = kb + (size_t)j * p.kv_dim;
             for (int d = 0; d < hd; d++) {
-                const float kv = kr[d];
+                const float kv = kv_load(kr + d);
 #pragma unroll
                 for (int g = 0; g < GM; g++) {
                     if (g < G) dot[g] = __fmaf_rn(qs[g * hd + d], kv, dot[g]);

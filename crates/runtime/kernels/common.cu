@@ -24,9 +24,10 @@ typedef long long i64;
 // are the launch shapes and limits host and kernels share (block sizes, tiles, splits: see
 // `shared_constants` in cuda/compile.rs).
 
-// A KV row's storage: one allocation of 2 * layers * cap * kv_dim floats; layer l's keys at
-// (2l) * cap * kv_dim, its values at (2l + 1) * cap * kv_dim, position-major. Released rows
-// have base 0 and cap 0. Mirrors `RowDesc` in cuda/kv.rs.
+// A KV row's storage: one allocation of 2 * layers * cap * kv_dim values (f32, or f16 in a
+// half cache: `KvType`, kv_put and kv_addr below); layer l's keys at (2l) * cap * kv_dim, its values
+// at (2l + 1) * cap * kv_dim, position-major. Released rows have base 0 and cap 0. Mirrors
+// `RowDesc` in cuda/kv.rs.
 struct RowDesc {
     u64 base;
     u64 cap;
@@ -102,6 +103,30 @@ __device__ __forceinline__ float f16_to_f32(u16 h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
+}
+
+// float to IEEE half (bits), rounded to nearest even (infinite past +-65504): the CPU's
+// `half::f16::from_f32`.
+__device__ __forceinline__ u16 f32_to_f16(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// The KV cache's values (`KvType`): f32, or f16 (half != 0) rounded once when written and
+// widened exactly when read, so every reader of a position sees the same bits. `at` is the
+// address of value 0 of a run; kv_put writes value i of it.
+__device__ __forceinline__ void kv_put(u64 at, size_t i, float v, int half) {
+    if (half) {
+        ((u16*)at)[i] = f32_to_f16(v);
+    } else {
+        ((float*)at)[i] = v;
+    }
+}
+
+// The address of value i of a KV row's storage (`base`).
+__device__ __forceinline__ u64 kv_addr(u64 base, size_t i, int half) {
+    return base + (half ? 2 * i : 4 * i);
 }
 
 // bfloat16 (bits) to float: exact.

@@ -74,7 +74,7 @@ struct MmParams {
     int half;
     int style;
     int kv_dim;
-    int pad2;
+    int kv_half;   // the cache holds f16 (kv_put)
     // mmqs (SwiGLU that also writes the int8 copy of its output, q8_terms): codes
     // [M * DF_X_TERMS, n] and the (d, ds) pairs [M * DF_X_TERMS, n / 32]; else 0.
     u64 oc;
@@ -393,17 +393,17 @@ __device__ __forceinline__ void mm_epilogue(float* o, float s, float u) {
 // (keys for k, values for v, none for q).
 struct RopeLane {
     float c, s;
-    float* slot;
+    u64 slot;  // kv_put's address of the slot's value 0 (0: q, no slot)
 };
 
 __device__ __forceinline__ RopeLane rope_lane(const MmParams& p, int seg, int pair, int token) {
-    RopeLane rl = {1.0f, 0.0f, nullptr};
+    RopeLane rl = {1.0f, 0.0f, 0};
     const u32* meta = (const u32*)p.meta + 4 * token;
     const u32 at = meta[META_POS];
     if (seg < 2) rope_cs(pair, (float)at, (const float*)p.inv_freq, &rl.c, &rl.s);
     if (seg > 0) {
         const RowDesc rd = ((const RowDesc*)p.kv_rows)[meta[META_ROW]];
-        rl.slot = (float*)rd.base + ((size_t)(2 * p.layer + (seg - 1)) * rd.cap + at) * p.kv_dim;
+        rl.slot = kv_addr(rd.base, ((size_t)(2 * p.layer + (seg - 1)) * rd.cap + at) * p.kv_dim, p.kv_half);
     }
     return rl;
 }
@@ -468,8 +468,8 @@ __device__ __forceinline__ void mm_finish(float (&acc)[R][W][MT * T], const MmSe
             o[nr[0]] = ra;
             o[nr[R - 1]] = rb;
             if (rl.slot) {
-                rl.slot[nr[0]] = ra;
-                rl.slot[nr[R - 1]] = rb;
+                kv_put(rl.slot, nr[0], ra, p.kv_half);
+                kv_put(rl.slot, nr[R - 1], rb, p.kv_half);
             }
         }
         return;
@@ -530,7 +530,7 @@ __device__ __forceinline__ void mm_warp(const MmSeg& sg, const int (&nr)[R], con
     // The rope epilogue's per-token lookups run before the wait for the previous kernel.
     constexpr int P = MT <= 2 ? 4 : (MT <= 4 ? 2 : 1);
     constexpr bool XH = MT >= 2;
-    RopeLane rl = {1.0f, 0.0f, nullptr};
+    RopeLane rl = {1.0f, 0.0f, 0};
     if (EPI == EPI_ROPE && lane < ml) rl = rope_lane(p, seg, pair, m0 + lane);
     df_kernel_begin();
     float acc[R][W][MT];
@@ -694,7 +694,7 @@ __device__ __forceinline__ void mmq_warp(const MmSeg& sg, const int (&nr)[R], co
     // measured level and slower on the H200: docs/benchmarks/2026-12-04-h200-norm-prologue.md.)
     constexpr int P = MQ <= 2 ? 2 : 1;
     constexpr bool XH = MQ >= 2 && MQ <= 4;
-    RopeLane rl = {1.0f, 0.0f, nullptr};
+    RopeLane rl = {1.0f, 0.0f, 0};
     if (EPI == EPI_ROPE && lane < ml) rl = rope_lane(p, seg, pair, m0 + lane);
     df_kernel_begin();
     float acc[R][W][MQ];

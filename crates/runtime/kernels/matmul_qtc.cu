@@ -181,8 +181,8 @@ __device__ __forceinline__ void qt_finish(const MmParams& p, const MmSeg& sg, in
                 o_row[na] = ra;
                 o_row[nb] = rb;
                 if (rl.slot) {
-                    rl.slot[na] = ra;
-                    rl.slot[nb] = rb;
+                    kv_put(rl.slot, na, ra, p.kv_half);
+                    kv_put(rl.slot, nb, rb, p.kv_half);
                 }
             }
         }

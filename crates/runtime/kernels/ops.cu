@@ -361,6 +361,8 @@ struct RopeKvParams {
     int style;
     int layer;
     float eps;     // of the q/k norms
+    int kv_half;   // the cache holds f16 (kv_put)
+    int pad;
 };
 
 extern "C" __global__ void rope_kv_f32(const RopeKvParams p) {
@@ -379,9 +381,8 @@ extern "C" __global__ void rope_kv_f32(const RopeKvParams p) {
     float* qt = (float*)p.q + (size_t)t * p.q_cols;
     float* kt = (float*)p.k + (size_t)t * p.kv_dim;
     const float* vt = (const float*)p.v + (size_t)t * p.kv_dim;
-    float* base = (float*)rd.base;
-    float* kd = base + ((size_t)(2 * p.layer) * rd.cap + at) * p.kv_dim;
-    float* vd = base + ((size_t)(2 * p.layer + 1) * rd.cap + at) * p.kv_dim;
+    const u64 kd = kv_addr(rd.base, ((size_t)(2 * p.layer) * rd.cap + at) * p.kv_dim, p.kv_half);
+    const u64 vd = kv_addr(rd.base, ((size_t)(2 * p.layer + 1) * rd.cap + at) * p.kv_dim, p.kv_half);
     const int qpairs = (p.q_cols / p.head_dim) * p.half;
     const int kpairs = (p.kv_dim / p.head_dim) * p.half;
     for (int idx = threadIdx.x; idx < qpairs + kpairs; idx += blockDim.x) {
@@ -397,13 +398,13 @@ extern "C" __global__ void rope_kv_f32(const RopeKvParams p) {
         head[ia] = ra;
         head[ib] = rb;
         if (!isq) {
-            kd[(size_t)h * p.head_dim + ia] = ra;
-            kd[(size_t)h * p.head_dim + ib] = rb;
+            kv_put(kd, (size_t)h * p.head_dim + ia, ra, p.kv_half);
+            kv_put(kd, (size_t)h * p.head_dim + ib, rb, p.kv_half);
         }
     }
     for (int c = threadIdx.x; c < p.kv_dim; c += blockDim.x) {
-        if (c % p.head_dim >= 2 * p.half) kd[c] = kt[c];
-        vd[c] = vt[c];
+        if (c % p.head_dim >= 2 * p.half) kv_put(kd, c, kt[c], p.kv_half);
+        kv_put(vd, c, vt[c], p.kv_half);
     }
 }
 
@@ -450,8 +451,7 @@ __device__ __forceinline__ void qk_norm_rope_kv_body(const RopeKvParams& p) {
     if (!live) return;  // a whole warp leaves together
 
     float* head = (isq ? (float*)p.q + (size_t)t * p.q_cols : (float*)p.k + (size_t)t * p.kv_dim) + (size_t)h * hd;
-    float* kd = isq ? nullptr
-                    : (float*)rd.base + ((size_t)(2 * p.layer) * rd.cap + at) * p.kv_dim + (size_t)h * hd;
+    const u64 kd = isq ? 0 : kv_addr(rd.base, ((size_t)(2 * p.layer) * rd.cap + at) * p.kv_dim + (size_t)h * hd, p.kv_half);
 #pragma unroll
     for (int u = 0; u < QKN_PER; u++) {
         const int i = lane + 32 * u;
@@ -484,18 +484,18 @@ __device__ __forceinline__ void qk_norm_rope_kv_body(const RopeKvParams& p) {
         head[ia] = ra;
         head[ib] = rb;
         if (kd) {
-            kd[ia] = ra;
-            kd[ib] = rb;
+            kv_put(kd, ia, ra, p.kv_half);
+            kv_put(kd, ib, rb, p.kv_half);
         }
     }
     for (int i = 2 * p.half + lane; i < hd; i += 32) {  // past the rotary dimensions
         head[i] = sh[warp][i];
-        if (kd) kd[i] = sh[warp][i];
+        if (kd) kv_put(kd, i, sh[warp][i], p.kv_half);
     }
     if (!isq) {
         const float* vt = (const float*)p.v + (size_t)t * p.kv_dim + (size_t)h * hd;
-        float* vd = (float*)rd.base + ((size_t)(2 * p.layer + 1) * rd.cap + at) * p.kv_dim + (size_t)h * hd;
-        for (int i = lane; i < hd; i += 32) vd[i] = vt[i];
+        const u64 vd = kv_addr(rd.base, ((size_t)(2 * p.layer + 1) * rd.cap + at) * p.kv_dim + (size_t)h * hd, p.kv_half);
+        for (int i = lane; i < hd; i += 32) kv_put(vd, i, vt[i], p.kv_half);
     }
 }
 
@@ -505,36 +505,36 @@ extern "C" __global__ void __launch_bounds__(QKN_WARPS * 32) qk_norm_rope_kv_f32
 
 // ---- KV cache ----------------------------------------------------------------------------
 
-// Writes token t's k and v ([T, kv_dim]) at (meta.row, meta.pos) of layer `layer`.
-// Bounds (pos < cap) are checked on the host before the launch.
+// Writes token t's k and v ([T, kv_dim]) at (meta.row, meta.pos) of layer `layer` (kv_put:
+// f16 where half != 0). Bounds (pos < cap) are checked on the host before the launch.
 extern "C" __global__ void kv_write_f32(const float* k, const float* v, const u32* meta, int T, int kv_dim,
-                                        const RowDesc* rows, int layer) {
+                                        const RowDesc* rows, int layer, int half) {
     df_kernel_begin();
     const int t = blockIdx.y;
     if (t >= T) return;
     const RowDesc rd = rows[meta[4 * t + META_ROW]];
     const size_t pos = meta[4 * t + META_POS];
-    float* base = (float*)rd.base;
-    float* kd = base + ((size_t)(2 * layer) * rd.cap + pos) * kv_dim;
-    float* vd = base + ((size_t)(2 * layer + 1) * rd.cap + pos) * kv_dim;
+    const u64 kd = kv_addr(rd.base, ((size_t)(2 * layer) * rd.cap + pos) * kv_dim, half);
+    const u64 vd = kv_addr(rd.base, ((size_t)(2 * layer + 1) * rd.cap + pos) * kv_dim, half);
     const float* ks = k + (size_t)t * kv_dim;
     const float* vs = v + (size_t)t * kv_dim;
     for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < kv_dim; c += gridDim.x * blockDim.x) {
-        kd[c] = ks[c];
-        vd[c] = vs[c];
+        kv_put(kd, c, ks[c], half);
+        kv_put(vd, c, vs[c], half);
     }
 }
 
 // Copies positions 0..len of every layer's K and V from one row layout to another (rows may
-// have different capacities): used when a row grows and by kv_copy_row. Strides are
-// cap * kv_dim floats; len_vals = len * kv_dim. blockIdx.y = 2*layer + (0 for K, 1 for V).
-extern "C" __global__ void kv_copy_f32(const float* src, i64 src_stride, float* dst, i64 dst_stride,
-                                       i64 len_vals) {
+// have different capacities): used when a row grows and by kv_copy_row. Counted in u16 words,
+// so one kernel copies either cache type: strides are cap * kv_dim values, len_words = len *
+// kv_dim values, each times the words of a value (2 for f32, 1 for f16). blockIdx.y = 2*layer +
+// (0 for K, 1 for V).
+extern "C" __global__ void kv_copy(const u16* src, i64 src_stride, u16* dst, i64 dst_stride, i64 len_words) {
     df_kernel_begin();
     const i64 part = blockIdx.y;
-    const float* sp = src + part * src_stride;
-    float* dp = dst + part * dst_stride;
-    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < len_vals; i += (i64)gridDim.x * blockDim.x) {
+    const u16* sp = src + part * src_stride;
+    u16* dp = dst + part * dst_stride;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < len_words; i += (i64)gridDim.x * blockDim.x) {
         dp[i] = sp[i];
     }
 }

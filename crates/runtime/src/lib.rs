@@ -11,6 +11,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod dtype;
 pub mod error;
+pub mod kv_type;
 pub mod quant;
 pub mod weight;
 
@@ -19,4 +20,5 @@ pub use backend::{
 };
 pub use dtype::DType;
 pub use error::RuntimeError;
+pub use kv_type::KvType;
 pub use weight::{HostWeight, WeightBytes};

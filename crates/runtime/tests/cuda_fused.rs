@@ -12,11 +12,11 @@
 
 mod common;
 
-use common::{bits, cpu, gpu, random_vec, random_weight};
+use common::{bits, cpu, gpu, gpu_kv, random_vec, random_weight};
 
 use dflash_runtime::backend::{AttnShape, GraphKey, QkNorm, Rope, RopeStyle, RowSpan};
 use dflash_runtime::cuda::{CudaBackend, CudaOptions, Int8Policy, KernelClassTime};
-use dflash_runtime::{Backend, DType, TokenMeta, WeightRole};
+use dflash_runtime::{Backend, DType, KvType, TokenMeta, WeightRole};
 use rand::{Rng, SeedableRng};
 
 #[test]
@@ -178,7 +178,14 @@ fn rope_freqs(g: &CudaBackend, head_dim: usize) -> <CudaBackend as Backend>::Ten
 
 #[test]
 fn rope_kv_write_equals_rope_rope_kv_write_and_verify_equals_decode() {
-    let Some(g) = gpu() else { return };
+    for kv in [KvType::F32, KvType::F16] {
+        let Some(g) = gpu_kv(kv) else { return };
+        println!("KV cache {kv}");
+        rope_kv_write_equals_rope_rope_kv_write_and_verify_equals_decode_on(g);
+    }
+}
+
+fn rope_kv_write_equals_rope_rope_kv_write_and_verify_equals_decode_on(g: &CudaBackend) {
     for (n_heads, n_kv_heads, head_dim) in [(9usize, 3usize, 64usize), (32, 8, 128), (8, 8, 64)] {
         let kv_dim = n_kv_heads * head_dim;
         let shape = AttnShape {
@@ -255,7 +262,14 @@ fn rope_kv_write_equals_rope_rope_kv_write_and_verify_equals_decode() {
 
 #[test]
 fn qk_norm_rope_kv_write_equals_norms_then_rope_kv_write() {
-    let Some(g) = gpu() else { return };
+    for kv in [KvType::F32, KvType::F16] {
+        let Some(g) = gpu_kv(kv) else { return };
+        println!("KV cache {kv}");
+        qk_norm_rope_kv_write_equals_norms_then_rope_kv_write_on(g);
+    }
+}
+
+fn qk_norm_rope_kv_write_equals_norms_then_rope_kv_write_on(g: &CudaBackend) {
     // (heads, KV heads, head_dim, rotary pairs): Qwen3-4B's attention, the default model's
     // drafter-like one, a partial rotary embedding and the largest head size of the kernel.
     for (n_heads, n_kv_heads, head_dim, half) in [
@@ -333,7 +347,14 @@ fn qk_norm_rope_kv_write_equals_norms_then_rope_kv_write() {
 
 #[test]
 fn qkv_rope_epilogue_equals_products_then_rope_kv_write() {
-    let Some(g) = gpu() else { return };
+    for kv in [KvType::F32, KvType::F16] {
+        let Some(g) = gpu_kv(kv) else { return };
+        println!("KV cache {kv}");
+        qkv_rope_epilogue_equals_products_then_rope_kv_write_on(g);
+    }
+}
+
+fn qkv_rope_epilogue_equals_products_then_rope_kv_write_on(g: &CudaBackend) {
     // (heads, KV heads, head_dim, K): the default model's attention and a Qwen3-4B-like one.
     for (n_heads, n_kv_heads, head_dim, k) in
         [(9usize, 3usize, 64usize, 576usize), (8, 2, 128, 512)]
@@ -600,7 +621,14 @@ fn gather_rows_at_writes_at_the_offset_and_keeps_the_other_rows() {
 
 #[test]
 fn graph_replays_equal_eager_steps() {
-    let Some(g) = gpu() else { return };
+    for kv in [KvType::F32, KvType::F16] {
+        let Some(g) = gpu_kv(kv) else { return };
+        println!("KV cache {kv}");
+        graph_replays_equal_eager_steps_on(g);
+    }
+}
+
+fn graph_replays_equal_eager_steps_on(g: &CudaBackend) {
     let (hidden, vocab) = (128usize, 500usize);
     let table = g
         .upload_weight(

@@ -9,14 +9,14 @@
 
 mod common;
 
-use common::{bits, cpu, gpu, random_vec, random_weight, rng};
+use common::{bits, cpu, cpu_kv, gpu, gpu_f16, gpu_kv, random_vec, random_weight, rng};
 
 use dflash_runtime::backend::{Activations, AttnShape, RopeStyle};
 use dflash_runtime::cpu::int8::quantize::{QuantRows, Terms};
 use dflash_runtime::cpu::int8::reference as int8_reference;
 use dflash_runtime::cpu::{CpuBackend, CpuWeight};
 use dflash_runtime::cuda::{compile, CudaBackend, CudaOptions, Int8Policy, PrefillGemm};
-use dflash_runtime::{Backend, DType, HostWeight, RowSpan, TokenMeta, WeightRole};
+use dflash_runtime::{Backend, DType, HostWeight, KvType, RowSpan, TokenMeta, WeightRole};
 use rand::Rng;
 
 /// Asserts |a - b| <= abs + rel * scale[i] element-wise.
@@ -1071,8 +1071,18 @@ fn fill_kv(
 
 #[test]
 fn attention_ragged_rows_and_masks_match_cpu_and_are_batch_invariant() {
-    let Some(g) = gpu() else { return };
-    let c = cpu();
+    for kv in [KvType::F32, KvType::F16] {
+        let Some(g) = gpu_kv(kv) else { return };
+        println!("KV cache {kv}");
+        attention_ragged_rows_and_masks_match_cpu_and_are_batch_invariant_on(g, kv);
+    }
+}
+
+fn attention_ragged_rows_and_masks_match_cpu_and_are_batch_invariant_on(
+    g: &CudaBackend,
+    kv: KvType,
+) {
+    let c = cpu_kv(kv);
     let (layers, n_heads, n_kv_heads, head_dim) = (2, 6, 2, 64);
     let kv_dim = n_kv_heads * head_dim;
     let shape = AttnShape {
@@ -1164,14 +1174,22 @@ fn attention_ragged_rows_and_masks_match_cpu_and_are_batch_invariant() {
 /// output that an int8 output projection reads.
 #[test]
 fn attention_in_kernel_merge_equals_the_merge_launch() {
-    let Some(separate) = gpu() else { return };
+    for kv in [KvType::F32, KvType::F16] {
+        let Some(separate) = gpu_kv(kv) else { return };
+        println!("KV cache {kv}");
+        attention_in_kernel_merge_on(separate, kv);
+    }
+}
+
+fn attention_in_kernel_merge_on(separate: &CudaBackend, kv: KvType) {
     let opts = CudaOptions {
         int8: common::int8_policy(),
         fuse_merge_min_rows: 1,
+        kv_type: kv,
         ..CudaOptions::from_env().unwrap()
     };
     let fused = &CudaBackend::with_options(opts).unwrap();
-    let c = cpu();
+    let c = cpu_kv(kv);
     // The default model's group (3 query heads per KV head of 64) and Qwen3-4B's (4 of 128).
     for (n_heads, n_kv_heads, head_dim) in [(9usize, 3usize, 64usize), (8, 2, 128)] {
         let kv_dim = n_kv_heads * head_dim;
@@ -1245,10 +1263,113 @@ fn attention_in_kernel_merge_equals_the_merge_launch() {
     }
 }
 
+/// An f16 KV cache holds each value rounded to nearest even once (the CPU's `half` rounding,
+/// subnormals included) and attention widens it exactly: on every kernel path (16-byte loads of
+/// four values, single values where head sizes are not multiples of four; decode tokens,
+/// verify blocks, ragged rows, long rows with many splits) attention over an f16 cache gives
+/// the bits of attention over an f32 cache written with the rounded values.
+#[test]
+fn f16_cache_attention_equals_an_f32_cache_of_the_rounded_values() {
+    let (Some(g32), Some(g16)) = (gpu(), gpu_f16()) else {
+        return;
+    };
+    assert_eq!(g16.kv_type(), KvType::F16);
+    for (n_heads, n_kv_heads, head_dim) in [(9usize, 3usize, 64usize), (8, 2, 128), (2, 1, 30)] {
+        let kv_dim = n_kv_heads * head_dim;
+        let shape = AttnShape {
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            scale: 1.0 / (head_dim as f32).sqrt(),
+        };
+        let (mut kv16, mut kv32) = (g16.kv_new(1, kv_dim), g32.kv_new(1, kv_dim));
+        assert_eq!(g16.kv_value_bytes(&kv16), 2);
+        assert_eq!(g32.kv_value_bytes(&kv32), 4);
+        let lens = [7usize, 1500, 64];
+        for (row, &len) in lens.iter().enumerate() {
+            g16.kv_reserve(&mut kv16, row, len, 0);
+            g32.kv_reserve(&mut kv32, row, len, 0);
+            let meta: Vec<TokenMeta> = (0..len)
+                .map(|p| TokenMeta::causal(row as u32, p as u32))
+                .collect();
+            // Moderate values, with some far below f16's normal range (subnormal and zero
+            // after rounding) and some with ties to round.
+            let values = |seed: u64| -> Vec<f32> {
+                let mut v = random_vec(len * kv_dim, -1.5, 1.5, seed);
+                for (i, x) in v.iter_mut().enumerate() {
+                    match i % 97 {
+                        0 => *x *= 1e-5,
+                        1 => *x *= 3e-8,
+                        2 => *x = 1.0 + 2f32.powi(-11), // halfway between two f16 values
+                        _ => {}
+                    }
+                }
+                v
+            };
+            let (k, v) = (values(500 + row as u64), values(600 + row as u64));
+            let rounded =
+                |x: &[f32]| -> Vec<f32> { x.iter().map(|&a| KvType::F16.round(a)).collect() };
+            g16.kv_write(
+                &mut kv16,
+                0,
+                &g16.upload(&k, len, kv_dim),
+                &g16.upload(&v, len, kv_dim),
+                &g16.upload_meta(&meta),
+            );
+            g32.kv_write(
+                &mut kv32,
+                0,
+                &g32.upload(&rounded(&k), len, kv_dim),
+                &g32.upload(&rounded(&v), len, kv_dim),
+                &g32.upload_meta(&meta),
+            );
+        }
+        let mut meta = vec![
+            TokenMeta::causal(0, 6),
+            TokenMeta::causal(1, 1499),
+            TokenMeta::causal(2, 63),
+            TokenMeta::causal(1, 40),
+        ];
+        // A verify block of 16 at the end of row 1.
+        meta.extend((1484..1500).map(|p| TokenMeta::causal(1, p)));
+        let t = meta.len();
+        let q = random_vec(t * n_heads * head_dim, -2.0, 2.0, 700);
+        let run =
+            |g: &CudaBackend, kv: &<CudaBackend as Backend>::Kv, meta: &[TokenMeta], q: &[f32]| {
+                let mut o = g.tensor(0, 0);
+                g.attention(
+                    &g.upload(q, meta.len(), n_heads * head_dim),
+                    kv,
+                    0,
+                    &g.upload_meta(meta),
+                    shape,
+                    &mut o,
+                );
+                bits(&g.to_host(&o))
+            };
+        let what = format!("heads {n_heads}/{n_kv_heads} dim {head_dim}");
+        let got = run(g16, &kv16, &meta, &q);
+        assert_eq!(got, run(g32, &kv32, &meta, &q), "{what}: batch");
+        // Token by token on the f16 cache: the batch's bits.
+        let w = n_heads * head_dim;
+        for (i, m) in meta.iter().enumerate() {
+            let one = run(g16, &kv16, std::slice::from_ref(m), &q[i * w..(i + 1) * w]);
+            assert_eq!(one, got[i * w..(i + 1) * w], "{what}: token {i} alone");
+        }
+    }
+}
+
 #[test]
 fn attention_long_context() {
-    let Some(g) = gpu() else { return };
-    let c = cpu();
+    for kv in [KvType::F32, KvType::F16] {
+        let Some(g) = gpu_kv(kv) else { return };
+        println!("KV cache {kv}");
+        attention_long_context_on(g, kv);
+    }
+}
+
+fn attention_long_context_on(g: &CudaBackend, kv: KvType) {
+    let c = cpu_kv(kv);
     let (layers, n_heads, n_kv_heads, head_dim) = (1, 4, 1, 128);
     let kv_dim = n_kv_heads * head_dim;
     let shape = AttnShape {
@@ -1297,8 +1418,15 @@ fn attention_long_context() {
 
 #[test]
 fn kv_grow_truncate_copy_release() {
-    let Some(g) = gpu() else { return };
-    let c = cpu();
+    for kv in [KvType::F32, KvType::F16] {
+        let Some(g) = gpu_kv(kv) else { return };
+        println!("KV cache {kv}");
+        kv_grow_truncate_copy_release_on(g, kv);
+    }
+}
+
+fn kv_grow_truncate_copy_release_on(g: &CudaBackend, kv: KvType) {
+    let c = cpu_kv(kv);
     let (layers, n_heads, n_kv_heads, head_dim) = (3, 2, 1, 32);
     let kv_dim = n_kv_heads * head_dim;
     let shape = AttnShape {
@@ -1402,10 +1530,17 @@ fn kv_grow_truncate_copy_release() {
 
 #[test]
 fn decode_and_verify_layers_agree_bit_for_bit() {
+    for kv in [KvType::F32, KvType::F16] {
+        let Some(g) = gpu_kv(kv) else { return };
+        println!("KV cache {kv}");
+        decode_and_verify_layers_agree_bit_for_bit_on(g);
+    }
+}
+
+fn decode_and_verify_layers_agree_bit_for_bit_on(g: &CudaBackend) {
     // A miniature transformer layer step (norm, q/k/v, rope, kv write, attention, o, mlp) run
     // for a block of 16 tokens at once and token by token must give the same bits: what the
     // lossless contract asks of verify (M = block) against decode (M = 1).
-    let Some(g) = gpu() else { return };
     let (hidden, n_heads, n_kv_heads, head_dim, inter) =
         (256usize, 4usize, 2usize, 32usize, 512usize);
     let kv_dim = n_kv_heads * head_dim;

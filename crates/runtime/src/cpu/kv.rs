@@ -7,74 +7,9 @@
 //! even), and widened exactly when read, so every query that reads a position reads the same
 //! bits — a verify block's rows see what decode steps see.
 
-use std::fmt;
-use std::str::FromStr;
-
 use half::f16;
 
-use crate::error::RuntimeError;
-
-/// The environment variable that picks the CPU's [`KvType`] (`f16`, the default, or `f32`).
-pub const ENV: &str = "DFLASH_KV_CACHE";
-
-/// How the CPU KV cache holds keys and values.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum KvType {
-    /// Half precision: half the bytes; values beyond ±65504 become infinite.
-    #[default]
-    F16,
-    /// Single precision: the values as computed.
-    F32,
-}
-
-impl KvType {
-    /// The type `DFLASH_KV_CACHE` asks for (unset: the default).
-    pub fn from_env() -> Result<KvType, RuntimeError> {
-        match std::env::var(ENV) {
-            Ok(v) if !v.is_empty() => v.parse(),
-            _ => Ok(KvType::default()),
-        }
-    }
-
-    /// The value a cache of this type holds for `x` (as read back).
-    pub fn round(self, x: f32) -> f32 {
-        match self {
-            KvType::F16 => f16::from_f32(x).to_f32(),
-            KvType::F32 => x,
-        }
-    }
-
-    /// Bytes of one stored value.
-    pub fn bytes(self) -> usize {
-        match self {
-            KvType::F16 => 2,
-            KvType::F32 => 4,
-        }
-    }
-}
-
-impl FromStr for KvType {
-    type Err = RuntimeError;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "f16" => Ok(KvType::F16),
-            "f32" => Ok(KvType::F32),
-            other => Err(RuntimeError::Device(format!(
-                "{ENV}={other:?}: expected f16 or f32"
-            ))),
-        }
-    }
-}
-
-impl fmt::Display for KvType {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            KvType::F16 => "f16",
-            KvType::F32 => "f32",
-        })
-    }
-}
+pub use crate::kv_type::{KvType, ENV};
 
 /// One layer's K (or V) storage of one row, in the cache's type.
 #[derive(Clone, Debug)]

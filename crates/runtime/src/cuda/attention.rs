@@ -110,6 +110,11 @@ impl CudaBackend {
             )
         });
         assert!(layer < kv.layers, "KV layer {layer} out of range");
+        assert_eq!(
+            kv.ty, dev.kv_type,
+            "attention: a {} KV cache on a device whose attention kernels read {}",
+            kv.ty, dev.kv_type
+        );
         for m in &meta.host {
             assert!(
                 (m.row as usize) < kv.rows.len(),

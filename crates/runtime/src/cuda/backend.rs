@@ -26,6 +26,7 @@ use crate::choice::{DraftRow, SampleRow, Verdict, VerifyRow};
 use crate::cpu::int8::pack::PANEL;
 use crate::dtype::DType;
 use crate::error::RuntimeError;
+use crate::kv_type::KvType;
 use crate::quant::GROUP;
 use crate::weight::HostWeight;
 
@@ -91,7 +92,8 @@ pub(super) struct RopeEpi {
     pub half: i32,
     pub style: i32,
     pub kv_dim: i32,
-    pub pad: i32,
+    /// The KV cache holds f16 (1) or f32 (0).
+    pub kv_half: i32,
 }
 
 /// A weight (and, for SwiGLU, its partner) and the output of one fused product.
@@ -197,6 +199,11 @@ impl CudaBackend {
             .as_mut()
             .map(Profiler::take)
             .unwrap_or_default()
+    }
+
+    /// How this backend's KV caches hold keys and values.
+    pub fn kv_type(&self) -> KvType {
+        self.dev.kv_type
     }
 
     /// The GPU's name, e.g. "NVIDIA H200".
@@ -872,15 +879,15 @@ impl CudaBackend {
         dst_cap: usize,
         len: usize,
     ) {
-        let vals = len * kv.kv_dim;
-        if vals == 0 || kv.layers == 0 {
+        let words = kv.part_words(len);
+        if words == 0 || kv.layers == 0 {
             return;
         }
         self.dev.launch(
             &self.dev.k.kv_copy,
             "kv copy",
             (
-                grid_1d(vals, EW_THREADS).min(1024),
+                grid_1d(words, EW_THREADS).min(1024),
                 (2 * kv.layers) as u32,
                 1,
             ),
@@ -888,10 +895,10 @@ impl CudaBackend {
             0,
             &[
                 Arg::Ptr(src),
-                long(kv.part_len(src_cap)),
+                long(kv.part_words(src_cap)),
                 Arg::Ptr(dst),
-                long(kv.part_len(dst_cap)),
-                long(vals),
+                long(kv.part_words(dst_cap)),
+                long(words),
             ],
         );
     }
@@ -1136,7 +1143,7 @@ impl Backend for CudaBackend {
     }
 
     fn kv_new(&self, layers: usize, kv_dim: usize) -> CudaKv {
-        CudaKv::new(layers, kv_dim)
+        CudaKv::new(layers, kv_dim, self.dev.kv_type)
     }
 
     fn kv_reserve(&self, kv: &mut CudaKv, row: usize, capacity: usize, keep: usize) {
@@ -1154,7 +1161,9 @@ impl Backend for CudaBackend {
             }
             return;
         }
-        let new = self.dev.zeros::<f32>(2 * kv.layers * kv.part_len(capacity));
+        let new = self
+            .dev
+            .zeros::<u16>(2 * kv.layers * kv.part_words(capacity));
         let keep = keep.min(old_cap);
         if let Some(old) = &kv.rows[row] {
             self.kv_relayout(kv, self.ptr(old), old_cap, self.ptr(&new), capacity, keep);
@@ -1169,6 +1178,10 @@ impl Backend for CudaBackend {
 
     fn kv_capacity(&self, kv: &CudaKv, row: usize) -> usize {
         kv.capacity(row)
+    }
+
+    fn kv_value_bytes(&self, kv: &CudaKv) -> usize {
+        kv.ty.bytes()
     }
 
     fn kv_copy_row(&self, kv: &mut CudaKv, src: usize, dst: usize, len: usize) {
@@ -1232,6 +1245,7 @@ impl Backend for CudaBackend {
                 int(dim),
                 Arg::Ptr(table),
                 int(layer),
+                int(usize::from(kv.ty == KvType::F16)),
             ],
         );
     }

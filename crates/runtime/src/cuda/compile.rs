@@ -27,6 +27,7 @@ use std::path::{Path, PathBuf};
 use cudarc::nvrtc::sys as nv;
 
 use crate::dtype::{DType, FORMATS};
+use crate::kv_type::KvType;
 
 const COMMON: &str = include_str!("../../kernels/common.cu");
 const INCLUDE_COMMON: &str = "#include \"common.cu\"";
@@ -48,7 +49,8 @@ fn include_line(file: &str) -> String {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Module {
     Ops,
-    Attention,
+    /// attention.cu for a KV cache of the given type (`DF_KV_HALF`).
+    Attention(KvType),
     /// The Gated DeltaNet kernels (gdn.cu), built when a model with GDN layers first runs.
     Gdn,
     Sample,
@@ -61,7 +63,13 @@ pub enum Module {
 impl Module {
     /// Every unit: the shared modules, then matmul for each format.
     pub fn all() -> Vec<Module> {
-        let mut v = vec![Module::Ops, Module::Attention, Module::Sample, Module::Gdn];
+        let mut v = vec![
+            Module::Ops,
+            Module::Attention(KvType::F32),
+            Module::Attention(KvType::F16),
+            Module::Sample,
+            Module::Gdn,
+        ];
         v.extend(DType::ALL.into_iter().map(Module::Matmul));
         v.extend(
             DType::ALL
@@ -93,7 +101,8 @@ impl Module {
     pub fn name(self) -> String {
         match self {
             Module::Ops => "ops".into(),
-            Module::Attention => "attention".into(),
+            Module::Attention(KvType::F32) => "attention".into(),
+            Module::Attention(KvType::F16) => "attention_f16".into(),
             Module::Gdn => "gdn".into(),
             Module::Sample => "sample".into(),
             Module::Matmul(d) => format!("matmul_{}", d.info().kernel_name),
@@ -106,7 +115,7 @@ impl Module {
         let file = match self {
             Module::Matmul(_) | Module::MatmulInt8x2(_) => "matmul.cu",
             Module::Ops => "ops.cu",
-            Module::Attention => "attention.cu",
+            Module::Attention(_) => "attention.cu",
             Module::Gdn => "gdn.cu",
             Module::Sample => "sample.cu",
         };
@@ -117,7 +126,7 @@ impl Module {
         match self {
             Module::Matmul(_) | Module::MatmulInt8x2(_) => include_str!("../../kernels/matmul.cu"),
             Module::Ops => include_str!("../../kernels/ops.cu"),
-            Module::Attention => include_str!("../../kernels/attention.cu"),
+            Module::Attention(_) => include_str!("../../kernels/attention.cu"),
             Module::Gdn => include_str!("../../kernels/gdn.cu"),
             Module::Sample => include_str!("../../kernels/sample.cu"),
         }
@@ -145,6 +154,12 @@ impl Module {
                 d.info().kernel_name,
                 u8::from(super::int8::int8_format(d)),
                 1 + u8::from(matches!(self, Module::MatmulInt8x2(_)))
+            ));
+        }
+        if let Module::Attention(kv) = self {
+            body.push_str(&format!(
+                "#define DF_KV_HALF {}\n",
+                u8::from(kv == KvType::F16)
             ));
         }
         for line in raw.lines() {
@@ -740,9 +755,14 @@ mod tests {
     #[test]
     fn every_kernel_begins_by_waiting_for_the_previous_one() {
         let mut kernels = 0;
-        for m in [Module::Ops, Module::Attention, Module::Gdn, Module::Sample]
-            .into_iter()
-            .chain([Module::Matmul(DType::Q4_1)])
+        for m in [
+            Module::Ops,
+            Module::Attention(KvType::F32),
+            Module::Gdn,
+            Module::Sample,
+        ]
+        .into_iter()
+        .chain([Module::Matmul(DType::Q4_1)])
         {
             let src = m.raw_source();
             for (at, _) in src.match_indices("__global__") {
@@ -758,7 +778,7 @@ mod tests {
                         || first.starts_with("mmqs_body<")
                         || first.starts_with("mmqt_kernel_body<")
                         || first.starts_with("mmx2_body<")))
-                    || (m == Module::Attention
+                    || (matches!(m, Module::Attention(_))
                         && (first.starts_with("attention_split_body<")
                             || first.starts_with("attention_merge_body<")))
                     || (m == Module::Ops && first.starts_with("qk_norm_rope_kv_body("));
@@ -846,12 +866,12 @@ mod tests {
         // what a kernel writes (q, k, v, the split states) or leave.
         for (m, body, written) in [
             (
-                Module::Attention,
+                Module::Attention(KvType::F32),
                 "void attention_split_body(",
                 ["p.q", "p.part"],
             ),
             (
-                Module::Attention,
+                Module::Attention(KvType::F32),
                 "void attention_merge_body(",
                 ["p.q", "att_part("],
             ),

@@ -15,6 +15,7 @@ use super::int8_x::FreshX;
 use super::profile::Profiler;
 use crate::dtype::DType;
 use crate::error::RuntimeError;
+use crate::kv_type::KvType;
 use crate::quant::GROUP;
 
 /// How large products (prefill) are computed.
@@ -54,7 +55,12 @@ pub struct CudaOptions {
     /// (`mmqs_*`, matmul.cu) instead of leaving it to the quantizer, unless
     /// `DFLASH_CUDA_SWIGLU_Q8=0`; the bits are the same either way.
     pub swiglu_q8: bool,
+    /// How the KV cache holds keys and values (`DFLASH_KV_CACHE`; default [`CUDA_KV_TYPE`]).
+    pub kv_type: KvType,
 }
+
+/// The CUDA backend's default KV cache type.
+pub const CUDA_KV_TYPE: KvType = KvType::F32;
 
 impl Default for CudaOptions {
     fn default() -> Self {
@@ -65,6 +71,7 @@ impl Default for CudaOptions {
             fuse_merge_min_rows: FUSE_MERGE_MIN_ROWS,
             int8_mma_width: None,
             swiglu_q8: true,
+            kv_type: CUDA_KV_TYPE,
         }
     }
 }
@@ -75,9 +82,11 @@ impl CudaOptions {
     /// `DFLASH_CUDA_INT8` ([`Int8Policy`]), `DFLASH_CUDA_FUSE_MERGE` (when the split
     /// attention merges by itself: `auto`, `0` or the fewest tokens; cuda/attention.rs) and
     /// `DFLASH_CUDA_INT8_MMA_WIDTH` (`auto`, or the column tiles per block of the int8
-    /// tensor-core kernels: 4 or 1) and `DFLASH_CUDA_SWIGLU_Q8` (`0` or `1`).
+    /// tensor-core kernels: 4 or 1), `DFLASH_CUDA_SWIGLU_Q8` (`0` or `1`) and
+    /// `DFLASH_KV_CACHE` (`f16` or `f32`).
     pub fn from_env() -> Result<Self, RuntimeError> {
         let mut o = Self {
+            kv_type: KvType::from_env_or(CUDA_KV_TYPE)?,
             fuse_merge_min_rows: fuse_merge_min_rows(
                 std::env::var("DFLASH_CUDA_FUSE_MERGE").ok().as_deref(),
             )
@@ -439,6 +448,9 @@ pub(crate) struct Device {
     pub fuse_merge_min_rows: usize,
     /// Which of the target's projections multiply int8-quantized activations (`DFLASH_CUDA_INT8`).
     pub int8: Int8Policy,
+    /// How the KV cache holds keys and values ([`CudaOptions::kv_type`]): the attention kernels
+    /// are compiled for it, the writers of the cache take it as an argument.
+    pub kv_type: KvType,
     /// The RMS norm and the attention merge write the int8 copy of their output for the int8
     /// product after them (cuda/int8_x.rs), unless `DFLASH_CUDA_INT8_HANDOFF=0` (then every
     /// int8 product launches the quantizer; the bits are the same either way).
@@ -574,7 +586,7 @@ impl Device {
             Err(_) => (cc.0 * 10 + cc.1) as u32,
         };
         let target = compile::target_for(arch).map_err(dev_err)?;
-        let (k, target) = load_kernels(&ctx, target).map_err(dev_err)?;
+        let (k, target) = load_kernels(&ctx, target, opts.kv_type).map_err(dev_err)?;
 
         let fixed_mt = match std::env::var("DFLASH_CUDA_MM_TILE") {
             Ok(v) => match v.trim().parse::<usize>() {
@@ -639,6 +651,7 @@ impl Device {
             fuse_rope,
             fuse_merge_min_rows: opts.fuse_merge_min_rows,
             int8: opts.int8,
+            kv_type: opts.kv_type,
             int8_mma_min_m,
             int8_mma_width: opts.int8_mma_width,
             float_mma,
@@ -1035,8 +1048,12 @@ pub(crate) fn load_image(
 
 /// Compiles (or reads from the cache) and loads the shared kernels; falls back from machine
 /// code to PTX when the driver refuses the machine code. Returns the target that worked.
-fn load_kernels(ctx: &Arc<CudaContext>, target: Target) -> Result<(Kernels, Target), String> {
-    match load_kernels_for(ctx, target) {
+fn load_kernels(
+    ctx: &Arc<CudaContext>,
+    target: Target,
+    kv: KvType,
+) -> Result<(Kernels, Target), String> {
+    match load_kernels_for(ctx, target, kv) {
         Ok(k) => Ok((k, target)),
         Err(e) if target.cubin => {
             let ptx = Target {
@@ -1047,7 +1064,7 @@ fn load_kernels(ctx: &Arc<CudaContext>, target: Target) -> Result<(Kernels, Targ
                 "loading {} kernels failed ({e}); trying PTX",
                 target.arch_flag()
             );
-            load_kernels_for(ctx, ptx)
+            load_kernels_for(ctx, ptx, kv)
                 .map(|k| (k, ptx))
                 .map_err(|e2| format!("{e}; with PTX: {e2}"))
         }
@@ -1055,9 +1072,10 @@ fn load_kernels(ctx: &Arc<CudaContext>, target: Target) -> Result<(Kernels, Targ
     }
 }
 
-fn load_kernels_for(ctx: &Arc<CudaContext>, target: Target) -> Result<Kernels, String> {
+fn load_kernels_for(ctx: &Arc<CudaContext>, target: Target, kv: KvType) -> Result<Kernels, String> {
     let mut modules = Vec::new();
-    let shared = [Module::Ops, Module::Attention, Module::Sample];
+    let attention = Module::Attention(kv);
+    let shared = [Module::Ops, attention, Module::Sample];
     for (m, image) in compile::compile_many(&shared, target, true)? {
         modules.push((m, load_image(ctx, m, image, target)?));
     }
@@ -1073,11 +1091,8 @@ fn load_kernels_for(ctx: &Arc<CudaContext>, target: Target) -> Result<Kernels, S
         for gm in ATT_GM {
             row.push(if gm * 32 * per <= ATT_MAX_GHD {
                 Some([
-                    get(Module::Attention, &format!("attention_split_{per}_{gm}"))?,
-                    get(
-                        Module::Attention,
-                        &format!("attention_split_early_{per}_{gm}"),
-                    )?,
+                    get(attention, &format!("attention_split_{per}_{gm}"))?,
+                    get(attention, &format!("attention_split_early_{per}_{gm}"))?,
                 ])
             } else {
                 None
@@ -1102,10 +1117,10 @@ fn load_kernels_for(ctx: &Arc<CudaContext>, target: Target) -> Result<Kernels, S
         rope_kv: get(Module::Ops, "rope_kv_f32")?,
         qk_norm_rope_kv: get(Module::Ops, "qk_norm_rope_kv_f32")?,
         kv_write: get(Module::Ops, "kv_write_f32")?,
-        kv_copy: get(Module::Ops, "kv_copy_f32")?,
+        kv_copy: get(Module::Ops, "kv_copy")?,
         attention_split,
-        attention_merge: get(Module::Attention, "attention_merge")?,
-        attention_merge_q8: get(Module::Attention, "attention_merge_q8")?,
+        attention_merge: get(attention, "attention_merge")?,
+        attention_merge_q8: get(attention, "attention_merge_q8")?,
         sample: super::sample::SampleKernels::load(|name| get(Module::Sample, name))?,
     })
 }

@@ -9,6 +9,7 @@ use super::device::Epilogue;
 use super::kv::CudaKv;
 use super::tensor::{CudaMeta, CudaTensor, CudaWeight};
 use crate::backend::{Rope, RowSpan};
+use crate::kv_type::KvType;
 
 /// Rows of a rope-epilogue warp: one rotary pair.
 const PAIR: usize = 2;
@@ -71,7 +72,7 @@ impl CudaBackend {
             half: half as i32,
             style: rope_style_code(rope.style),
             kv_dim: kv.kv_dim as i32,
-            pad: 0,
+            kv_half: i32::from(kv.ty == KvType::F16),
         };
         self.mm_core(
             self.tptr(x),

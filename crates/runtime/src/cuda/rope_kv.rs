@@ -8,6 +8,7 @@ use super::backend::{rope_style_code, CudaBackend};
 use super::kv::CudaKv;
 use super::tensor::{CudaMeta, CudaTensor};
 use crate::backend::{QkNorm, Rope};
+use crate::kv_type::KvType;
 
 /// Warps per block of `qk_norm_rope_kv_f32` (QKN_WARPS in ops.cu): a warp per head.
 pub(super) const QKN_WARPS: usize = 4;
@@ -34,6 +35,9 @@ struct RopeKvParams {
     style: i32,
     layer: i32,
     eps: f32,
+    /// The KV cache holds f16 (1) or f32 (0).
+    kv_half: i32,
+    pad: i32,
 }
 
 impl CudaBackend {
@@ -91,6 +95,8 @@ impl CudaBackend {
             style: rope_style_code(rope.style),
             layer: layer as i32,
             eps: norm.map_or(0.0, |n| n.eps),
+            kv_half: i32::from(kv.ty == KvType::F16),
+            pad: 0,
         };
         let k = &self.device().k;
         match norm {

@@ -20,12 +20,35 @@ pub fn int8_policy() -> Int8Policy {
 }
 
 /// The GPU, with int8 activations for every eligible projection ([`int8_policy`]), so the
-/// tests' small shapes run the int8 kernels; other roles (`Draft`, `Vocab`) keep f32.
+/// tests' small shapes run the int8 kernels; other roles (`Draft`, `Vocab`) keep f32. Its KV
+/// cache holds f32, as the CPU reference's ([`cpu`]).
 pub fn gpu() -> Option<&'static CudaBackend> {
     static GPU: OnceLock<Result<CudaBackend, String>> = OnceLock::new();
+    gpu_with(&GPU, KvType::F32)
+}
+
+/// [`gpu`] with an f16 KV cache (compare with [`cpu_f16`]).
+pub fn gpu_f16() -> Option<&'static CudaBackend> {
+    static GPU: OnceLock<Result<CudaBackend, String>> = OnceLock::new();
+    gpu_with(&GPU, KvType::F16)
+}
+
+/// The GPU for a KV cache type: [`gpu`] or [`gpu_f16`].
+pub fn gpu_kv(kv: KvType) -> Option<&'static CudaBackend> {
+    match kv {
+        KvType::F32 => gpu(),
+        KvType::F16 => gpu_f16(),
+    }
+}
+
+fn gpu_with(
+    cell: &'static OnceLock<Result<CudaBackend, String>>,
+    kv: KvType,
+) -> Option<&'static CudaBackend> {
     let open = || {
         let opts = CudaOptions {
             int8: int8_policy(),
+            kv_type: kv,
             ..CudaOptions::from_env()?
         };
         let b = CudaBackend::with_options(opts)?;
@@ -33,7 +56,7 @@ pub fn gpu() -> Option<&'static CudaBackend> {
         b.preload(&DType::ALL)?;
         Ok::<_, dflash_runtime::RuntimeError>(b)
     };
-    match GPU.get_or_init(|| open().map_err(|e| e.to_string())) {
+    match cell.get_or_init(|| open().map_err(|e| e.to_string())) {
         Ok(b) => Some(b),
         Err(e) => {
             println!("skipped: no CUDA device ({e})");
@@ -49,6 +72,22 @@ pub fn cpu() -> &'static CpuBackend {
     CPU.get_or_init(|| {
         CpuBackend::with_options(2, Isa::detect(), MatmulMode::Reference).with_kv_type(KvType::F32)
     })
+}
+
+/// [`cpu`] with an f16 KV cache: values rounded as the GPU's f16 cache rounds them.
+pub fn cpu_f16() -> &'static CpuBackend {
+    static CPU: OnceLock<CpuBackend> = OnceLock::new();
+    CPU.get_or_init(|| {
+        CpuBackend::with_options(2, Isa::detect(), MatmulMode::Reference).with_kv_type(KvType::F16)
+    })
+}
+
+/// The CPU reference for a KV cache type: [`cpu`] or [`cpu_f16`].
+pub fn cpu_kv(kv: KvType) -> &'static CpuBackend {
+    match kv {
+        KvType::F32 => cpu(),
+        KvType::F16 => cpu_f16(),
+    }
 }
 
 pub fn rng(seed: u64) -> rand::rngs::StdRng {
