@@ -158,7 +158,8 @@ fn main() -> Result<()> {
     };
     // The CPU's KV cache holds what the GPU's holds (f32, or f16 with DFLASH_KV_CACHE=f16), so
     // the two differ only where stated.
-    let cpu = Arc::new(CpuBackend::with_options(0, Isa::detect(), mode).with_kv_type(cuda.kv_type()));
+    let cpu =
+        Arc::new(CpuBackend::with_options(0, Isa::detect(), mode).with_kv_type(cuda.kv_type()));
     let margin = args.margin.unwrap_or(gpu_logit_bound(activations));
     println!(
         "GPU {} ({}), CPU x{} ({mode} matmul path), KV cache {}; model {}; {activations} \

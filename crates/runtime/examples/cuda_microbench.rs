@@ -22,7 +22,8 @@
 //! overhead is out, as in a captured decode step), the graph is replayed 5 times after a
 //! warm-up and the median is reported. Weights rotate over enough copies to exceed the 60 MB
 //! L2 cache, so each call reads its weight from HBM. Bytes counted: the weight once per call
-//! (matmul); the visible K and V once per call (attention).
+//! (matmul); the visible K and V once per call (attention), at the cache's value size
+//! (`DFLASH_KV_CACHE=f16|f32`; f32 by default on a GPU).
 
 use dflash_runtime::backend::{AttnShape, GraphKey, RowSpan};
 use dflash_runtime::cuda::CudaBackend;
@@ -303,8 +304,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 scale: 1.0 / (hd as f32).sqrt(),
             };
             println!(
-                "\n## {} attention ({heads} heads, {kv_heads} KV heads, dim {hd}): us per call (GB/s of K+V)",
-                sh.name
+                "\n## {} attention ({heads} heads, {kv_heads} KV heads, dim {hd}), {} KV cache \
+                 (DFLASH_KV_CACHE): us per call (GB/s of K+V)",
+                sh.name,
+                g.kv_type()
             );
             println!("| context | T=1 | T=16 (a verify block) |");
             println!("|---|---|---|");
@@ -338,7 +341,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                         }
                     });
                     let us = 1000.0 * ms / reps as f64;
-                    let bytes = 2 * (ctx + t) * kv_dim * 4;
+                    let bytes = 2 * (ctx + t) * kv_dim * g.kv_value_bytes(&kv);
                     cells.push(format!("{us:.2} ({:.0})", bytes as f64 / (us * 1e-6) / 1e9));
                 }
                 println!("| {ctx} | {} |", cells.join(" | "));
