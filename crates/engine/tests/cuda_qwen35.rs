@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use dflash_models::synthetic::{synthetic_qwen35_gguf, Qwen35Spec};
 use dflash_models::{load_model, LogitRows, RowStep, Target, TargetModel};
-use dflash_runtime::cpu::{CpuBackend, Isa, KvType, MatmulMode};
+use dflash_runtime::cpu::{CpuBackend, Isa, MatmulMode};
 use dflash_runtime::cuda::CudaBackend;
 use dflash_runtime::{Backend, DType, GdnShape};
 
@@ -82,9 +82,10 @@ fn chunked_prefill_and_decode_logits_match_the_cpu() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("q35.gguf");
     std::fs::write(&path, synthetic_qwen35_gguf(&spec)).unwrap();
-    // The GPU's KV cache is f32: so is the reference's.
+    // The reference's KV cache holds what the GPU's holds.
     let cpu = Arc::new(
-        CpuBackend::with_options(2, Isa::detect(), MatmulMode::Reference).with_kv_type(KvType::F32),
+        CpuBackend::with_options(2, Isa::detect(), MatmulMode::Reference)
+            .with_kv_type(gpu.kv_type()),
     );
     let mut mc = qwen35(cpu, &path);
     let mut mg = qwen35(gpu, &path);

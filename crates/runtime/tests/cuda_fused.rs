@@ -730,9 +730,11 @@ fn int8_x_from_norm_and_attention_equals_the_quantizer() {
 }
 
 fn norm_and_attention_handoff(policy: Int8Policy) {
-    // A backend of its own, so that the launch counts are this test's alone.
+    // A backend of its own, so that the launch counts are this test's alone; its KV cache
+    // holds f32, as the CPU reference's.
     let opts = CudaOptions {
         int8: policy,
+        kv_type: KvType::F32,
         ..CudaOptions::from_env().unwrap()
     };
     let g = &CudaBackend::with_options(opts).unwrap();
