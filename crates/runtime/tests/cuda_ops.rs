@@ -1348,6 +1348,43 @@ fn f16_cache_attention_equals_an_f32_cache_of_the_rounded_values() {
                 bits(&g.to_host(&o))
             };
         let what = format!("heads {n_heads}/{n_kv_heads} dim {head_dim}");
+        // One key: attention returns its value exactly (a negative zero comes back positive: it
+        // is added to zero), so an f16 cache must give back every value rounded once, infinities
+        // (past ±65504) and subnormals included.
+        let special: Vec<f32> = (0..kv_dim)
+            .map(|i| match i % 8 {
+                0 => 70_000.0,
+                1 => -1e6,
+                2 => 3e-8,
+                3 => -6.1e-5,
+                4 => 65_504.0,
+                5 => 1.0 + 2f32.powi(-11),
+                6 => -2e-5,
+                _ => i as f32 * 0.37 - 5.0,
+            })
+            .collect();
+        g16.kv_reserve(&mut kv16, 3, 1, 0);
+        g16.kv_write(
+            &mut kv16,
+            0,
+            &g16.upload(&vec![0.5; kv_dim], 1, kv_dim),
+            &g16.upload(&special, 1, kv_dim),
+            &g16.upload_meta(&[TokenMeta::causal(3, 0)]),
+        );
+        let one = run(
+            g16,
+            &kv16,
+            &[TokenMeta::causal(3, 0)],
+            &q[..n_heads * head_dim],
+        );
+        for (h, out) in one.chunks(head_dim).enumerate() {
+            let kvh = h / (n_heads / n_kv_heads);
+            let want: Vec<u32> = special[kvh * head_dim..(kvh + 1) * head_dim]
+                .iter()
+                .map(|&x| KvType::F16.round(x).to_bits())
+                .collect();
+            assert_eq!(out, &want[..], "{what}: head {h} reads its values back");
+        }
         let got = run(g16, &kv16, &meta, &q);
         assert_eq!(got, run(g32, &kv32, &meta, &q), "{what}: batch");
         // Token by token on the f16 cache: the batch's bits.
