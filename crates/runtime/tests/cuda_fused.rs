@@ -12,7 +12,7 @@
 
 mod common;
 
-use common::{bits, cpu, gpu, gpu_kv, random_vec, random_weight};
+use common::{bits, cpu, gpu, on_each_kv_type, random_vec, random_weight};
 
 use dflash_runtime::backend::{AttnShape, GraphKey, QkNorm, Rope, RopeStyle, RowSpan};
 use dflash_runtime::cuda::{CudaBackend, CudaOptions, Int8Policy, KernelClassTime};
@@ -178,11 +178,7 @@ fn rope_freqs(g: &CudaBackend, head_dim: usize) -> <CudaBackend as Backend>::Ten
 
 #[test]
 fn rope_kv_write_equals_rope_rope_kv_write_and_verify_equals_decode() {
-    for kv in [KvType::F32, KvType::F16] {
-        let Some(g) = gpu_kv(kv) else { return };
-        println!("KV cache {kv}");
-        rope_kv_write_equals_rope_rope_kv_write_and_verify_equals_decode_on(g);
-    }
+    on_each_kv_type(|g, _| rope_kv_write_equals_rope_rope_kv_write_and_verify_equals_decode_on(g));
 }
 
 fn rope_kv_write_equals_rope_rope_kv_write_and_verify_equals_decode_on(g: &CudaBackend) {
@@ -262,11 +258,7 @@ fn rope_kv_write_equals_rope_rope_kv_write_and_verify_equals_decode_on(g: &CudaB
 
 #[test]
 fn qk_norm_rope_kv_write_equals_norms_then_rope_kv_write() {
-    for kv in [KvType::F32, KvType::F16] {
-        let Some(g) = gpu_kv(kv) else { return };
-        println!("KV cache {kv}");
-        qk_norm_rope_kv_write_equals_norms_then_rope_kv_write_on(g);
-    }
+    on_each_kv_type(|g, _| qk_norm_rope_kv_write_equals_norms_then_rope_kv_write_on(g));
 }
 
 fn qk_norm_rope_kv_write_equals_norms_then_rope_kv_write_on(g: &CudaBackend) {
@@ -347,11 +339,7 @@ fn qk_norm_rope_kv_write_equals_norms_then_rope_kv_write_on(g: &CudaBackend) {
 
 #[test]
 fn qkv_rope_epilogue_equals_products_then_rope_kv_write() {
-    for kv in [KvType::F32, KvType::F16] {
-        let Some(g) = gpu_kv(kv) else { return };
-        println!("KV cache {kv}");
-        qkv_rope_epilogue_equals_products_then_rope_kv_write_on(g);
-    }
+    on_each_kv_type(|g, _| qkv_rope_epilogue_equals_products_then_rope_kv_write_on(g));
 }
 
 fn qkv_rope_epilogue_equals_products_then_rope_kv_write_on(g: &CudaBackend) {
@@ -621,11 +609,7 @@ fn gather_rows_at_writes_at_the_offset_and_keeps_the_other_rows() {
 
 #[test]
 fn graph_replays_equal_eager_steps() {
-    for kv in [KvType::F32, KvType::F16] {
-        let Some(g) = gpu_kv(kv) else { return };
-        println!("KV cache {kv}");
-        graph_replays_equal_eager_steps_on(g);
-    }
+    on_each_kv_type(|g, _| graph_replays_equal_eager_steps_on(g));
 }
 
 fn graph_replays_equal_eager_steps_on(g: &CudaBackend) {

@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::{bits, cpu, cpu_kv, gpu, gpu_f16, gpu_kv, random_vec, random_weight, rng};
+use common::{bits, cpu, cpu_kv, gpu, gpu_f16, on_each_kv_type, random_vec, random_weight, rng};
 
 use dflash_runtime::backend::{Activations, AttnShape, RopeStyle};
 use dflash_runtime::cpu::int8::quantize::{QuantRows, Terms};
@@ -1071,11 +1071,7 @@ fn fill_kv(
 
 #[test]
 fn attention_ragged_rows_and_masks_match_cpu_and_are_batch_invariant() {
-    for kv in [KvType::F32, KvType::F16] {
-        let Some(g) = gpu_kv(kv) else { return };
-        println!("KV cache {kv}");
-        attention_ragged_rows_and_masks_match_cpu_and_are_batch_invariant_on(g, kv);
-    }
+    on_each_kv_type(attention_ragged_rows_and_masks_match_cpu_and_are_batch_invariant_on);
 }
 
 fn attention_ragged_rows_and_masks_match_cpu_and_are_batch_invariant_on(
@@ -1174,11 +1170,7 @@ fn attention_ragged_rows_and_masks_match_cpu_and_are_batch_invariant_on(
 /// output that an int8 output projection reads.
 #[test]
 fn attention_in_kernel_merge_equals_the_merge_launch() {
-    for kv in [KvType::F32, KvType::F16] {
-        let Some(separate) = gpu_kv(kv) else { return };
-        println!("KV cache {kv}");
-        attention_in_kernel_merge_on(separate, kv);
-    }
+    on_each_kv_type(attention_in_kernel_merge_on);
 }
 
 fn attention_in_kernel_merge_on(separate: &CudaBackend, kv: KvType) {
@@ -1276,12 +1268,7 @@ fn f16_cache_attention_equals_an_f32_cache_of_the_rounded_values() {
     assert_eq!(g16.kv_type(), KvType::F16);
     for (n_heads, n_kv_heads, head_dim) in [(9usize, 3usize, 64usize), (8, 2, 128), (2, 1, 30)] {
         let kv_dim = n_kv_heads * head_dim;
-        let shape = AttnShape {
-            n_heads,
-            n_kv_heads,
-            head_dim,
-            scale: 1.0 / (head_dim as f32).sqrt(),
-        };
+        let shape = common::attn_shape(n_heads, n_kv_heads, head_dim);
         let (mut kv16, mut kv32) = (g16.kv_new(1, kv_dim), g32.kv_new(1, kv_dim));
         assert_eq!(g16.kv_value_bytes(&kv16), 2);
         assert_eq!(g32.kv_value_bytes(&kv32), 4);
@@ -1398,11 +1385,7 @@ fn f16_cache_attention_equals_an_f32_cache_of_the_rounded_values() {
 
 #[test]
 fn attention_long_context() {
-    for kv in [KvType::F32, KvType::F16] {
-        let Some(g) = gpu_kv(kv) else { return };
-        println!("KV cache {kv}");
-        attention_long_context_on(g, kv);
-    }
+    on_each_kv_type(attention_long_context_on);
 }
 
 fn attention_long_context_on(g: &CudaBackend, kv: KvType) {
@@ -1455,11 +1438,7 @@ fn attention_long_context_on(g: &CudaBackend, kv: KvType) {
 
 #[test]
 fn kv_grow_truncate_copy_release() {
-    for kv in [KvType::F32, KvType::F16] {
-        let Some(g) = gpu_kv(kv) else { return };
-        println!("KV cache {kv}");
-        kv_grow_truncate_copy_release_on(g, kv);
-    }
+    on_each_kv_type(kv_grow_truncate_copy_release_on);
 }
 
 fn kv_grow_truncate_copy_release_on(g: &CudaBackend, kv: KvType) {
@@ -1567,11 +1546,7 @@ fn kv_grow_truncate_copy_release_on(g: &CudaBackend, kv: KvType) {
 
 #[test]
 fn decode_and_verify_layers_agree_bit_for_bit() {
-    for kv in [KvType::F32, KvType::F16] {
-        let Some(g) = gpu_kv(kv) else { return };
-        println!("KV cache {kv}");
-        decode_and_verify_layers_agree_bit_for_bit_on(g);
-    }
+    on_each_kv_type(|g, _| decode_and_verify_layers_agree_bit_for_bit_on(g));
 }
 
 fn decode_and_verify_layers_agree_bit_for_bit_on(g: &CudaBackend) {

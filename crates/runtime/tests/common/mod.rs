@@ -5,6 +5,7 @@
 
 use std::sync::OnceLock;
 
+use dflash_runtime::backend::AttnShape;
 use dflash_runtime::cpu::{CpuBackend, Isa, KvType, MatmulMode};
 use dflash_runtime::cuda::{CudaBackend, CudaOptions, Int8Policy};
 use dflash_runtime::{DType, HostWeight, WeightBytes};
@@ -38,6 +39,27 @@ pub fn gpu_kv(kv: KvType) -> Option<&'static CudaBackend> {
     match kv {
         KvType::F32 => gpu(),
         KvType::F16 => gpu_f16(),
+    }
+}
+
+/// Attention of `n_heads` query heads over `n_kv_heads` KV heads of `head_dim`, scaled by
+/// 1/sqrt(head_dim).
+pub fn attn_shape(n_heads: usize, n_kv_heads: usize, head_dim: usize) -> AttnShape {
+    AttnShape {
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        scale: 1.0 / (head_dim as f32).sqrt(),
+    }
+}
+
+/// Runs `f` on the GPU once per KV cache type (f32, then f16), printing which; does nothing
+/// after [`gpu`]'s skip line where there is no GPU.
+pub fn on_each_kv_type(f: impl Fn(&'static CudaBackend, KvType)) {
+    for kv in [KvType::F32, KvType::F16] {
+        let Some(g) = gpu_kv(kv) else { return };
+        println!("KV cache {kv}");
+        f(g, kv);
     }
 }
 
