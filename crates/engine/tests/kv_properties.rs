@@ -246,7 +246,7 @@ fn run_plan(p: &Plan) -> Result<(), TestCaseError> {
     let b = cpu();
     let dim = KV_HEADS * p.head_dim;
     let mut rng = rand::rngs::StdRng::seed_from_u64(p.seed);
-    let mut kv = b.kv_new(LAYERS, dim);
+    let mut kv = b.kv_new(LAYERS, KV_HEADS, p.head_dim);
     let mut c = Committed {
         k: vec![vec![Vec::new(); p.rows]; LAYERS],
         v: vec![vec![Vec::new(); p.rows]; LAYERS],
@@ -350,12 +350,12 @@ fn run_plan(p: &Plan) -> Result<(), TestCaseError> {
         for l in 0..LAYERS {
             for r in 0..p.rows {
                 let len = c.len(r);
-                let row = &kv.layers[l][r];
                 prop_assert!(b.kv_capacity(&kv, r) >= len);
+                let (got_k, got_v) = kv.read(l, r, 0..len);
                 let want_k: Vec<f32> = c.k[l][r].concat();
                 let want_v: Vec<f32> = c.v[l][r].concat();
                 prop_assert_eq!(
-                    &row.k.read(0..len * dim)[..],
+                    &got_k[..],
                     &want_k[..],
                     "round {} layer {} row {}: K prefix",
                     ri,
@@ -363,7 +363,7 @@ fn run_plan(p: &Plan) -> Result<(), TestCaseError> {
                     r
                 );
                 prop_assert_eq!(
-                    &row.v.read(0..len * dim)[..],
+                    &got_v[..],
                     &want_v[..],
                     "round {} layer {} row {}: V prefix",
                     ri,

@@ -276,7 +276,7 @@ impl<B: Backend> DflashDrafter<B> {
             norm: vec("norm.weight", h)?,
             layers,
             inv_freq: b.upload(&inv, 1, inv.len()),
-            kv: b.kv_new(cfg.layers, kvd),
+            kv: b.kv_new(cfg.layers, cfg.kv_heads, hd),
             rows: RowTable::default(),
             ws,
             ids: Vec::new(),

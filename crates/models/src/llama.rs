@@ -237,7 +237,7 @@ impl<B: Backend> LlamaModel<B> {
             }
         }
         let inv_freq = b.upload(&inv, 1, inv.len());
-        let kv = b.kv_new(cfg.layers, kvd);
+        let kv = b.kv_new(cfg.layers, cfg.kv_heads, cfg.head_dim);
         let ws = Workspace {
             x: b.tensor(0, h),
             h: b.tensor(0, h),

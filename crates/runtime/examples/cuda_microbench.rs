@@ -312,7 +312,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             println!("| context | T=1 | T=16 (a verify block) |");
             println!("|---|---|---|");
             for ctx in [128usize, 512, 1024, 2048, 4096, 8192] {
-                let mut kv = g.kv_new(1, kv_dim);
+                let mut kv = g.kv_new(1, kv_heads, hd);
                 g.kv_reserve(&mut kv, 0, ctx + 16, 0);
                 let meta: Vec<TokenMeta> = (0..ctx + 16)
                     .map(|p| TokenMeta::causal(0, p as u32))

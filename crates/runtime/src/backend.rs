@@ -343,7 +343,8 @@ pub trait Backend: Send + Sync + 'static {
     fn step_meta<'a>(&self, step: &'a Self::Step) -> &'a Self::Meta;
 
     // --- KV cache -------------------------------------------------------------------------
-    fn kv_new(&self, layers: usize, kv_dim: usize) -> Self::Kv;
+    /// A cache for `layers` layers of `kv_heads` KV heads of `head_dim` values (no rows yet).
+    fn kv_new(&self, layers: usize, kv_heads: usize, head_dim: usize) -> Self::Kv;
     /// Makes row `row` hold at least `capacity` positions, keeping its first `keep` positions.
     fn kv_reserve(&self, kv: &mut Self::Kv, row: usize, capacity: usize, keep: usize);
     fn kv_capacity(&self, kv: &Self::Kv, row: usize) -> usize;

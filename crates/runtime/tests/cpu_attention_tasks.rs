@@ -1,11 +1,12 @@
 //! The CPU backend's attention splits its work per query head for short contexts and per KV
-//! head and piece of a row's tokens once a token sees 1,024 keys or more; either way every
-//! (token, head) output must be
-//! the bits of that head computed alone, so a token gets the same result whatever it is
-//! batched with (decode steps and verify blocks agree), for both KV cache types.
+//! head and piece of a row's tokens once a token sees 1,024 keys or more, and splits those
+//! tasks by key chunk when they are too few for the threads; whichever way, every (token,
+//! head) output must be the bits of that head computed alone, so a token gets the same result
+//! whatever it is batched with and however many threads there are (decode steps and verify
+//! blocks agree), for both KV cache types.
 
 use dflash_runtime::backend::{AttnShape, TokenMeta};
-use dflash_runtime::cpu::ops::attention::{attend, KvSlice};
+use dflash_runtime::cpu::ops::attention::{attend, KvSlice, Scratch};
 use dflash_runtime::cpu::{CpuBackend, CpuTensor, Isa, KvType, MatmulMode};
 use dflash_runtime::Backend;
 use rand::{Rng, SeedableRng};
@@ -40,10 +41,12 @@ fn outputs(
 #[test]
 fn every_task_split_gives_each_head_its_own_bits() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
-    for ty in [KvType::F16, KvType::F32] {
-        let b = CpuBackend::with_options(2, Isa::detect(), MatmulMode::Auto).with_kv_type(ty);
+    // 2 threads: a lone token past 1,024 keys (3 KV-head tasks) is split by key chunk; 5
+    // threads: a lone token past 256 keys (9 query-head tasks) is too.
+    for (ty, threads) in [(KvType::F16, 2), (KvType::F32, 2), (KvType::F16, 5)] {
+        let b = CpuBackend::with_options(threads, Isa::detect(), MatmulMode::Auto).with_kv_type(ty);
         let kv_dim = KV_HEADS * HD;
-        let mut kv = b.kv_new(1, kv_dim);
+        let mut kv = b.kv_new(1, KV_HEADS, HD);
         b.kv_reserve(&mut kv, 0, LEN, 0);
         let k: Vec<f32> = (0..LEN * kv_dim)
             .map(|_| rng.random_range(-1.0..1.0))
@@ -56,9 +59,10 @@ fn every_task_split_gives_each_head_its_own_bits() {
         let m = b.upload_meta(&meta);
         b.run(|| b.kv_write(&mut kv, 0, &kt, &vt, &m));
 
-        // Tokens seeing 1, 40, 700, 1,023 keys and 1,024, 1,300 (a step with them takes a task
-        // per KV head), then a verify block's 10 consecutive tokens near the end.
-        let positions: Vec<u32> = [0u32, 39, 699, 1022, 1023, 1299]
+        // Tokens seeing 1, 40, 256 (one key chunk), 257 (a second chunk of one key), 700,
+        // 1,023 keys and 1,024, 1,300 (a step with them takes a task per KV head), then a verify
+        // block's 10 consecutive tokens near the end.
+        let positions: Vec<u32> = [0u32, 39, 255, 256, 699, 1022, 1023, 1299]
             .into_iter()
             .chain(1280..1290)
             .collect();
@@ -79,26 +83,33 @@ fn every_task_split_gives_each_head_its_own_bits() {
                 let slice = KvSlice {
                     k: row.k.data(),
                     v: row.v.data(),
-                    kv_dim,
-                    head_off: (h / (HEADS / KV_HEADS)) * HD,
+                    stride: HD,
+                    head_off: kv.head_offset(0, h / (HEADS / KV_HEADS)),
                     start: 0,
                     end: p as usize + 1,
                 };
                 let mut want = vec![0f32; HD];
                 let qh = &q[t][h * HD..(h + 1) * HD];
-                attend(b.isa(), qh, slice, 0.125, &mut Vec::new(), &mut want);
+                attend(
+                    b.isa(),
+                    qh,
+                    slice,
+                    0.125,
+                    &mut Scratch::default(),
+                    &mut want,
+                );
                 let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
                 let got = &together[t][h * HD..(h + 1) * HD];
                 assert_eq!(
                     bits(got),
                     bits(&want),
-                    "{ty}: token at {p}, head {h}, batched"
+                    "{ty}, {threads} threads: token at {p}, head {h}, batched"
                 );
                 let got = &alone[0][h * HD..(h + 1) * HD];
                 assert_eq!(
                     bits(got),
                     bits(&want),
-                    "{ty}: token at {p}, head {h}, alone"
+                    "{ty}, {threads} threads: token at {p}, head {h}, alone"
                 );
             }
         }

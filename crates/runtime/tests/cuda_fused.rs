@@ -127,8 +127,13 @@ fn fused_matmuls_equal_the_ops_they_replace() {
 
 /// Tokens of rows with contexts around tile (32) and split boundaries, for `rope_kv_write`
 /// and attention tests.
-fn kv_setup(g: &CudaBackend, kv_dim: usize, lens: &[usize]) -> <CudaBackend as Backend>::Kv {
-    let mut kv = g.kv_new(1, kv_dim);
+fn kv_setup(
+    g: &CudaBackend,
+    (kv_heads, head_dim): (usize, usize),
+    lens: &[usize],
+) -> <CudaBackend as Backend>::Kv {
+    let kv_dim = kv_heads * head_dim;
+    let mut kv = g.kv_new(1, kv_heads, head_dim);
     for (row, &len) in lens.iter().enumerate() {
         g.kv_reserve(&mut kv, row, len + 64, 0);
         let meta: Vec<TokenMeta> = (0..len)
@@ -203,8 +208,8 @@ fn rope_kv_write_equals_rope_rope_kv_write_and_verify_equals_decode_on(g: &CudaB
                 .map(|i| TokenMeta::causal(row as u32, (len + i) as u32))
                 .collect();
             // Fused and separate: same q, same cache, same attention.
-            let mut kv_f = kv_setup(g, kv_dim, &lens);
-            let mut kv_s = kv_setup(g, kv_dim, &lens);
+            let mut kv_f = kv_setup(g, (n_kv_heads, head_dim), &lens);
+            let mut kv_s = kv_setup(g, (n_kv_heads, head_dim), &lens);
             let mg = g.upload_meta(&meta);
             let mut qf = g.upload(&q, block, n_heads * head_dim);
             let mut kf = g.upload(&k, block, kv_dim);
@@ -300,7 +305,7 @@ fn qk_norm_rope_kv_write_equals_norms_then_rope_kv_write_on(g: &CudaBackend) {
                         head_dim,
                         style,
                     };
-                    let mut kv_f = kv_setup(g, kv_dim, &lens);
+                    let mut kv_f = kv_setup(g, (n_kv_heads, head_dim), &lens);
                     let mut qf = g.upload(&q, block, n_heads * head_dim);
                     let mut kf = g.upload(&k, block, kv_dim);
                     let vf = g.upload(&v, block, kv_dim);
@@ -310,7 +315,7 @@ fn qk_norm_rope_kv_write_equals_norms_then_rope_kv_write_on(g: &CudaBackend) {
                         eps,
                     };
                     g.qk_norm_rope_kv_write(&mut qf, &mut kf, &vf, &mut kv_f, 0, &mg, norm, rope);
-                    let mut kv_s = kv_setup(g, kv_dim, &lens);
+                    let mut kv_s = kv_setup(g, (n_kv_heads, head_dim), &lens);
                     let mut qs = g.upload(&q, block, n_heads * head_dim);
                     let mut ks = g.upload(&k, block, kv_dim);
                     g.rms_norm(&mut qs, &qn, eps, false, None);
@@ -382,8 +387,8 @@ fn qkv_rope_epilogue_equals_products_then_rope_kv_write_on(g: &CudaBackend) {
                     let (meta, spans) = two_row_tokens(m, &lens);
                     let mg = g.upload_meta(&meta);
                     let x = g.upload(&random_vec(m * k, -1.0, 1.0, 30 + m as u64), m, k);
-                    let mut kv_f = kv_setup(g, kv_dim, &lens);
-                    let mut kv_s = kv_setup(g, kv_dim, &lens);
+                    let mut kv_f = kv_setup(g, (n_kv_heads, head_dim), &lens);
+                    let mut kv_s = kv_setup(g, (n_kv_heads, head_dim), &lens);
                     let (mut qf, mut kf, mut vf) = (g.tensor(0, 0), g.tensor(0, 0), g.tensor(0, 0));
                     g.step_qkv_rope_kv(
                         &x,
@@ -502,7 +507,7 @@ fn int8_tensor_core_block_widths_give_the_same_bits() {
                     };
                     let lens = [200usize, 37];
                     let (meta, spans) = two_row_tokens(m, &lens);
-                    let mut kv = kv_setup(g, kv_dim, &lens);
+                    let mut kv = kv_setup(g, (n_kv_heads, head_dim), &lens);
                     let x = g.upload(&random_vec(m * k, -1.0, 1.0, 30 + m as u64), m, k);
                     let (mut q, mut kk, mut v) = (g.tensor(0, 0), g.tensor(0, 0), g.tensor(0, 0));
                     g.step_qkv_rope_kv(
@@ -732,7 +737,7 @@ fn norm_and_attention_handoff(policy: Int8Policy) {
         scale: 0.125,
     };
     let ctx = 70;
-    let mut kv = g.kv_new(1, kv_dim);
+    let mut kv = g.kv_new(1, n_kv_heads, head_dim);
     g.kv_reserve(&mut kv, 0, ctx, 0);
     let all: Vec<TokenMeta> = (0..ctx as u32).map(|p| TokenMeta::causal(0, p)).collect();
     g.kv_write(

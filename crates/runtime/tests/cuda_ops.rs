@@ -1088,8 +1088,8 @@ fn attention_ragged_rows_and_masks_match_cpu_and_are_batch_invariant_on(
         scale: 1.0 / (head_dim as f32).sqrt(),
     };
     let lens = [5usize, 300, 37, 1];
-    let mut kvg = g.kv_new(layers, kv_dim);
-    let mut kvc = c.kv_new(layers, kv_dim);
+    let mut kvg = g.kv_new(layers, n_kv_heads, head_dim);
+    let mut kvc = c.kv_new(layers, n_kv_heads, head_dim);
     fill_kv(g, c, &mut kvg, &mut kvc, layers, kv_dim, &lens, 40);
 
     let tm = |row: u32, pos: u32, s: u32, e: u32| TokenMeta {
@@ -1195,8 +1195,8 @@ fn attention_in_kernel_merge_on(separate: &CudaBackend, kv: KvType) {
         let kvs: Vec<_> = [fused, separate]
             .iter()
             .map(|g| {
-                let mut kvg = g.kv_new(2, kv_dim);
-                let mut kvc = c.kv_new(2, kv_dim);
+                let mut kvg = g.kv_new(2, n_kv_heads, head_dim);
+                let mut kvc = c.kv_new(2, n_kv_heads, head_dim);
                 fill_kv(g, c, &mut kvg, &mut kvc, 2, kv_dim, &lens, 90);
                 kvg
             })
@@ -1269,7 +1269,10 @@ fn f16_cache_attention_equals_an_f32_cache_of_the_rounded_values() {
     for (n_heads, n_kv_heads, head_dim) in [(9usize, 3usize, 64usize), (8, 2, 128), (2, 1, 30)] {
         let kv_dim = n_kv_heads * head_dim;
         let shape = common::attn_shape(n_heads, n_kv_heads, head_dim);
-        let (mut kv16, mut kv32) = (g16.kv_new(1, kv_dim), g32.kv_new(1, kv_dim));
+        let (mut kv16, mut kv32) = (
+            g16.kv_new(1, n_kv_heads, head_dim),
+            g32.kv_new(1, n_kv_heads, head_dim),
+        );
         assert_eq!(g16.kv_value_bytes(&kv16), 2);
         assert_eq!(g32.kv_value_bytes(&kv32), 4);
         let lens = [7usize, 1500, 64];
@@ -1399,8 +1402,8 @@ fn attention_long_context_on(g: &CudaBackend, kv: KvType) {
         scale: 1.0 / (head_dim as f32).sqrt(),
     };
     let len = 20_000;
-    let mut kvg = g.kv_new(layers, kv_dim);
-    let mut kvc = c.kv_new(layers, kv_dim);
+    let mut kvg = g.kv_new(layers, n_kv_heads, head_dim);
+    let mut kvc = c.kv_new(layers, n_kv_heads, head_dim);
     fill_kv(g, c, &mut kvg, &mut kvc, layers, kv_dim, &[len], 90);
     let meta = vec![
         TokenMeta::causal(0, (len - 1) as u32),
@@ -1451,8 +1454,8 @@ fn kv_grow_truncate_copy_release_on(g: &CudaBackend, kv: KvType) {
         head_dim,
         scale: 0.2,
     };
-    let mut kvg = g.kv_new(layers, kv_dim);
-    let mut kvc = c.kv_new(layers, kv_dim);
+    let mut kvg = g.kv_new(layers, n_kv_heads, head_dim);
+    let mut kvc = c.kv_new(layers, n_kv_heads, head_dim);
     assert_eq!(g.kv_capacity(&kvg, 0), 0);
     fill_kv(g, c, &mut kvg, &mut kvc, layers, kv_dim, &[8], 500);
     assert_eq!(g.kv_capacity(&kvg, 0), 8);
@@ -1639,12 +1642,12 @@ fn decode_and_verify_layers_agree_bit_for_bit_on(g: &CudaBackend) {
         g.to_host(&xt)
     };
 
-    let mut kv_a = g.kv_new(1, kv_dim);
+    let mut kv_a = g.kv_new(1, n_kv_heads, head_dim);
     g.kv_reserve(&mut kv_a, 0, 64, 0);
     step(&mut kv_a, &x_all[..prefix * hidden], 0);
     let verify = step(&mut kv_a, &x_all[prefix * hidden..], prefix);
 
-    let mut kv_b = g.kv_new(1, kv_dim);
+    let mut kv_b = g.kv_new(1, n_kv_heads, head_dim);
     g.kv_reserve(&mut kv_b, 0, 64, 0);
     step(&mut kv_b, &x_all[..prefix * hidden], 0);
     let mut decode = Vec::new();

@@ -374,7 +374,7 @@ impl<B: Backend> Qwen35Model<B> {
         let norm = load_vector(b, src, &naming.global("norm"), h)?;
         let inv = cfg.inv_freq();
         let inv_freq = b.upload(&inv, 1, inv.len());
-        let kv = b.kv_new(n_attn, kvd);
+        let kv = b.kv_new(n_attn, cfg.kv_heads, cfg.head_dim);
         let gdn = b.gdn_new(n_gdn, g, MAX_ROLLBACK);
         let t = |c: usize| b.tensor(0, c);
         let ws = Workspace {

@@ -5,11 +5,12 @@ use std::cell::RefCell;
 use std::sync::Arc;
 
 use super::argmax_screen::ArgmaxScreen;
+use super::attention_tasks;
 use super::gdn::CpuGdn;
 use super::int8::{self, pack::PackedWeight, quantize::Terms, Int8Kernel};
 use super::kv::{CpuKv, KvType};
 use super::matmul::{self, Isa};
-use super::ops::{attention, conv, elementwise, gdn, norm, rope};
+use super::ops::{conv, elementwise, gdn, norm, rope};
 use super::policy::{self, CpuPath, MatmulMode};
 use super::pool::{CpuPool, SyncPtr};
 use super::tensor::CpuTensor;
@@ -23,14 +24,6 @@ use crate::weight::HostWeight;
 
 /// Rows x columns below which element-wise ops stay on the calling thread.
 const PARALLEL_MIN_ELEMS: usize = 1 << 15;
-
-/// Visible keys from which attention takes a task per KV head (and piece of a row's tokens)
-/// rather than per (token, query head). Below it a step's few KV heads would leave threads idle
-/// (a task per KV head lost 3–7 % of decode speed at ~600 keys on a 2-vCPU Xeon,
-/// docs/benchmarks/2026-12-03-cpu-attention-grouping.md); at 1,536 keys it decoded 5 % faster
-/// on a 2-vCPU EPYC (docs/benchmarks/2026-12-05-cpu-f16-kv-vector-exp.md). The bits are the
-/// same either way.
-const GROUP_MIN_KEYS: usize = 1024;
 
 /// The CPU backend.
 pub struct CpuBackend {
@@ -136,23 +129,6 @@ impl CpuBackend {
     }
 }
 
-/// Runs of consecutive tokens of one row, cut into pieces so that `kv_heads` tasks per piece
-/// give each of `threads` threads a few: the attention units of long contexts.
-fn token_pieces(meta: &[TokenMeta], kv_heads: usize, threads: usize) -> Vec<(usize, usize)> {
-    let chunk = (meta.len() * kv_heads / (4 * threads)).max(1);
-    let mut pieces = Vec::new();
-    let mut t0 = 0;
-    while t0 < meta.len() {
-        let mut t1 = t0 + 1;
-        while t1 < meta.len() && t1 - t0 < chunk && meta[t1].row == meta[t0].row {
-            t1 += 1;
-        }
-        pieces.push((t0, t1));
-        t0 = t1;
-    }
-    pieces
-}
-
 /// The CPU's step inputs: host vectors.
 #[derive(Debug, Default)]
 pub struct CpuStep {
@@ -162,7 +138,6 @@ pub struct CpuStep {
 }
 
 thread_local! {
-    static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     static GDN_SCRATCH: RefCell<GdnScratch> = RefCell::new(GdnScratch::default());
 }
 
@@ -351,8 +326,8 @@ impl Backend for CpuBackend {
         &step.meta
     }
 
-    fn kv_new(&self, layers: usize, kv_dim: usize) -> CpuKv {
-        CpuKv::new(layers, kv_dim, self.kv_type)
+    fn kv_new(&self, layers: usize, kv_heads: usize, head_dim: usize) -> CpuKv {
+        CpuKv::new(layers, kv_heads, head_dim, self.kv_type)
     }
 
     fn kv_reserve(&self, kv: &mut CpuKv, row: usize, capacity: usize, keep: usize) {
@@ -383,19 +358,11 @@ impl Backend for CpuBackend {
         v: &CpuTensor,
         meta: &Vec<TokenMeta>,
     ) {
-        let dim = kv.kv_dim;
+        let dim = kv.kv_dim();
         assert_eq!(k.cols, dim);
         assert_eq!(v.cols, dim);
-        let rows = &mut kv.layers[layer];
         for (t, m) in meta.iter().enumerate() {
-            let r = &mut rows[m.row as usize];
-            let at = m.pos as usize * dim;
-            assert!(
-                at + dim <= r.k.len(),
-                "KV write past the row's reserved capacity"
-            );
-            r.k.write(at, k.row(t));
-            r.v.write(at, v.row(t));
+            kv.write(layer, m.row as usize, m.pos as usize, k.row(t), v.row(t));
         }
     }
 
@@ -777,69 +744,7 @@ impl Backend for CpuBackend {
         shape: AttnShape,
         out: &mut CpuTensor,
     ) {
-        let AttnShape {
-            n_heads,
-            n_kv_heads,
-            head_dim,
-            scale,
-        } = shape;
-        assert_eq!(q.cols, n_heads * head_dim);
-        assert_eq!(q.rows, meta.len());
-        out.reshape(q.rows, q.cols);
-        let group = n_heads / n_kv_heads;
-        let rows = &kv.layers[layer];
-        let kv_dim = kv.kv_dim;
-        let out_ptr = SyncPtr(out.data.as_mut_ptr());
-        // A task per (token, query head); or, once some token sees `GROUP_MIN_KEYS` keys, per
-        // (piece of a row's consecutive tokens, KV head), whose queries then read each tile of
-        // keys and values once instead of once each. Every query gets the same bits either
-        // way (`attention::attend_many`).
-        let longest = meta.iter().map(|m| m.kv_end.saturating_sub(m.kv_start));
-        let long = longest.max().unwrap_or(0) as usize >= GROUP_MIN_KEYS;
-        let (pieces, heads) = if long {
-            (token_pieces(meta, n_kv_heads, self.pool.threads()), group)
-        } else {
-            ((0..q.rows).map(|t| (t, t + 1)).collect(), 1)
-        };
-        let units = n_heads / heads;
-        let isa = self.isa;
-        let query = |t: usize, h: usize| {
-            let (m, at) = (meta[t], t * q.cols + h * head_dim);
-            attention::Query {
-                q: &q.data[at..at + head_dim],
-                start: m.kv_start as usize,
-                end: m.kv_end as usize,
-                // SAFETY: each (token, head) slice of `out` belongs to one task.
-                out: unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(at), head_dim) },
-            }
-        };
-        self.pool.for_each(pieces.len() * units, |task| {
-            let ((t0, t1), h0) = (pieces[task / units], (task % units) * heads);
-            let row = &rows[meta[t0].row as usize];
-            let run = |queries: &mut [attention::Query<'_>]| {
-                let kv_slice = attention::KvSlice {
-                    k: row.k.data(),
-                    v: row.v.data(),
-                    kv_dim,
-                    head_off: (h0 / group) * head_dim,
-                    start: queries.iter().map(|q| q.start).min().unwrap_or(0),
-                    end: queries.iter().map(|q| q.end).max().unwrap_or(0),
-                };
-                SCORES.with(|s| {
-                    let s = &mut s.borrow_mut();
-                    attention::attend_many(isa, kv_slice, queries, scale, s)
-                });
-            };
-            if t1 - t0 == 1 && heads == 1 {
-                run(&mut [query(t0, h0)]);
-            } else {
-                let mut queries: Vec<_> = (t0..t1)
-                    .flat_map(|t| (h0..h0 + heads).map(move |h| (t, h)))
-                    .map(|(t, h)| query(t, h))
-                    .collect();
-                run(&mut queries);
-            }
-        });
+        attention_tasks::attention(&self.pool, self.isa, q, kv, layer, meta, shape, out);
     }
 
     fn silu_mul(&self, gate: &mut CpuTensor, up: &CpuTensor) {

@@ -5,6 +5,7 @@
 //! other tokens in the batch, so a row's results do not depend on what it is batched with.
 
 pub mod argmax_screen;
+mod attention_tasks;
 mod backend;
 pub mod gdn;
 mod huge;

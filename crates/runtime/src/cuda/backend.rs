@@ -1142,8 +1142,8 @@ impl Backend for CudaBackend {
         self.cuda_sigmoid_mul(x, gate)
     }
 
-    fn kv_new(&self, layers: usize, kv_dim: usize) -> CudaKv {
-        CudaKv::new(layers, kv_dim, self.dev.kv_type)
+    fn kv_new(&self, layers: usize, kv_heads: usize, head_dim: usize) -> CudaKv {
+        CudaKv::new(layers, kv_heads * head_dim, self.dev.kv_type)
     }
 
     fn kv_reserve(&self, kv: &mut CudaKv, row: usize, capacity: usize, keep: usize) {

@@ -1,0 +1,515 @@
+//! Tests of the attention kernels, the chunk merge and the task splits they allow.
+
+use super::*;
+
+fn reference(q: &[f32], k: &[f32], v: &[f32], kv: KvSlice<'_>, scale: f32) -> Vec<f64> {
+    let hd = q.len();
+    let s: Vec<f64> = (kv.start..kv.end)
+        .map(|j| {
+            (0..hd)
+                .map(|d| q[d] as f64 * k[j * kv.stride + kv.head_off + d] as f64)
+                .sum::<f64>()
+                * scale as f64
+        })
+        .collect();
+    let max = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let e: Vec<f64> = s.iter().map(|x| (x - max).exp()).collect();
+    let sum: f64 = e.iter().sum();
+    (0..hd)
+        .map(|d| {
+            (kv.start..kv.end)
+                .zip(&e)
+                .map(|(j, p)| p * v[j * kv.stride + kv.head_off + d] as f64)
+                .sum::<f64>()
+                / sum
+        })
+        .collect()
+}
+
+/// Keys and values of `n` positions, with f16 copies (and the f32 values those hold).
+struct Cache {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    k16: Vec<f16>,
+    v16: Vec<f16>,
+    k_wide: Vec<f32>,
+    v_wide: Vec<f32>,
+}
+
+impl Cache {
+    fn new(n: usize, stride: usize) -> Self {
+        let k: Vec<f32> = (0..n * stride)
+            .map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0 + (i as f32 * 1e-4))
+            .collect();
+        let v: Vec<f32> = (0..n * stride)
+            .map(|i| ((i * 53 % 97) as f32 / 48.0) - 1.0 - (i as f32 * 3e-5))
+            .collect();
+        let k16: Vec<f16> = k.iter().map(|&x| f16::from_f32(x)).collect();
+        let v16: Vec<f16> = v.iter().map(|&x| f16::from_f32(x)).collect();
+        let k_wide = k16.iter().map(|x| x.to_f32()).collect();
+        let v_wide = v16.iter().map(|x| x.to_f32()).collect();
+        Cache {
+            k,
+            v,
+            k16,
+            v16,
+            k_wide,
+            v_wide,
+        }
+    }
+
+    fn slice<'a>(
+        &'a self,
+        half: bool,
+        stride: usize,
+        head_off: usize,
+        range: (usize, usize),
+    ) -> KvSlice<'a> {
+        let (k, v) = if half {
+            (KvData::F16(&self.k16), KvData::F16(&self.v16))
+        } else {
+            (KvData::F32(&self.k), KvData::F32(&self.v))
+        };
+        KvSlice {
+            k,
+            v,
+            stride,
+            head_off,
+            start: range.0,
+            end: range.1,
+        }
+    }
+}
+
+fn isas() -> Vec<Isa> {
+    [Isa::detect(), Isa::Avx2, Isa::Portable(8)]
+        .into_iter()
+        .filter(|i| i.is_supported())
+        .collect()
+}
+
+fn bits(o: &[f32]) -> Vec<u32> {
+    o.iter().map(|x| x.to_bits()).collect()
+}
+
+#[test]
+fn every_isa_matches_an_f64_reference() {
+    let (hd, stride, n) = (32, 96, 40);
+    let c = Cache::new(n, stride);
+    let q: Vec<f32> = (0..hd).map(|i| (i as f32 * 0.3).sin()).collect();
+    let mut scratch = Scratch::default();
+    for half in [false, true] {
+        let kv = c.slice(half, stride, 32, (3, 37));
+        let want = if half {
+            reference(&q, &c.k_wide, &c.v_wide, kv, 0.2)
+        } else {
+            reference(&q, &c.k, &c.v, kv, 0.2)
+        };
+        for isa in isas() {
+            let mut out = vec![0f32; hd];
+            attend(isa, &q, kv, 0.2, &mut scratch, &mut out);
+            for (g, w) in out.iter().zip(&want) {
+                assert!((*g as f64 - w).abs() < 1e-5, "{isa} f16 {half}: {g} vs {w}");
+            }
+        }
+    }
+}
+
+/// An f16 cache widens exactly, so every kernel gives the bits it gives for an f32 cache
+/// holding the widened values.
+#[test]
+fn an_f16_cache_gives_the_bits_of_its_widened_values() {
+    for (hd, stride) in [(64usize, 192usize), (128, 256), (32, 96), (24, 48)] {
+        let n = 37;
+        let c = Cache::new(n, stride);
+        let q: Vec<f32> = (0..hd).map(|i| (i as f32 * 0.7).cos()).collect();
+        for isa in isas() {
+            for range in [(0, 0), (0, 1), (2, 7), (5, 37)] {
+                let half = c.slice(true, stride, stride - hd, range);
+                let wide = KvSlice {
+                    k: KvData::F32(&c.k_wide),
+                    v: KvData::F32(&c.v_wide),
+                    ..half
+                };
+                let (mut got, mut want) = (vec![f32::NAN; hd], vec![f32::NAN; hd]);
+                attend(isa, &q, half, 0.125, &mut Scratch::default(), &mut got);
+                attend(isa, &q, wide, 0.125, &mut Scratch::default(), &mut want);
+                assert_eq!(bits(&got), bits(&want), "{isa} hd {hd} keys {range:?}");
+            }
+        }
+    }
+}
+
+/// Query heads over their own positions (a GQA group, the causal rows of a verify block),
+/// `n` query heads of `hd` values: `(start, end)` of query `i`.
+fn ranges(n: usize, first: (usize, usize), causal: bool) -> Vec<(usize, usize)> {
+    (0..n)
+        .map(|i| {
+            if causal {
+                (first.0, first.1 + i)
+            } else {
+                first
+            }
+        })
+        .collect()
+}
+
+/// A score's lanes are summed by halves (i + (i + 8), i + (i + 4), i + (i + 2), i + (i + 1)),
+/// alone or sixteen scores at a time, bit for bit, on values whose sum depends on the order.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn scores_sum_their_lanes_by_halves_alone_or_sixteen_at_once() {
+    use std::arch::x86_64::{__m512, _mm512_loadu_ps, _mm512_storeu_ps};
+    if Isa::detect() != Isa::Avx512 {
+        eprintln!("skipped: this CPU has no AVX-512F");
+        return;
+    }
+    let halves = |l: &[f32]| -> f32 {
+        let mut v = l.to_vec();
+        while v.len() > 1 {
+            let h = v.len() / 2;
+            v = (0..h).map(|i| v[i] + v[i + h]).collect();
+        }
+        v[0]
+    };
+    for seed in 0..20u32 {
+        // Magnitudes from 1e-8 to 1e8 with both signs: most sums depend on the order.
+        let lanes: Vec<[f32; 16]> = (0..16u32)
+            .map(|u| {
+                std::array::from_fn(|i| {
+                    let h = (seed * 7919 + u * 131 + i as u32 * 17).wrapping_mul(2654435761);
+                    let mag = 10f32.powi((h % 17) as i32 - 8);
+                    if h & 1 == 0 {
+                        mag
+                    } else {
+                        -mag * 1.37
+                    }
+                })
+            })
+            .collect();
+        // SAFETY: AVX-512F is present (checked above); every pointer covers 16 f32.
+        unsafe {
+            let vecs: [__m512; 16] = std::array::from_fn(|u| _mm512_loadu_ps(lanes[u].as_ptr()));
+            let mut all = [0f32; 16];
+            _mm512_storeu_ps(all.as_mut_ptr(), x86::hsum16x16(&vecs));
+            for (u, l) in lanes.iter().enumerate() {
+                let want = halves(l);
+                assert_eq!(
+                    x86::hsum16(vecs[u]).to_bits(),
+                    want.to_bits(),
+                    "seed {seed} key {u} alone"
+                );
+                assert_eq!(
+                    all[u].to_bits(),
+                    want.to_bits(),
+                    "seed {seed} key {u} of 16"
+                );
+            }
+        }
+    }
+}
+
+/// The many-query register kernels, for one query or several, over one tile of keys or
+/// several, give every query the bits of the generic AVX-512 kernel on that query alone.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn many_query_register_kernels_give_each_query_the_bits_of_the_generic_avx512_kernel() {
+    if Isa::detect() != Isa::Avx512 {
+        eprintln!("skipped: this CPU has no AVX-512F");
+        return;
+    }
+    fn check<T: x86::Lanes>(k: &[T], v: &[T], hd: usize, rs: &[(usize, usize)]) {
+        let kv = Typed {
+            k,
+            v,
+            stride: 2 * hd,
+            head_off: hd,
+            start: 0,
+            end: k.len() / (2 * hd),
+        };
+        let qs: Vec<Vec<f32>> = (0..rs.len())
+            .map(|i| (0..hd).map(|d| ((i * hd + d) as f32 * 0.3).sin()).collect())
+            .collect();
+        let queries: Vec<Part<'_>> = qs
+            .iter()
+            .zip(rs)
+            .map(|(q, &(start, end))| Part { q, start, end })
+            .collect();
+        let mut sc = vec![0f32; rs.iter().map(|r| r.1 - r.0).sum()];
+        let mut part = vec![f32::NAN; rs.len() * hd];
+        let mut stats = vec![ChunkStats::default(); rs.len()];
+        // SAFETY: AVX-512F was detected; the slices are in bounds.
+        unsafe {
+            if hd == 64 {
+                x86::attend_many_regs::<T, 4>(kv, &queries, 0.125, &mut sc, &mut part, &mut stats);
+            } else {
+                x86::attend_many_regs::<T, 8>(kv, &queries, 0.125, &mut sc, &mut part, &mut stats);
+            }
+            for (i, &(start, end)) in rs.iter().enumerate() {
+                let got = &part[i * hd..(i + 1) * hd];
+                if start == end {
+                    assert_eq!(got, vec![0.0; hd], "hd {hd}, query {i} sees no key");
+                    continue;
+                }
+                let mut want = vec![f32::NAN; hd];
+                let mut sc = vec![0f32; end - start];
+                let kv = Typed { start, end, ..kv };
+                let st = x86::attend_avx512(&qs[i], kv, 0.125, &mut sc, &mut want);
+                assert_eq!(bits(got), bits(&want), "hd {hd}, query {i} of {rs:?}");
+                assert_eq!(
+                    (stats[i].max.to_bits(), stats[i].sum.to_bits()),
+                    (st.max.to_bits(), st.sum.to_bits()),
+                    "hd {hd}, query {i} of {rs:?}: softmax"
+                );
+            }
+        }
+    }
+    for hd in [64usize, 128] {
+        let c = Cache::new(210, 2 * hd);
+        for n in [1, 3, 4, 16] {
+            for first in [
+                (0, 0),
+                (2, 3),
+                (1, 5),
+                (0, 8),
+                (3, 40),
+                (0, 64),
+                (1, 129),
+                (5, 190),
+            ] {
+                for causal in [false, true] {
+                    let rs = ranges(n, first, causal);
+                    check(&c.k, &c.v, hd, &rs);
+                    check(&c.k16, &c.v16, hd, &rs);
+                }
+            }
+        }
+    }
+}
+
+/// `attend_many` gives each query the bits `attend` gives it alone, on every ISA and for
+/// more queries than the register kernels take at once.
+#[test]
+fn many_queries_give_each_query_its_own_bits() {
+    for (hd, n, causal) in [
+        (64usize, 3usize, false),
+        (128, 5, true),
+        (32, 3, true),
+        (64, 70, true),
+    ] {
+        let stride = 2 * hd;
+        let c = Cache::new(150, stride);
+        let qs: Vec<Vec<f32>> = (0..n)
+            .map(|i| {
+                (0..hd)
+                    .map(|d| ((i * hd + d) as f32 * 0.37).cos())
+                    .collect()
+            })
+            .collect();
+        for isa in isas() {
+            for half in [false, true] {
+                for first in [(0, 0), (0, 1), (7, 70)] {
+                    let rs = ranges(n, first, causal);
+                    let all = c.slice(half, stride, hd, (0, 150));
+                    let mut outs = vec![vec![f32::NAN; hd]; n];
+                    let mut queries: Vec<Query<'_>> = qs
+                        .iter()
+                        .zip(outs.iter_mut())
+                        .zip(&rs)
+                        .map(|((q, out), &(start, end))| Query { q, start, end, out })
+                        .collect();
+                    attend_many(isa, all, &mut queries, 0.2, &mut Scratch::default());
+                    drop(queries);
+                    for (i, &r) in rs.iter().enumerate() {
+                        let mut want = vec![f32::NAN; hd];
+                        let kv = c.slice(half, stride, hd, r);
+                        attend(isa, &qs[i], kv, 0.2, &mut Scratch::default(), &mut want);
+                        assert_eq!(
+                            bits(&outs[i]),
+                            bits(&want),
+                            "{isa} hd {hd} query {i} {r:?} f16 {half}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn empty_slice_gives_zeros() {
+    let mut out = [1f32; 8];
+    let kv = KvSlice {
+        k: KvData::F16(&[f16::ZERO; 8]),
+        v: KvData::F16(&[f16::ZERO; 8]),
+        stride: 8,
+        head_off: 0,
+        start: 0,
+        end: 0,
+    };
+    attend(
+        Isa::detect(),
+        &[1.0; 8],
+        kv,
+        1.0,
+        &mut Scratch::default(),
+        &mut out,
+    );
+    assert_eq!(out, [0.0; 8]);
+}
+
+#[test]
+#[should_panic(expected = "one type")]
+fn mixed_types_are_refused() {
+    let kv = KvSlice {
+        k: KvData::F16(&[f16::ZERO; 8]),
+        v: KvData::F32(&[0.0; 8]),
+        stride: 8,
+        head_off: 0,
+        start: 0,
+        end: 1,
+    };
+    attend(
+        Isa::detect(),
+        &[1.0; 8],
+        kv,
+        1.0,
+        &mut Scratch::default(),
+        &mut [0.0; 8],
+    );
+}
+
+#[test]
+fn key_chunks_cut_a_range_at_absolute_positions() {
+    let c = KEY_CHUNK;
+    let chunks = |a, b| key_chunks(a, b).collect::<Vec<_>>();
+    assert_eq!(chunks(0, 0), vec![]);
+    assert_eq!(chunks(5, 5), vec![]);
+    assert_eq!(chunks(0, 1), vec![(0, 1)]);
+    assert_eq!(chunks(0, c), vec![(0, c)]);
+    assert_eq!(chunks(c, 2 * c), vec![(c, 2 * c)]);
+    assert_eq!(
+        chunks(c - 6, 2 * c + 8),
+        vec![(c - 6, c), (c, 2 * c), (2 * c, 2 * c + 8)]
+    );
+}
+
+/// Queries over several key chunks: every ISA within rounding of an f64 reference.
+#[test]
+fn rows_of_several_key_chunks_match_an_f64_reference() {
+    let (hd, stride, n) = (64, 128, 3 * KEY_CHUNK + 40);
+    let c = Cache::new(n, stride);
+    let q: Vec<f32> = (0..hd).map(|i| (i as f32 * 0.3).sin()).collect();
+    for half in [false, true] {
+        for range in [
+            (0, n),
+            (KEY_CHUNK - 3, 2 * KEY_CHUNK + 1),
+            (7, KEY_CHUNK + 1),
+        ] {
+            let kv = c.slice(half, stride, hd, range);
+            let want = if half {
+                reference(&q, &c.k_wide, &c.v_wide, kv, 0.3)
+            } else {
+                reference(&q, &c.k, &c.v, kv, 0.3)
+            };
+            for isa in isas() {
+                let mut out = vec![0f32; hd];
+                attend(isa, &q, kv, 0.3, &mut Scratch::default(), &mut out);
+                for (g, w) in out.iter().zip(&want) {
+                    assert!(
+                        (*g as f64 - w).abs() < 2e-5,
+                        "{isa} f16 {half} {range:?}: {g} vs {w}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Chunks computed apart (in any order, in separate calls, with the queries of a verify block
+/// or alone) and merged in order give each query the bits `attend_many` gives it: the
+/// backend's split by key chunk changes nothing.
+#[test]
+fn chunks_computed_apart_and_merged_in_order_give_attend_many_bits() {
+    for hd in [64usize, 128, 32] {
+        let stride = 2 * hd;
+        let n = 2 * KEY_CHUNK + 90;
+        let c = Cache::new(n, stride);
+        let rs = ranges(12, (0, n - 12), true)
+            .into_iter()
+            .chain([(KEY_CHUNK - 1, KEY_CHUNK + 1), (3, 9)])
+            .collect::<Vec<_>>();
+        let qs: Vec<Vec<f32>> = (0..rs.len())
+            .map(|i| {
+                (0..hd)
+                    .map(|d| ((i * hd + d) as f32 * 0.21).cos())
+                    .collect()
+            })
+            .collect();
+        for isa in isas() {
+            for half in [false, true] {
+                let all = c.slice(half, stride, hd, (0, n));
+                let mut want = vec![vec![f32::NAN; hd]; rs.len()];
+                let mut queries: Vec<Query<'_>> = qs
+                    .iter()
+                    .zip(want.iter_mut())
+                    .zip(&rs)
+                    .map(|((q, out), &(start, end))| Query { q, start, end, out })
+                    .collect();
+                attend_many(isa, all, &mut queries, 0.2, &mut Scratch::default());
+                drop(queries);
+
+                let parts: Vec<Part<'_>> = qs
+                    .iter()
+                    .zip(&rs)
+                    .map(|(q, &(start, end))| Part { q, start, end })
+                    .collect();
+                let chunks = n.div_ceil(KEY_CHUNK);
+                let mut sums = vec![vec![f32::NAN; rs.len() * hd]; chunks];
+                let mut stats = vec![vec![ChunkStats::default(); rs.len()]; chunks];
+                let mut scratch = Scratch::default();
+                for ch in (0..chunks).rev() {
+                    let (c0, c1) = (ch * KEY_CHUNK, n.min((ch + 1) * KEY_CHUNK));
+                    let window = KvSlice {
+                        start: c0,
+                        end: c1,
+                        ..all
+                    };
+                    let cut: Vec<Part<'_>> = parts
+                        .iter()
+                        .map(|p| Part {
+                            start: p.start.clamp(c0, c1),
+                            end: p.end.clamp(c0, c1),
+                            ..*p
+                        })
+                        .collect();
+                    attend_chunk(
+                        isa,
+                        window,
+                        &cut,
+                        0.2,
+                        &mut scratch,
+                        &mut sums[ch],
+                        &mut stats[ch],
+                    );
+                }
+                for (i, &(start, end)) in rs.iter().enumerate() {
+                    let mut out = vec![f32::NAN; hd];
+                    let mut run = Running::default();
+                    for ch in 0..chunks {
+                        if start.max(ch * KEY_CHUNK) < end.min((ch + 1) * KEY_CHUNK) {
+                            run.add(stats[ch][i], &sums[ch][i * hd..(i + 1) * hd], &mut out);
+                        }
+                    }
+                    run.finish(&mut out);
+                    assert_eq!(
+                        bits(&out),
+                        bits(&want[i]),
+                        "{isa} hd {hd} f16 {half} query {i} {:?}",
+                        rs[i]
+                    );
+                }
+            }
+        }
+    }
+}
