@@ -1,5 +1,5 @@
 //! The CPU backend's attention splits its work per query head for short contexts and per KV
-//! head and piece of a row's tokens once a token sees 1,024 keys or more, and splits those
+//! head and piece of a row's tokens once a token sees 256 keys or more, and splits those
 //! tasks by key chunk when they are too few for the threads; whichever way, every (token,
 //! head) output must be the bits of that head computed alone, so a token gets the same result
 //! whatever it is batched with and however many threads there are (decode steps and verify
@@ -41,8 +41,8 @@ fn outputs(
 #[test]
 fn every_task_split_gives_each_head_its_own_bits() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
-    // 2 threads: a lone token past 1,024 keys (3 KV-head tasks) is split by key chunk; 5
-    // threads: a lone token past 256 keys (9 query-head tasks) is too.
+    // A lone token past 256 keys makes 3 KV-head tasks, split by key chunk on 2 threads and on
+    // 5; below 256 keys it makes 9 query-head tasks over one chunk.
     for (ty, threads) in [(KvType::F16, 2), (KvType::F32, 2), (KvType::F16, 5)] {
         let b = CpuBackend::with_options(threads, Isa::detect(), MatmulMode::Auto).with_kv_type(ty);
         let kv_dim = KV_HEADS * HD;
@@ -59,8 +59,8 @@ fn every_task_split_gives_each_head_its_own_bits() {
         let m = b.upload_meta(&meta);
         b.run(|| b.kv_write(&mut kv, 0, &kt, &vt, &m));
 
-        // Tokens seeing 1, 40, 256 (one key chunk), 257 (a second chunk of one key), 700,
-        // 1,023 keys and 1,024, 1,300 (a step with them takes a task per KV head), then a verify
+        // Tokens seeing 1, 40 keys, then (a step with them takes a task per KV head) 256 (one
+        // key chunk), 257 (a second chunk of one key), 700, 1,023, 1,024, 1,300, then a verify
         // block's 10 consecutive tokens near the end.
         let positions: Vec<u32> = [0u32, 39, 255, 256, 699, 1022, 1023, 1299]
             .into_iter()

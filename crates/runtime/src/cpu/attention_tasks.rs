@@ -18,12 +18,13 @@ use super::tensor::CpuTensor;
 use crate::backend::{AttnShape, TokenMeta};
 
 /// Visible keys from which attention takes a task per KV head (and piece of a row's tokens)
-/// rather than per (token, query head). Below it a step's few KV heads would leave threads idle
-/// (a task per KV head lost 3–7 % of decode speed at ~600 keys on a 2-vCPU Xeon,
-/// docs/benchmarks/2026-12-03-cpu-attention-grouping.md); at 1,536 keys it decoded 5 % faster
-/// on a 2-vCPU EPYC (docs/benchmarks/2026-12-05-cpu-f16-kv-vector-exp.md). The bits are the
-/// same either way.
-const GROUP_MIN_KEYS: usize = 1024;
+/// rather than per (token, query head): past one key chunk, where a step with too few such
+/// tasks splits them by chunk. With position-major rows a task per KV head lost 3–7 % of decode
+/// speed at ~600 keys on a 2-vCPU Xeon (docs/benchmarks/2026-12-03-cpu-attention-grouping.md),
+/// so it started at 1,024 keys; with head-major planes and the chunk split, 256 decoded 3 %
+/// faster at 800 keys than 1,024 did and verified 16 tokens 6 % faster, and the same at 300
+/// and 512 (docs/benchmarks/2026-12-05-cpu-kv-planes.md). The bits are the same either way.
+const GROUP_MIN_KEYS: usize = KEY_CHUNK;
 
 /// Tasks per thread below which a step's attention tasks are split by key chunk.
 const SPLIT_BELOW_PER_THREAD: usize = 4;
