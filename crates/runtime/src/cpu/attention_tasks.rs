@@ -1,8 +1,9 @@
 //! The CPU attention op: a step's queries cut into tasks for the worker pool.
 //!
 //! A task takes one query head of one token; or, once some token sees [`GROUP_MIN_KEYS`] keys,
-//! a piece of a row's consecutive tokens with all query heads of one KV head, whose queries
-//! then read each tile of keys and values once instead of once each. When those tasks are too
+//! a piece of a row's consecutive tokens (a whole verify block when the step is split by key
+//! chunk) with all query heads of one KV head, whose queries then read each tile of keys and
+//! values once instead of once each. When those tasks are too
 //! few to keep the threads busy (a decode step's few KV heads at a long context), each is split
 //! further by key chunk ([`attention::KEY_CHUNK`]): the chunks' partial softmaxes go to a
 //! buffer, and a second pass merges each query's chunks in order. Every query gets the same
@@ -33,15 +34,17 @@ thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
 
-/// Runs of consecutive tokens of one row, cut into pieces so that `kv_heads` tasks per piece
-/// give each of `threads` threads a few: the attention units of long contexts.
-fn token_pieces(meta: &[TokenMeta], kv_heads: usize, threads: usize) -> Vec<(usize, usize)> {
-    let chunk = (meta.len() * kv_heads / (4 * threads)).max(1);
+/// Tokens of one row a task takes together when the step is split by key chunk anyway (a
+/// verify block): each of their KV bytes is then read once per step.
+const SHARED_TOKENS: usize = 16;
+
+/// Runs of consecutive tokens of one row, cut into pieces of at most `most` tokens.
+fn token_pieces(meta: &[TokenMeta], most: usize) -> Vec<(usize, usize)> {
     let mut pieces = Vec::new();
     let mut t0 = 0;
     while t0 < meta.len() {
         let mut t1 = t0 + 1;
-        while t1 < meta.len() && t1 - t0 < chunk && meta[t1].row == meta[t0].row {
+        while t1 < meta.len() && t1 - t0 < most && meta[t1].row == meta[t0].row {
             t1 += 1;
         }
         pieces.push((t0, t1));
@@ -97,8 +100,22 @@ pub fn attention(
     let group = n_heads / n_kv_heads;
     let longest = meta.iter().map(|m| m.kv_end.saturating_sub(m.kv_start));
     let long = longest.max().unwrap_or(0) as usize >= GROUP_MIN_KEYS;
+    let chunks = meta
+        .iter()
+        .map(|m| (m.kv_end as usize).div_ceil(KEY_CHUNK))
+        .max()
+        .unwrap_or(0);
+    let split_below = SPLIT_BELOW_PER_THREAD * pool.threads();
     let (pieces, heads) = if long {
-        (token_pieces(meta, n_kv_heads, pool.threads()), group)
+        // A row's tokens together when the key split will keep the threads busy; else pieces
+        // small enough that the KV heads' tasks give each thread a few.
+        let runs = token_pieces(meta, SHARED_TOKENS);
+        if chunks > 1 && runs.len() * n_kv_heads < split_below {
+            (runs, group)
+        } else {
+            let most = (meta.len() * n_kv_heads / split_below).max(1);
+            (token_pieces(meta, most), group)
+        }
     } else {
         ((0..q.rows).map(|t| (t, t + 1)).collect(), 1)
     };
@@ -137,12 +154,7 @@ pub fn attention(
             end: end.unwrap_or(0),
         }
     };
-    let chunks = meta
-        .iter()
-        .map(|m| (m.kv_end as usize).div_ceil(KEY_CHUNK))
-        .max()
-        .unwrap_or(0);
-    if chunks > 1 && groups.len() < SPLIT_BELOW_PER_THREAD * pool.threads() {
+    if chunks > 1 && groups.len() < split_below {
         return split_by_chunk(
             pool,
             isa,

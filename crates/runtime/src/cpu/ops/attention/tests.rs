@@ -154,6 +154,30 @@ fn ranges(n: usize, first: (usize, usize), causal: bool) -> Vec<(usize, usize)> 
         .collect()
 }
 
+/// `n` query heads of `hd` values, query `i` value `d` being `cos((i · hd + d) · step)`.
+fn query_values(n: usize, hd: usize, step: f32) -> Vec<Vec<f32>> {
+    (0..n)
+        .map(|i| {
+            (0..hd)
+                .map(|d| ((i * hd + d) as f32 * step).cos())
+                .collect()
+        })
+        .collect()
+}
+
+/// Queries `qs` over positions `rs`, writing to `outs`.
+fn queries<'a>(
+    qs: &'a [Vec<f32>],
+    outs: &'a mut [Vec<f32>],
+    rs: &[(usize, usize)],
+) -> Vec<Query<'a>> {
+    qs.iter()
+        .zip(outs.iter_mut())
+        .zip(rs)
+        .map(|((q, out), &(start, end))| Query { q, start, end, out })
+        .collect()
+}
+
 /// A score's lanes are summed by halves (i + (i + 8), i + (i + 4), i + (i + 2), i + (i + 1)),
 /// alone or sixteen scores at a time, bit for bit, on values whose sum depends on the order.
 #[cfg(target_arch = "x86_64")]
@@ -299,25 +323,14 @@ fn many_queries_give_each_query_its_own_bits() {
     ] {
         let stride = 2 * hd;
         let c = Cache::new(150, stride);
-        let qs: Vec<Vec<f32>> = (0..n)
-            .map(|i| {
-                (0..hd)
-                    .map(|d| ((i * hd + d) as f32 * 0.37).cos())
-                    .collect()
-            })
-            .collect();
+        let qs = query_values(n, hd, 0.37);
         for isa in isas() {
             for half in [false, true] {
                 for first in [(0, 0), (0, 1), (7, 70)] {
                     let rs = ranges(n, first, causal);
                     let all = c.slice(half, stride, hd, (0, 150));
                     let mut outs = vec![vec![f32::NAN; hd]; n];
-                    let mut queries: Vec<Query<'_>> = qs
-                        .iter()
-                        .zip(outs.iter_mut())
-                        .zip(&rs)
-                        .map(|((q, out), &(start, end))| Query { q, start, end, out })
-                        .collect();
+                    let mut queries = queries(&qs, &mut outs, &rs);
                     attend_many(isa, all, &mut queries, 0.2, &mut Scratch::default());
                     drop(queries);
                     for (i, &r) in rs.iter().enumerate() {
@@ -439,23 +452,12 @@ fn chunks_computed_apart_and_merged_in_order_give_attend_many_bits() {
             .into_iter()
             .chain([(KEY_CHUNK - 1, KEY_CHUNK + 1), (3, 9)])
             .collect::<Vec<_>>();
-        let qs: Vec<Vec<f32>> = (0..rs.len())
-            .map(|i| {
-                (0..hd)
-                    .map(|d| ((i * hd + d) as f32 * 0.21).cos())
-                    .collect()
-            })
-            .collect();
+        let qs = query_values(rs.len(), hd, 0.21);
         for isa in isas() {
             for half in [false, true] {
                 let all = c.slice(half, stride, hd, (0, n));
                 let mut want = vec![vec![f32::NAN; hd]; rs.len()];
-                let mut queries: Vec<Query<'_>> = qs
-                    .iter()
-                    .zip(want.iter_mut())
-                    .zip(&rs)
-                    .map(|((q, out), &(start, end))| Query { q, start, end, out })
-                    .collect();
+                let mut queries = queries(&qs, &mut want, &rs);
                 attend_many(isa, all, &mut queries, 0.2, &mut Scratch::default());
                 drop(queries);
 

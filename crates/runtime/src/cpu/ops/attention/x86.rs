@@ -124,6 +124,10 @@ impl Lanes for f16 {
     }
 }
 
+/// Queries whose value sums [`add_values`] runs together for heads of 64 values (their 4 × 4
+/// accumulators, plus one loaded value, in registers); half as many for heads of 128.
+const VALUE_QUERIES: usize = 4;
+
 /// Keys per tile: the tile's keys (or values) of one KV head, 16 KB at most, stay in L1
 /// while every head of the group reads them.
 const TILE: usize = 64;
@@ -169,29 +173,39 @@ unsafe fn score_keys<T: Lanes, const C: usize>(
     }
 }
 
-/// Adds `Σ_j p[j] · v[first + j]` to the `16 · C` outputs `out` (loaded, accumulated in
-/// registers key by key, stored: the chain of one pass over all keys).
+/// For each of `G` queries seeing the same keys, adds `Σ_j p_g[j] · v[first + j]` to its
+/// `16 · C` outputs at `outs[g]` (loaded, accumulated in registers key by key, stored: the
+/// chain of one pass over all keys, the same for each query as alone). Each value is loaded
+/// once for the `G` queries.
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
 #[inline]
-unsafe fn add_values<T: Lanes, const C: usize>(
-    p: &[f32],
+unsafe fn add_values<T: Lanes, const C: usize, const G: usize>(
+    ps: [&[f32]; G],
     vbase: *const T,
     stride: usize,
     first: usize,
-    out: &mut [f32],
+    outs: [*mut f32; G],
 ) {
-    let mut o = [_mm512_setzero_ps(); C];
-    for (c, oc) in o.iter_mut().enumerate() {
-        *oc = _mm512_loadu_ps(out.as_ptr().add(16 * c));
-    }
-    for (j, &pj) in p.iter().enumerate() {
-        let (pv, val) = (_mm512_set1_ps(pj), vbase.add((first + j) * stride));
-        for (c, oc) in o.iter_mut().enumerate() {
-            *oc = _mm512_fmadd_ps(pv, T::load16(val.add(16 * c)), *oc);
+    let mut o = [[_mm512_setzero_ps(); C]; G];
+    for (og, out) in o.iter_mut().zip(outs) {
+        for (c, oc) in og.iter_mut().enumerate() {
+            *oc = _mm512_loadu_ps(out.add(16 * c));
         }
     }
-    for (c, oc) in o.iter().enumerate() {
-        _mm512_storeu_ps(out.as_mut_ptr().add(16 * c), *oc);
+    for j in 0..ps[0].len() {
+        let val = vbase.add((first + j) * stride);
+        let pv: [__m512; G] = std::array::from_fn(|g| _mm512_set1_ps(ps[g][j]));
+        for c in 0..C {
+            let v = T::load16(val.add(16 * c));
+            for (og, pg) in o.iter_mut().zip(&pv) {
+                og[c] = _mm512_fmadd_ps(*pg, v, og[c]);
+            }
+        }
+    }
+    for (og, out) in o.iter().zip(outs) {
+        for (c, oc) in og.iter().enumerate() {
+            _mm512_storeu_ps(out.add(16 * c), *oc);
+        }
     }
 }
 
@@ -242,15 +256,46 @@ pub unsafe fn attend_many_regs<T: Lanes, const C: usize>(
             *st = softmax_weights_avx512(&mut scores[off[i]..off[i + 1]]);
         }
     }
+    // Runs of up to `VALUE_QUERIES` queries seeing the same keys of a tile (the heads of a
+    // GQA group, a verify block's tokens inside their common range) share each value's load.
+    let group = VALUE_QUERIES / C.div_ceil(4);
+    let sums = part.as_mut_ptr();
     for t0 in (lo..hi).step_by(TILE) {
         let t1 = (t0 + TILE).min(hi);
-        for (i, q) in queries.iter().enumerate() {
-            let (a, b) = cut(q, t0, t1);
-            if a < b {
-                let p = &scores[off[i] + a - q.start..off[i] + b - q.start];
-                let out = &mut part[i * 16 * C..(i + 1) * 16 * C];
-                add_values::<T, C>(p, vbase, kv.stride, a, out);
+        let mut i = 0;
+        while i < queries.len() {
+            let (a, b) = cut(&queries[i], t0, t1);
+            let mut n = 1;
+            while n < group && i + n < queries.len() && cut(&queries[i + n], t0, t1) == (a, b) {
+                n += 1;
             }
+            if a < b {
+                let p = |k: usize| {
+                    let q = &queries[i + k];
+                    &scores[off[i + k] + a - q.start..off[i + k] + b - q.start]
+                };
+                let out = |k: usize| sums.add((i + k) * 16 * C);
+                let (vb, st) = (vbase, kv.stride);
+                match n {
+                    1 => add_values::<T, C, 1>([p(0)], vb, st, a, [out(0)]),
+                    2 => add_values::<T, C, 2>([p(0), p(1)], vb, st, a, [out(0), out(1)]),
+                    3 => add_values::<T, C, 3>(
+                        [p(0), p(1), p(2)],
+                        vb,
+                        st,
+                        a,
+                        [out(0), out(1), out(2)],
+                    ),
+                    _ => add_values::<T, C, 4>(
+                        [p(0), p(1), p(2), p(3)],
+                        vb,
+                        st,
+                        a,
+                        [out(0), out(1), out(2), out(3)],
+                    ),
+                }
+            }
+            i += n;
         }
     }
 }
