@@ -192,9 +192,12 @@ unsafe fn add_values<T: Lanes, const C: usize, const G: usize>(
             *oc = _mm512_loadu_ps(out.add(16 * c));
         }
     }
-    for j in 0..ps[0].len() {
+    let n = ps[0].len();
+    debug_assert!(ps.iter().all(|p| p.len() == n));
+    let weights = ps.map(|p| p.as_ptr());
+    for j in 0..n {
         let val = vbase.add((first + j) * stride);
-        let pv: [__m512; G] = std::array::from_fn(|g| _mm512_set1_ps(ps[g][j]));
+        let pv: [__m512; G] = weights.map(|w| _mm512_set1_ps(*w.add(j)));
         for c in 0..C {
             let v = T::load16(val.add(16 * c));
             for (og, pg) in o.iter_mut().zip(&pv) {
