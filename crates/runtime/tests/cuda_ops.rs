@@ -1164,6 +1164,97 @@ fn attention_ragged_rows_and_masks_match_cpu_and_are_batch_invariant_on(
     }
 }
 
+/// Every token gets the bits it gets alone whatever launch it is in, where its splits change
+/// size: a verify block of 16 crossing 2,048 keys (64 tiles of 32 keys fill 16 splits of
+/// four; from 2,049 keys a split holds five), a bidirectional block, sliding windows (a new first key per token), a
+/// token with no keys, and another row's tokens between them; the whole launch (past 16
+/// tokens: the split kernel merges by itself), launches of 3 and 13 tokens (the merge launch)
+/// and each token alone (the early-load kernel).
+#[test]
+fn attention_tokens_alone_equal_any_launch() {
+    on_each_kv_type(attention_tokens_alone_on);
+}
+
+fn attention_tokens_alone_on(g: &CudaBackend, kv: KvType) {
+    let c = cpu_kv(kv);
+    let (layers, n_heads, n_kv_heads, head_dim) = (1, 6, 2, 64);
+    let kv_dim = n_kv_heads * head_dim;
+    let shape = AttnShape {
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        scale: 1.0 / (head_dim as f32).sqrt(),
+    };
+    let lens = [2_100usize, 90];
+    let mut kvg = g.kv_new(layers, n_kv_heads, head_dim);
+    let mut kvc = c.kv_new(layers, n_kv_heads, head_dim);
+    fill_kv(g, c, &mut kvg, &mut kvc, layers, kv_dim, &lens, 61);
+    let tm = |row: u32, pos: u32, s: u32, e: u32| TokenMeta {
+        row,
+        pos,
+        kv_start: s,
+        kv_end: e,
+    };
+    let mut meta: Vec<TokenMeta> = (2_038..2_054).map(|p| TokenMeta::causal(0, p)).collect();
+    meta.push(TokenMeta::causal(1, 80));
+    meta.extend((0..6).map(|i| tm(0, 1_000 + i, 1_000, 1_006)));
+    meta.extend((0..5).map(|i| tm(0, 1_500 + i, 1_200 + i, 1_501 + i)));
+    meta.push(tm(1, 5, 5, 5));
+    meta.extend((80..87).map(|p| TokenMeta::causal(1, p)));
+    meta.extend((2_090..2_095).map(|p| TokenMeta::causal(0, p)));
+    let t = meta.len();
+    let row_len = n_heads * head_dim;
+    let q = random_vec(t * row_len, -2.0, 2.0, 78);
+    let run = |first: usize, n: usize| {
+        let mut o = g.tensor(0, 0);
+        g.attention(
+            &g.upload(&q[first * row_len..(first + n) * row_len], n, row_len),
+            &kvg,
+            0,
+            &g.upload_meta(&meta[first..first + n]),
+            shape,
+            &mut o,
+        );
+        g.to_host(&o)
+    };
+    let all = run(0, t);
+    let mut oc = c.tensor(0, 0);
+    c.attention(
+        &c.upload(&q, t, row_len),
+        &kvc,
+        0,
+        &c.upload_meta(&meta),
+        shape,
+        &mut oc,
+    );
+    let want = c.to_host(&oc);
+    assert_close(
+        "attention around 2,048 keys",
+        &all,
+        &want,
+        &vec![1.0; want.len()],
+        1e-5,
+        0.0,
+    );
+    let windows = std::iter::once((0, 3)).chain((3..t).step_by(13).map(|f| (f, 13.min(t - f))));
+    for (first, n) in windows {
+        assert_eq!(
+            bits(&run(first, n)),
+            bits(&all[first * row_len..(first + n) * row_len]),
+            "tokens {first}..{} in a launch of their own differ from the whole launch",
+            first + n
+        );
+    }
+    for i in 0..t {
+        assert_eq!(
+            bits(&run(i, 1)),
+            bits(&all[i * row_len..(i + 1) * row_len]),
+            "token {i} ({:?}) alone differs from the whole launch",
+            meta[i]
+        );
+    }
+}
+
 /// The split kernel's own merge (prompt rows by default, here every launch) gives the merge
 /// launch's bits (decode and verify rows by default), for ragged rows, empty slices and
 /// repeated launches (the arrival counts return to zero), and so does the int8 copy of its
