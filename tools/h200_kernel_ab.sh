@@ -29,7 +29,9 @@
 # those environment variables (e.g. "nox2:DFLASH_CUDA_FLOAT_MMA=0"), in the microbench, the
 # benches and the parity runs; KAB_TEST_VARIANTS may name them too.
 # KAB_BASELINE=PATH at --pack: a `dflash` binary of another build (e.g. main's, before a change
-# of host code) joins the benches as arm "baseline" with its own embedded kernels.
+# of host code) joins the benches as arm "baseline" with its own embedded kernels;
+# KAB_BASELINE_MICRO=PATH at --pack: that build's `cuda_microbench`, which then joins KAB_MICRO
+# as arm "baseline" (a change of host constants, e.g. ATT_MAX_SPLITS, A/B'd in one call).
 # Each arm is `dflash bench --no-draft` (-p 512 -n 128 on the default shapes, -p 128 -n 64 on
 # the 4B's; warm-up, median of 3), arms alternating within a round; one line per arm and round.
 # Everything printed also goes to $OUT/kab.log (the device tool returns only the output's end).
@@ -59,6 +61,9 @@ if [ "${1:-}" = "--pack" ]; then
     if [ -n "${KAB_BASELINE:-}" ]; then
         mkdir -p .gpu/kab/bin/baseline && cp "$KAB_BASELINE" .gpu/kab/bin/baseline/dflash
     fi
+    if [ -n "${KAB_BASELINE_MICRO:-}" ]; then
+        mkdir -p .gpu/kab/bin/baseline && cp "$KAB_BASELINE_MICRO" .gpu/kab/bin/baseline/cuda_microbench
+    fi
     strip .gpu/kab/bin/* .gpu/kab/bin/baseline/* 2> /dev/null || true
     tar -C .gpu/kab/bin -cJf .gpu/kab/bins.tar.xz . && rm -rf .gpu/kab/bin
     for d in "$@"; do
@@ -66,7 +71,7 @@ if [ "${1:-}" = "--pack" ]; then
         cp "$d"/*.cu ".gpu/kab/variants/$(basename "$d")/"
     done
     cp tools/h200_kernel_ab.sh tools/cuda_env.sh .gpu/kab/
-    echo "binary $(git rev-parse --short HEAD)$(git diff --quiet || echo ' + uncommitted changes'); variants: $*${KAB_BASELINE:+; baseline binary: $KAB_BASELINE}" \
+    echo "binary $(git rev-parse --short HEAD)$(git diff --quiet || echo ' + uncommitted changes'); variants: $*${KAB_BASELINE:+; baseline binary: $KAB_BASELINE}${KAB_BASELINE_MICRO:+; baseline microbench: $KAB_BASELINE_MICRO}" \
         > .gpu/kab/builds.txt
     du -sh .gpu/kab
     exit 0
@@ -118,12 +123,15 @@ for v in ${KAB_TEST_VARIANTS:-$variants}; do
     done
 done
 if [ -n "${KAB_MICRO:-}" ]; then
-    for a in base $variants $envarms; do
-        dir="$(kdir "$a")"
+    arms="base $variants $envarms"
+    [ -x baseline/cuda_microbench ] && arms="baseline $arms"
+    for a in $arms; do
+        dir="" bin=./cuda_microbench
+        case "$a" in baseline) bin=baseline/cuda_microbench ;; *) dir="$(kdir "$a")" ;; esac
         echo "== cuda_microbench $KAB_MICRO, $a"
         # shellcheck disable=SC2086,SC2046
-        env $(envof "$a") DFLASH_CUDA_KERNEL_DIR="$dir" timeout 150 ./cuda_microbench $KAB_MICRO 2>&1 \
-            | grep -E "^\| [A-Z]|^#"
+        env $(envof "$a") DFLASH_CUDA_KERNEL_DIR="$dir" timeout 150 "$bin" $KAB_MICRO 2>&1 \
+            | grep -E "^\| [A-Za-z0-9]|^#"
     done
 fi
 for s in $shapes; do
