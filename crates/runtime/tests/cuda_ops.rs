@@ -1027,22 +1027,23 @@ fn top_k_rows_ranks_like_the_host() {
     assert!(c.top_k_rows(&c.upload(&[1.0, 2.0], 1, 2), 1).is_none());
 }
 
-/// Fills `layers` layers of rows `lens` (row r holds lens[r] positions) with the same random
-/// K and V on both backends.
-#[allow(clippy::too_many_arguments)]
-fn fill_kv(
+/// New caches of `layers` layers on both backends, rows `lens` (row r holds lens[r]
+/// positions) filled with the same random K and V.
+fn filled_kv(
     g: &CudaBackend,
     c: &CpuBackend,
-    kvg: &mut <CudaBackend as Backend>::Kv,
-    kvc: &mut <CpuBackend as Backend>::Kv,
     layers: usize,
-    kv_dim: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
     lens: &[usize],
     seed: u64,
-) {
+) -> (<CudaBackend as Backend>::Kv, <CpuBackend as Backend>::Kv) {
+    let kv_dim = n_kv_heads * head_dim;
+    let mut kvg = g.kv_new(layers, n_kv_heads, head_dim);
+    let mut kvc = c.kv_new(layers, n_kv_heads, head_dim);
     for (row, &len) in lens.iter().enumerate() {
-        g.kv_reserve(kvg, row, len, 0);
-        c.kv_reserve(kvc, row, len, 0);
+        g.kv_reserve(&mut kvg, row, len, 0);
+        c.kv_reserve(&mut kvc, row, len, 0);
         let meta: Vec<TokenMeta> = (0..len)
             .map(|p| TokenMeta::causal(row as u32, p as u32))
             .collect();
@@ -1052,14 +1053,14 @@ fn fill_kv(
             let k = random_vec(len * kv_dim, -1.0, 1.0, s);
             let v = random_vec(len * kv_dim, -1.0, 1.0, s + 1);
             g.kv_write(
-                kvg,
+                &mut kvg,
                 layer,
                 &g.upload(&k, len, kv_dim),
                 &g.upload(&v, len, kv_dim),
                 &mg,
             );
             c.kv_write(
-                kvc,
+                &mut kvc,
                 layer,
                 &c.upload(&k, len, kv_dim),
                 &c.upload(&v, len, kv_dim),
@@ -1067,6 +1068,7 @@ fn fill_kv(
             );
         }
     }
+    (kvg, kvc)
 }
 
 #[test]
@@ -1080,7 +1082,6 @@ fn attention_ragged_rows_and_masks_match_cpu_and_are_batch_invariant_on(
 ) {
     let c = cpu_kv(kv);
     let (layers, n_heads, n_kv_heads, head_dim) = (2, 6, 2, 64);
-    let kv_dim = n_kv_heads * head_dim;
     let shape = AttnShape {
         n_heads,
         n_kv_heads,
@@ -1088,9 +1089,7 @@ fn attention_ragged_rows_and_masks_match_cpu_and_are_batch_invariant_on(
         scale: 1.0 / (head_dim as f32).sqrt(),
     };
     let lens = [5usize, 300, 37, 1];
-    let mut kvg = g.kv_new(layers, n_kv_heads, head_dim);
-    let mut kvc = c.kv_new(layers, n_kv_heads, head_dim);
-    fill_kv(g, c, &mut kvg, &mut kvc, layers, kv_dim, &lens, 40);
+    let (kvg, kvc) = filled_kv(g, c, layers, n_kv_heads, head_dim, &lens, 40);
 
     let tm = |row: u32, pos: u32, s: u32, e: u32| TokenMeta {
         row,
@@ -1164,12 +1163,12 @@ fn attention_ragged_rows_and_masks_match_cpu_and_are_batch_invariant_on(
     }
 }
 
-/// Every token gets the bits it gets alone whatever launch it is in, where its splits change
-/// size: a verify block of 16 crossing 2,048 keys (64 tiles of 32 keys fill 16 splits of
-/// four; from 2,049 keys a split holds five), a bidirectional block, sliding windows (a new first key per token), a
-/// token with no keys, and another row's tokens between them; the whole launch (past 16
-/// tokens: the split kernel merges by itself), launches of 3 and 13 tokens (the merge launch)
-/// and each token alone (the early-load kernel).
+/// Every token gets the bits it gets alone whatever launch it is in, where its splits change size:
+/// a verify block of 16 crossing 2,048 keys (64 tiles of 32 keys fill 16 splits of four; from 2,049
+/// keys a split holds five), a bidirectional block, sliding windows (a new first key per token), a
+/// token with no keys, and another row's tokens between them; the whole launch (past 16 tokens: the
+/// split kernel merges by itself), launches of 3 and 13 tokens (the merge launch) and each token
+/// alone (the early-load kernel).
 #[test]
 fn attention_tokens_alone_equal_any_launch() {
     on_each_kv_type(attention_tokens_alone_on);
@@ -1178,17 +1177,9 @@ fn attention_tokens_alone_equal_any_launch() {
 fn attention_tokens_alone_on(g: &CudaBackend, kv: KvType) {
     let c = cpu_kv(kv);
     let (layers, n_heads, n_kv_heads, head_dim) = (1, 6, 2, 64);
-    let kv_dim = n_kv_heads * head_dim;
-    let shape = AttnShape {
-        n_heads,
-        n_kv_heads,
-        head_dim,
-        scale: 1.0 / (head_dim as f32).sqrt(),
-    };
+    let shape = common::attn_shape(n_heads, n_kv_heads, head_dim);
     let lens = [2_100usize, 90];
-    let mut kvg = g.kv_new(layers, n_kv_heads, head_dim);
-    let mut kvc = c.kv_new(layers, n_kv_heads, head_dim);
-    fill_kv(g, c, &mut kvg, &mut kvc, layers, kv_dim, &lens, 61);
+    let (kvg, kvc) = filled_kv(g, c, layers, n_kv_heads, head_dim, &lens, 61);
     let tm = |row: u32, pos: u32, s: u32, e: u32| TokenMeta {
         row,
         pos,
@@ -1275,7 +1266,6 @@ fn attention_in_kernel_merge_on(separate: &CudaBackend, kv: KvType) {
     let c = cpu_kv(kv);
     // The default model's group (3 query heads per KV head of 64) and Qwen3-4B's (4 of 128).
     for (n_heads, n_kv_heads, head_dim) in [(9usize, 3usize, 64usize), (8, 2, 128)] {
-        let kv_dim = n_kv_heads * head_dim;
         let shape = AttnShape {
             n_heads,
             n_kv_heads,
@@ -1285,12 +1275,7 @@ fn attention_in_kernel_merge_on(separate: &CudaBackend, kv: KvType) {
         let lens = [5usize, 700, 37];
         let kvs: Vec<_> = [fused, separate]
             .iter()
-            .map(|g| {
-                let mut kvg = g.kv_new(2, n_kv_heads, head_dim);
-                let mut kvc = c.kv_new(2, n_kv_heads, head_dim);
-                fill_kv(g, c, &mut kvg, &mut kvc, 2, kv_dim, &lens, 90);
-                kvg
-            })
+            .map(|g| filled_kv(g, c, 2, n_kv_heads, head_dim, &lens, 90).0)
             .collect();
         let meta = vec![
             TokenMeta::causal(0, 4),
@@ -1485,17 +1470,9 @@ fn attention_long_context() {
 fn attention_long_context_on(g: &CudaBackend, kv: KvType) {
     let c = cpu_kv(kv);
     let (layers, n_heads, n_kv_heads, head_dim) = (1, 4, 1, 128);
-    let kv_dim = n_kv_heads * head_dim;
-    let shape = AttnShape {
-        n_heads,
-        n_kv_heads,
-        head_dim,
-        scale: 1.0 / (head_dim as f32).sqrt(),
-    };
+    let shape = common::attn_shape(n_heads, n_kv_heads, head_dim);
     let len = 20_000;
-    let mut kvg = g.kv_new(layers, n_kv_heads, head_dim);
-    let mut kvc = c.kv_new(layers, n_kv_heads, head_dim);
-    fill_kv(g, c, &mut kvg, &mut kvc, layers, kv_dim, &[len], 90);
+    let (kvg, kvc) = filled_kv(g, c, layers, n_kv_heads, head_dim, &[len], 90);
     let meta = vec![
         TokenMeta::causal(0, (len - 1) as u32),
         TokenMeta::causal(0, 12_345),
@@ -1545,10 +1522,8 @@ fn kv_grow_truncate_copy_release_on(g: &CudaBackend, kv: KvType) {
         head_dim,
         scale: 0.2,
     };
-    let mut kvg = g.kv_new(layers, n_kv_heads, head_dim);
-    let mut kvc = c.kv_new(layers, n_kv_heads, head_dim);
-    assert_eq!(g.kv_capacity(&kvg, 0), 0);
-    fill_kv(g, c, &mut kvg, &mut kvc, layers, kv_dim, &[8], 500);
+    assert_eq!(g.kv_capacity(&g.kv_new(layers, n_kv_heads, head_dim), 0), 0);
+    let (mut kvg, mut kvc) = filled_kv(g, c, layers, n_kv_heads, head_dim, &[8], 500);
     assert_eq!(g.kv_capacity(&kvg, 0), 8);
 
     // Grow row 0 keeping 6 positions (a rollback to 6), then write positions 6..20.
