@@ -1082,12 +1082,7 @@ fn attention_ragged_rows_and_masks_match_cpu_and_are_batch_invariant_on(
 ) {
     let c = cpu_kv(kv);
     let (layers, n_heads, n_kv_heads, head_dim) = (2, 6, 2, 64);
-    let shape = AttnShape {
-        n_heads,
-        n_kv_heads,
-        head_dim,
-        scale: 1.0 / (head_dim as f32).sqrt(),
-    };
+    let shape = common::attn_shape(n_heads, n_kv_heads, head_dim);
     let lens = [5usize, 300, 37, 1];
     let (kvg, kvc) = filled_kv(g, c, layers, n_kv_heads, head_dim, &lens, 40);
 
@@ -1266,12 +1261,7 @@ fn attention_in_kernel_merge_on(separate: &CudaBackend, kv: KvType) {
     let c = cpu_kv(kv);
     // The default model's group (3 query heads per KV head of 64) and Qwen3-4B's (4 of 128).
     for (n_heads, n_kv_heads, head_dim) in [(9usize, 3usize, 64usize), (8, 2, 128)] {
-        let shape = AttnShape {
-            n_heads,
-            n_kv_heads,
-            head_dim,
-            scale: 1.0 / (head_dim as f32).sqrt(),
-        };
+        let shape = common::attn_shape(n_heads, n_kv_heads, head_dim);
         let lens = [5usize, 700, 37];
         let kvs: Vec<_> = [fused, separate]
             .iter()
@@ -1625,12 +1615,7 @@ fn decode_and_verify_layers_agree_bit_for_bit_on(g: &CudaBackend) {
     let (hidden, n_heads, n_kv_heads, head_dim, inter) =
         (256usize, 4usize, 2usize, 32usize, 512usize);
     let kv_dim = n_kv_heads * head_dim;
-    let shape = AttnShape {
-        n_heads,
-        n_kv_heads,
-        head_dim,
-        scale: 1.0 / (head_dim as f32).sqrt(),
-    };
+    let shape = common::attn_shape(n_heads, n_kv_heads, head_dim);
     let wq = g
         .upload_weight(
             &random_weight(DType::Q4_1, n_heads * head_dim, hidden, 1),
