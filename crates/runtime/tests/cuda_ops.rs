@@ -15,7 +15,7 @@ use dflash_runtime::backend::{Activations, AttnShape, RopeStyle};
 use dflash_runtime::cpu::int8::quantize::{QuantRows, Terms};
 use dflash_runtime::cpu::int8::reference as int8_reference;
 use dflash_runtime::cpu::{CpuBackend, CpuWeight};
-use dflash_runtime::cuda::{compile, CudaBackend, CudaOptions, Int8Policy, PrefillGemm};
+use dflash_runtime::cuda::{compile, resources, CudaBackend, CudaOptions, Int8Policy, PrefillGemm};
 use dflash_runtime::{Backend, DType, HostWeight, KvType, RowSpan, TokenMeta, WeightRole};
 use rand::Rng;
 
@@ -84,6 +84,32 @@ fn kernels_compile_with_nvrtc() {
         println!(
             "sm_{arch}: all kernels compiled in {:.1} s",
             started.elapsed().as_secs_f64()
+        );
+        // ptxas's report reads for every kernel of a module (cuda_kernel_resources).
+        let att = resources::module_resources(compile::Module::Attention(KvType::F32), arch)
+            .unwrap_or_else(|e| panic!("sm_{arch}: {e}"));
+        for k in &att {
+            assert!(
+                (1..=255).contains(&k.registers),
+                "{}: {} registers",
+                k.name,
+                k.registers
+            );
+        }
+        for name in [
+            "attention_merge",
+            "attention_merge_q8",
+            "attention_split_2_3",
+        ] {
+            assert!(att.iter().any(|k| k.name == name), "no {name} in {att:?}");
+        }
+        let split = att
+            .iter()
+            .find(|k| k.name == "attention_split_2_3")
+            .unwrap();
+        assert!(
+            split.shared > 0,
+            "{split:?}: the split kernel stages q in shared memory"
         );
         // The PTX fallback must compile too.
         let t = compile::Target { arch, cubin: false };

@@ -448,12 +448,23 @@ fn options(target: Target) -> Vec<String> {
 
 /// Compiles `module` for `target` with NVRTC (no cache).
 pub fn compile(module: Module, target: Target) -> Result<Image, String> {
+    compile_logged(module, target, &[]).map(|(img, _)| img)
+}
+
+/// [`compile`] with `extra` options after the usual ones, returning NVRTC's log beside the
+/// image (e.g. `--ptxas-options=-v` puts each kernel's registers and spills in the log).
+pub fn compile_logged(
+    module: Module,
+    target: Target,
+    extra: &[&str],
+) -> Result<(Image, String), String> {
     if !nvrtc_available() {
         return Err(NVRTC_HINT.to_string());
     }
     let src = CString::new(module.source()).map_err(|e| e.to_string())?;
     let name = CString::new(format!("{}.cu", module.name())).map_err(|e| e.to_string())?;
     let mut opts = options(target);
+    opts.extend(extra.iter().map(|o| o.to_string()));
     for dir in include_dirs() {
         opts.push(format!("--include-path={}", dir.display()));
     }
@@ -496,7 +507,7 @@ pub fn compile(module: Module, target: Target) -> Result<Image, String> {
                     nv::nvrtcGetCUBIN(prog, bin.as_mut_ptr() as *mut c_char),
                     "get cubin",
                 )?;
-                Ok(Image::Cubin(bin))
+                Ok((Image::Cubin(bin), program_log(prog)))
             } else {
                 check(nv::nvrtcGetPTXSize(prog, &mut size), "ptx size")?;
                 let mut buf = vec![0u8; size];
@@ -508,7 +519,7 @@ pub fn compile(module: Module, target: Target) -> Result<Image, String> {
                     .map_err(|e| e.to_string())?
                     .to_string_lossy()
                     .into_owned();
-                Ok(Image::Ptx(text))
+                Ok((Image::Ptx(text), program_log(prog)))
             }
         })();
         nv::nvrtcDestroyProgram(&mut prog);

@@ -98,6 +98,7 @@ pub mod kv;
 pub mod pack;
 mod profile;
 mod qkv_rope;
+pub mod resources;
 mod rope_kv;
 mod sample;
 mod tensor;
