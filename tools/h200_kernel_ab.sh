@@ -28,6 +28,9 @@
 # KAB_ENV_ARMS ("NAME:VAR=VALUE[,VAR=VALUE...] ..."): arms that run the binary's own kernels with
 # those environment variables (e.g. "nox2:DFLASH_CUDA_FLOAT_MMA=0"), in the microbench, the
 # benches and the parity runs; KAB_TEST_VARIANTS may name them too.
+# At --pack each variant's kernels are also compiled here with NVRTC and its ptxas report
+# (registers, spills, stack, shared memory per kernel; the cuda_kernel_resources example) is
+# compared with the embedded kernels': the rows that differ are printed.
 # KAB_BASELINE=PATH at --pack: a `dflash` binary of another build (e.g. main's, before a change
 # of host code) joins the benches as arm "baseline" with its own embedded kernels;
 # KAB_BASELINE_MICRO=PATH at --pack: that build's `cuda_microbench`, which then joins KAB_MICRO
@@ -71,6 +74,31 @@ if [ "${1:-}" = "--pack" ]; then
         cp "$d"/*.cu ".gpu/kab/variants/$(basename "$d")/"
     done
     cp tools/h200_kernel_ab.sh tools/cuda_env.sh .gpu/kab/
+    # Each variant's kernels against the embedded ones, as ptxas reports them (registers,
+    # spills, stack, shared memory): the rows that differ, here, before any device time.
+    cargo build --release -p dflash-runtime --features cuda --example cuda_kernel_resources
+    # shellcheck source=tools/cuda_env.sh
+    source tools/cuda_env.sh
+    for d in "$@"; do
+        v=$(basename "$d")
+        mods=$(for f in "$d"/*.cu; do
+            case "$(basename "$f" .cu)" in
+                attention) echo attention ;; gdn) echo gdn ;; ops) echo ops ;; sample) echo sample ;;
+                matmul*) echo matmul ;; *) echo ALL ;;  # common.cu: every module
+            esac
+        done | sort -u)
+        for m in $mods; do
+            mf=$m && [ "$m" = ALL ] && mf=""
+            target/release/examples/cuda_kernel_resources --module "$mf" > ".gpu/kab/res_base_$m.md" \
+                && DFLASH_CUDA_KERNEL_DIR="$d" target/release/examples/cuda_kernel_resources --module "$mf" \
+                    > ".gpu/kab/res_${v}_$m.md" 2> /dev/null \
+                || { echo "$v: no resource report for $m (NVRTC missing or the variant does not compile)"; continue; }
+            echo "$v against the embedded kernels ($m; registers | spills st / ld | stack | shared):"
+            { diff ".gpu/kab/res_base_$m.md" ".gpu/kab/res_${v}_$m.md" || true; } | grep '^[<>]' \
+                || echo "  no kernel changed"
+        done
+        rm -f .gpu/kab/res_*.md
+    done
     echo "binary $(git rev-parse --short HEAD)$(git diff --quiet || echo ' + uncommitted changes'); variants: $*${KAB_BASELINE:+; baseline binary: $KAB_BASELINE}${KAB_BASELINE_MICRO:+; baseline microbench: $KAB_BASELINE_MICRO}" \
         > .gpu/kab/builds.txt
     du -sh .gpu/kab
