@@ -44,24 +44,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if modules.is_empty() {
         return Err(format!("no module name contains {module:?}").into());
     }
-    println!("| module | kernel | registers | spill stores / loads (B) | stack (B) | shared (B) |");
-    println!("|---|---|---:|---:|---:|---:|");
+    // Every module compiles before anything is printed, so an error leaves no half table.
+    let mut rows = Vec::new();
     for m in modules {
         for k in module_resources(m, arch)? {
-            if !k.name.contains(&kernel) {
-                continue;
+            if k.name.contains(&kernel) {
+                rows.push((m.name(), k));
             }
-            println!(
-                "| {} | {} | {} | {} / {} | {} | {} |",
-                m.name(),
-                k.name,
-                k.registers,
-                k.spill_stores,
-                k.spill_loads,
-                k.stack,
-                k.shared
-            );
         }
+    }
+    println!("| module | kernel | registers | spill stores / loads (B) | stack (B) | shared (B) |");
+    println!("|---|---|---:|---:|---:|---:|");
+    for (m, k) in rows {
+        println!(
+            "| {m} | {} | {} | {} / {} | {} | {} |",
+            k.name, k.registers, k.spill_stores, k.spill_loads, k.stack, k.shared
+        );
     }
     Ok(())
 }
