@@ -8,15 +8,19 @@
 // (q, KV slice, kv length) only, never on the other tokens of the batch, so a token gets the
 // same output alone (decode), in a verify block, or next to other rows.
 //
-// attention_split: a block per (token, KV head, split), ATT_WARPS warps. The G query heads
-// of the KV head's group share every K and V load. Warp w takes tiles w, w + ATT_WARPS, ... of
-// the split and keeps, per query head, an online softmax state (running max m, running sum
-// l, unnormalised output acc over head dimensions, lanes owning dimensions lane + 32 i):
+// attention_split: a block per (token, KV head, split). The G query heads of the KV head's
+// group share every K and V load. A split's tiles are dealt to ATT_SLOTS slots: slot s takes
+// tiles s, s + ATT_SLOTS, ... of the split and keeps, per query head, an online softmax state
+// (running max m, running sum l, unnormalised output acc over head dimensions, lanes owning
+// dimensions lane + 32 i):
 //   1. lane j scores key (tile start + j) for each of the G heads: dot(q, k) walked in
 //      dimension order with fma (four dimensions per 16-byte load), times scale;
 //   2. per head, the tile max and the sum of exp(score - new max) use the fixed warp trees;
 //   3. acc is rescaled, then the tile's values are added in key order with fma.
-// The warps' states are merged in warp order and the split's (m, l, acc) is written out.
+// The slots' states are merged in slot order and the split's (m, l, acc) is written out. The
+// block's warps take the slots in turn (warp w: slots w, w + warps, ...), so a launch may give
+// its blocks one warp per slot (decode: every tile of a split in flight at once) or fewer
+// (verify and prompt launches: more blocks per SM) without changing a bit.
 //
 // attention_merge: a block per (token, query head) combines the token's splits in split
 // order: m* = max m_s, f_s = exp(m_s - m*), out = (sum acc_s f_s) / (sum l_s f_s).
@@ -28,7 +32,7 @@
 // last one to arrive merges the group's query heads with the merge kernel's arithmetic and
 // order (att_merge_out), so the bits do not depend on which block that is, nor on the mode.
 
-// ATT_WARPS (4), ATT_MAX_SPLITS (16), ATT_MAX_GHD (1024: query heads per group x head_dim)
+// ATT_SLOTS (8), ATT_MAX_SPLITS (16), ATT_MAX_GHD (1024: query heads per group x head_dim)
 // and ATT_PREFETCH_MAX_TOKENS (16) are defined by the host (cuda/compile.rs,
 // `shared_constants`), and so is DF_KV_HALF: the module is compiled for one cache type
 // (`KvType`), 1 where the cache holds f16. Keys and values are widened to f32 as they are
@@ -157,9 +161,9 @@ __device__ __forceinline__ void att_merge_last(const AttParams& p, int t, int kv
 template <int PER, int GM, bool EARLY>
 __device__ __forceinline__ void attention_split_body(const AttParams& p) {
     __shared__ __align__(16) float qs[GM * 32 * PER];
-    __shared__ float st_m[ATT_WARPS][GM];
-    __shared__ float st_l[ATT_WARPS][GM];
-    __shared__ float st_acc[ATT_WARPS][GM * 32 * PER];
+    __shared__ float st_m[ATT_SLOTS][GM];
+    __shared__ float st_l[ATT_SLOTS][GM];
+    __shared__ float st_acc[ATT_SLOTS][GM * 32 * PER];
 
     const int t = blockIdx.x;
     const int kvh = blockIdx.y;
@@ -198,6 +202,7 @@ __device__ __forceinline__ void attention_split_body(const AttParams& p) {
     if (nsplit == 0 && sp == 0 && p.count) return att_merge_last(p, t, kvh, G, 0);
     if (sp >= nsplit) return;  // the whole block leaves
     const int warp = threadIdx.x >> 5;
+    const int warps = blockDim.x >> 5;
     const int lane = threadIdx.x & 31;
 
     const bool vec4 = ((hd | p.kv_dim) & 3) == 0;
@@ -231,9 +236,9 @@ __device__ __forceinline__ void attention_split_body(const AttParams& p) {
             }
         }
     };
-    int tile = sp * tps + warp;
-    if (EARLY && tile < tile_end) {
-        const int t0 = start + 32 * tile;
+    // The warp's first slot is slot `warp`: its first tile is loaded early.
+    if (EARLY && sp * tps + warp < tile_end) {
+        const int t0 = start + 32 * (sp * tps + warp);
         if (vec4) load_k(t0, 0);
         load_v(t0, 0, min(32, end - t0));
     }
@@ -257,123 +262,126 @@ __device__ __forceinline__ void attention_split_body(const AttParams& p) {
     }
     __syncthreads();
 
-    float m[GM], l[GM], acc[GM][PER];
+    for (int slot = warp; slot < ATT_SLOTS; slot += warps) {
+        float m[GM], l[GM], acc[GM][PER];
 #pragma unroll
-    for (int g = 0; g < GM; g++) {
-        m[g] = -DF_INF;
-        l[g] = 0.0f;
+        for (int g = 0; g < GM; g++) {
+            m[g] = -DF_INF;
+            l[g] = 0.0f;
 #pragma unroll
-        for (int i = 0; i < PER; i++) acc[g][i] = 0.0f;
-    }
-
-    for (bool first = true; tile < tile_end; tile += ATT_WARPS, first = false) {
-        const int t0 = start + 32 * tile;
-        const int j = t0 + lane;
-        const bool valid = j < end;
-        const int nk = min(32, end - t0);
-        if (!EARLY || !first) {
-            if (vec4) load_k(t0, 0);
-            if (EARLY) load_v(t0, 0, nk);
+            for (int i = 0; i < PER; i++) acc[g][i] = 0.0f;
         }
-        float dot[GM];
+
+        bool first = slot == warp;  // the tile loaded early, if any
+        for (int tile = sp * tps + slot; tile < tile_end; tile += ATT_SLOTS, first = false) {
+            const int t0 = start + 32 * tile;
+            const int j = t0 + lane;
+            const bool valid = j < end;
+            const int nk = min(32, end - t0);
+            if (!EARLY || !first) {
+                if (vec4) load_k(t0, 0);
+                if (EARLY) load_v(t0, 0, nk);
+            }
+            float dot[GM];
 #pragma unroll
-        for (int g = 0; g < GM; g++) dot[g] = 0.0f;
-        if (vec4) {
-            // The products in dimension order, 16 loads of four dimensions at a time.
-            const int n4 = hd / 4;
-            for (int d0 = 0; d0 < n4; d0 += 16) {
-                if (d0 > 0) load_k(t0, d0);
+            for (int g = 0; g < GM; g++) dot[g] = 0.0f;
+            if (vec4) {
+                // The products in dimension order, 16 loads of four dimensions at a time.
+                const int n4 = hd / 4;
+                for (int d0 = 0; d0 < n4; d0 += 16) {
+                    if (d0 > 0) load_k(t0, d0);
 #pragma unroll
-                for (int u = 0; u < 16; u++) {
-                    if (valid && d0 + u < n4) {
+                    for (int u = 0; u < 16; u++) {
+                        if (valid && d0 + u < n4) {
+#pragma unroll
+                            for (int g = 0; g < GM; g++) {
+                                if (g < G) {
+                                    const float4 q4 = *(const float4*)(qs + g * hd + 4 * (d0 + u));
+                                    float a = dot[g];
+                                    a = __fmaf_rn(q4.x, kk[u].x, a);
+                                    a = __fmaf_rn(q4.y, kk[u].y, a);
+                                    a = __fmaf_rn(q4.z, kk[u].z, a);
+                                    a = __fmaf_rn(q4.w, kk[u].w, a);
+                                    dot[g] = a;
+                                }
+                            }
+                        }
+                    }
+                }
+            } else if (valid) {
+                const kv_t* kr = kb + (size_t)j * p.kv_dim;
+                for (int d = 0; d < hd; d++) {
+                    const float kv = kv_load(kr + d);
+#pragma unroll
+                    for (int g = 0; g < GM; g++) {
+                        if (g < G) dot[g] = __fmaf_rn(qs[g * hd + d], kv, dot[g]);
+                    }
+                }
+            }
+            float pr[GM];
+#pragma unroll
+            for (int g = 0; g < GM; g++) {
+                if (g < G) {
+                    const float sc = valid ? __fmul_rn(dot[g], p.scale) : -DF_INF;
+                    const float mn = fmaxf(m[g], warp_max(sc));
+                    const float corr = expf(__fsub_rn(m[g], mn));
+                    pr[g] = valid ? expf(__fsub_rn(sc, mn)) : 0.0f;
+                    l[g] = __fadd_rn(__fmul_rn(l[g], corr), warp_sum(pr[g]));
+                    m[g] = mn;
+#pragma unroll
+                    for (int i = 0; i < PER; i++) acc[g][i] = __fmul_rn(acc[g][i], corr);
+                } else {
+                    pr[g] = 0.0f;
+                }
+            }
+            for (int k0 = 0; k0 < nk; k0 += VB) {
+                if (k0 > 0 || !EARLY) load_v(t0, k0, nk);
+#pragma unroll
+                for (int u = 0; u < VB; u++) {
+                    if (k0 + u < nk) {
 #pragma unroll
                         for (int g = 0; g < GM; g++) {
                             if (g < G) {
-                                const float4 q4 = *(const float4*)(qs + g * hd + 4 * (d0 + u));
-                                float a = dot[g];
-                                a = __fmaf_rn(q4.x, kk[u].x, a);
-                                a = __fmaf_rn(q4.y, kk[u].y, a);
-                                a = __fmaf_rn(q4.z, kk[u].z, a);
-                                a = __fmaf_rn(q4.w, kk[u].w, a);
-                                dot[g] = a;
+                                const float pk = __shfl_sync(DF_FULL_MASK, pr[g], k0 + u);
+#pragma unroll
+                                for (int i = 0; i < PER; i++) acc[g][i] = __fmaf_rn(pk, vv[u][i], acc[g][i]);
                             }
                         }
                     }
                 }
             }
-        } else if (valid) {
-            const kv_t* kr = kb + (size_t)j * p.kv_dim;
-            for (int d = 0; d < hd; d++) {
-                const float kv = kv_load(kr + d);
-#pragma unroll
-                for (int g = 0; g < GM; g++) {
-                    if (g < G) dot[g] = __fmaf_rn(qs[g * hd + d], kv, dot[g]);
-                }
-            }
         }
-        float pr[GM];
+
 #pragma unroll
         for (int g = 0; g < GM; g++) {
             if (g < G) {
-                const float sc = valid ? __fmul_rn(dot[g], p.scale) : -DF_INF;
-                const float mn = fmaxf(m[g], warp_max(sc));
-                const float corr = expf(__fsub_rn(m[g], mn));
-                pr[g] = valid ? expf(__fsub_rn(sc, mn)) : 0.0f;
-                l[g] = __fadd_rn(__fmul_rn(l[g], corr), warp_sum(pr[g]));
-                m[g] = mn;
-#pragma unroll
-                for (int i = 0; i < PER; i++) acc[g][i] = __fmul_rn(acc[g][i], corr);
-            } else {
-                pr[g] = 0.0f;
-            }
-        }
-        for (int k0 = 0; k0 < nk; k0 += VB) {
-            if (k0 > 0 || !EARLY) load_v(t0, k0, nk);
-#pragma unroll
-            for (int u = 0; u < VB; u++) {
-                if (k0 + u < nk) {
-#pragma unroll
-                    for (int g = 0; g < GM; g++) {
-                        if (g < G) {
-                            const float pk = __shfl_sync(DF_FULL_MASK, pr[g], k0 + u);
-#pragma unroll
-                            for (int i = 0; i < PER; i++) acc[g][i] = __fmaf_rn(pk, vv[u][i], acc[g][i]);
-                        }
-                    }
+                if (lane == 0) {
+                    st_m[slot][g] = m[g];
+                    st_l[slot][g] = l[g];
                 }
-            }
-        }
-    }
-
 #pragma unroll
-    for (int g = 0; g < GM; g++) {
-        if (g < G) {
-            if (lane == 0) {
-                st_m[warp][g] = m[g];
-                st_l[warp][g] = l[g];
-            }
-#pragma unroll
-            for (int i = 0; i < PER; i++) {
-                const int d = lane + 32 * i;
-                if (d < hd) st_acc[warp][g * hd + d] = acc[g][i];
+                for (int i = 0; i < PER; i++) {
+                    const int d = lane + 32 * i;
+                    if (d < hd) st_acc[slot][g * hd + d] = acc[g][i];
+                }
             }
         }
     }
     __syncthreads();
 
-    // Merge the warps in warp order (warps that saw no key have l == 0 and are skipped).
+    // Merge the slots in slot order (slots that saw no key have l == 0 and are skipped).
     for (int idx = threadIdx.x; idx < G * (hd + 2); idx += blockDim.x) {
         const int g = idx / (hd + 2);
         const int c = idx - g * (hd + 2);
         float gm = -DF_INF;
-        for (int w = 0; w < ATT_WARPS; w++) {
+        for (int w = 0; w < ATT_SLOTS; w++) {
             if (st_l[w][g] > 0.0f) gm = fmaxf(gm, st_m[w][g]);
         }
         float v = 0.0f;
         if (c == 0) {
             v = gm;
         } else {
-            for (int w = 0; w < ATT_WARPS; w++) {
+            for (int w = 0; w < ATT_SLOTS; w++) {
                 if (st_l[w][g] > 0.0f) {
                     const float f = expf(__fsub_rn(st_m[w][g], gm));
                     v = c == 1 ? __fadd_rn(v, __fmul_rn(st_l[w][g], f)) : __fmaf_rn(st_acc[w][g * hd + c - 2], f, v);
@@ -388,11 +396,11 @@ __device__ __forceinline__ void attention_split_body(const AttParams& p) {
 // attention_split_<PER>_<GM> and attention_split_early_<PER>_<GM> (EARLY loads; the host
 // takes them for launches of few tokens, ATT_EARLY_MAX_ROWS in cuda/attention.rs).
 #define ATT_KERNEL(PER, GM)                                                                   \
-    extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)                              \
+    extern "C" __global__ void __launch_bounds__(ATT_SLOTS * 32)                              \
         attention_split_##PER##_##GM(const AttParams p) {                                     \
         attention_split_body<PER, GM, false>(p); /* waits itself, after the host's data */    \
     }                                                                                         \
-    extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)                              \
+    extern "C" __global__ void __launch_bounds__(ATT_SLOTS * 32)                              \
         attention_split_early_##PER##_##GM(const AttParams p) {                               \
         attention_split_body<PER, GM, true>(p); /* waits itself */                            \
     }

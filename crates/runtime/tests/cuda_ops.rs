@@ -1347,6 +1347,83 @@ fn attention_in_kernel_merge_on(separate: &CudaBackend, kv: KvType) {
     }
 }
 
+/// How many warps a split block has (one per slot for decode launches, two slots a warp for
+/// larger ones: `DFLASH_CUDA_ATT_WIDE`) does not change a bit: every launch of tokens at short,
+/// middle and long contexts (one, two and three tiles a slot: up to 2,048, 4,096 and past
+/// 4,096 keys), through both kernels (early loads up to 8 tokens, plain above), gives the same
+/// bits with a warp per slot and with four warps, and each token alone equals its launch.
+#[test]
+fn attention_warps_a_block_do_not_change_bits() {
+    on_each_kv_type(attention_warps_on);
+}
+
+fn attention_warps_on(_: &CudaBackend, kv: KvType) {
+    let with = |wide: usize| {
+        let opts = CudaOptions {
+            int8: common::int8_policy(),
+            att_wide_max_rows: wide,
+            kv_type: kv,
+            ..CudaOptions::from_env().unwrap()
+        };
+        CudaBackend::with_options(opts).unwrap()
+    };
+    let (wide, narrow) = (&with(usize::MAX), &with(0));
+    let c = cpu_kv(kv);
+    for (n_heads, n_kv_heads, head_dim) in [(9usize, 3usize, 64usize), (8, 2, 128), (2, 1, 30)] {
+        let shape = common::attn_shape(n_heads, n_kv_heads, head_dim);
+        let lens = [9_000usize, 3_000, 300];
+        let kvs: Vec<_> = [wide, narrow]
+            .iter()
+            .map(|g| filled_kv(g, c, 1, n_kv_heads, head_dim, &lens, 93).0)
+            .collect();
+        let mut meta: Vec<TokenMeta> = (8_990..8_994).map(|p| TokenMeta::causal(0, p)).collect();
+        meta.extend((2_995..2_999).map(|p| TokenMeta::causal(1, p)));
+        meta.extend([4_100, 2_050, 1_000].map(|p| TokenMeta::causal(0, p)));
+        meta.extend((290..295).map(|p| TokenMeta::causal(2, p)));
+        let t = meta.len();
+        let k = n_heads * head_dim;
+        let q = random_vec(t * k, -2.0, 2.0, 94);
+        let run = |g: &CudaBackend, kv, first: usize, n: usize| -> Vec<u32> {
+            let mut o = g.tensor(0, 0);
+            g.attention(
+                &g.upload(&q[first * k..(first + n) * k], n, k),
+                kv,
+                0,
+                &g.upload_meta(&meta[first..first + n]),
+                shape,
+                &mut o,
+            );
+            bits(&g.to_host(&o))
+        };
+        let what = format!("heads {n_heads}/{n_kv_heads}x{head_dim}");
+        let all = run(wide, &kvs[0], 0, t);
+        assert_eq!(all, run(narrow, &kvs[1], 0, t), "{what}: {t} tokens");
+        for (first, n) in [(0, 8), (8, 8)] {
+            let w = run(wide, &kvs[0], first, n);
+            assert_eq!(
+                w,
+                run(narrow, &kvs[1], first, n),
+                "{what}: tokens {first}.. (early loads)"
+            );
+            assert_eq!(
+                w,
+                all[first * k..(first + n) * k],
+                "{what}: tokens {first}.. against all"
+            );
+        }
+        for i in 0..t {
+            for (g, kv) in [(wide, &kvs[0]), (narrow, &kvs[1])] {
+                assert_eq!(
+                    run(g, kv, i, 1),
+                    all[i * k..(i + 1) * k],
+                    "{what}: token {i} ({:?}) alone",
+                    meta[i]
+                );
+            }
+        }
+    }
+}
+
 /// An f16 KV cache holds each value rounded to nearest even once (the CPU's `half` rounding,
 /// subnormals included) and attention widens it exactly: on every kernel path (16-byte loads of
 /// four values, single values where head sizes are not multiples of four; decode tokens,

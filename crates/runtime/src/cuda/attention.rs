@@ -14,7 +14,7 @@
 
 use super::backend::CudaBackend;
 use super::device::{
-    ensure, rows_setting, ATT_GM, ATT_MAX_GHD, ATT_MAX_SPLITS, ATT_PER, ATT_THREADS,
+    ensure, rows_setting, ATT_GM, ATT_MAX_GHD, ATT_MAX_SPLITS, ATT_NARROW_WARPS, ATT_PER, ATT_SLOTS,
 };
 use super::int8_x::QuantizedX;
 use super::kv::CudaKv;
@@ -38,6 +38,24 @@ const ATT_EARLY_MAX_ROWS: usize = 8;
 /// decode and verify blocks; a prompt's blocks share most of their rows, and prefill lost
 /// 3-5% with the prefetch on the H200.
 pub(crate) const ATT_PREFETCH_MAX_TOKENS: usize = 16;
+
+/// Most tokens of one attention launch whose split blocks get a warp per slot (ATT_SLOTS
+/// warps) by default: a decode step's blocks then have every tile of their split in flight at
+/// once; larger launches have enough blocks to fill the SMs with [`ATT_NARROW_WARPS`] warps
+/// a block (two slots each), and more of them fit an SM.
+pub const ATT_WIDE_MAX_ROWS: usize = 1;
+
+/// `DFLASH_CUDA_ATT_WIDE`: `auto` (or unset, empty) [`ATT_WIDE_MAX_ROWS`], `0` / `off` never,
+/// or the most tokens.
+pub fn att_wide_max_rows(v: Option<&str>) -> Result<usize, String> {
+    match v.map(str::trim) {
+        None | Some("") | Some("auto") => Ok(ATT_WIDE_MAX_ROWS),
+        Some("off") => Ok(0),
+        Some(s) => s.parse::<usize>().map_err(|_| {
+            format!("DFLASH_CUDA_ATT_WIDE={s:?}: expected auto, 0 or the most tokens (1, 2, ...)")
+        }),
+    }
+}
 
 /// `DFLASH_CUDA_FUSE_MERGE`: `auto` (or unset, empty) [`FUSE_MERGE_MIN_ROWS`], `0` / `off`
 /// never, or the fewest tokens.
@@ -178,6 +196,11 @@ impl CudaBackend {
             qs,
             count,
         };
+        let warps = if t <= dev.att_wide_max_rows {
+            ATT_SLOTS
+        } else {
+            ATT_NARROW_WARPS
+        };
         // Splits past a token's key count leave at once; the grid does not depend on the
         // context length, so a captured step stays valid as the context grows. From
         // `fuse_merge_min_rows` tokens, the last split block of each (token, KV head) merges.
@@ -185,7 +208,7 @@ impl CudaBackend {
             &fs[usize::from(t <= ATT_EARLY_MAX_ROWS)],
             "attention",
             (t as u32, n_kv_heads as u32, ATT_MAX_SPLITS as u32),
-            (ATT_THREADS, 1, 1),
+            (32 * warps as u32, 1, 1),
             &p,
         );
         if !fuse {
@@ -228,5 +251,17 @@ mod tests {
         assert!(fuse_merge_min_rows(Some("yes"))
             .unwrap_err()
             .contains("DFLASH_CUDA_FUSE_MERGE"));
+    }
+
+    #[test]
+    fn wide_setting_parses() {
+        assert_eq!(att_wide_max_rows(None), Ok(ATT_WIDE_MAX_ROWS));
+        assert_eq!(att_wide_max_rows(Some("auto")), Ok(ATT_WIDE_MAX_ROWS));
+        assert_eq!(att_wide_max_rows(Some(" 0 ")), Ok(0));
+        assert_eq!(att_wide_max_rows(Some("off")), Ok(0));
+        assert_eq!(att_wide_max_rows(Some("4")), Ok(4));
+        assert!(att_wide_max_rows(Some("-1"))
+            .unwrap_err()
+            .contains("DFLASH_CUDA_ATT_WIDE"));
     }
 }

@@ -225,7 +225,7 @@ pub fn format_defines() -> String {
 /// file as `#define NAME value` ([`shared_defines`]); the .cu files never restate them.
 fn shared_constants() -> [(&'static str, usize); 35] {
     use super::device::{
-        Epilogue, ATT_MAX_GHD, ATT_MAX_SPLITS, ATT_THREADS, MM_SEGS, MM_WARPS, NORM_Q_FEW_THREADS,
+        Epilogue, ATT_MAX_GHD, ATT_MAX_SPLITS, ATT_SLOTS, MM_SEGS, MM_WARPS, NORM_Q_FEW_THREADS,
         NORM_Q_THREADS, NORM_STAGE, NORM_THREADS, QT_BM, QT_NT, QT_NT_NARROW, QT_WARPS, SQ_R,
         SQ_WARPS, TC_BM, TC_BN, TC_THREADS, X2_BM, X2_NT, X2_WARPS,
     };
@@ -258,7 +258,7 @@ fn shared_constants() -> [(&'static str, usize); 35] {
         ("QKN_WARPS", rope_kv::QKN_WARPS),
         ("QKN_MAX_DIM", rope_kv::QKN_MAX_DIM),
         // attention.cu
-        ("ATT_WARPS", ATT_THREADS as usize / 32),
+        ("ATT_SLOTS", ATT_SLOTS),
         ("ATT_MAX_SPLITS", ATT_MAX_SPLITS),
         ("ATT_MAX_GHD", ATT_MAX_GHD),
         (

@@ -8,7 +8,9 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::sys as cu;
 use cudarc::driver::{result as drv, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr};
 
-use super::attention::{fuse_merge_min_rows, FUSE_MERGE_MIN_ROWS};
+use super::attention::{
+    att_wide_max_rows, fuse_merge_min_rows, ATT_WIDE_MAX_ROWS, FUSE_MERGE_MIN_ROWS,
+};
 use super::compile::{self, Image, Module, Target};
 use super::int8::{int8_format, int8_mma_min_rows, int8_mma_width, Int8Policy};
 use super::int8_x::FreshX;
@@ -46,6 +48,9 @@ pub struct CudaOptions {
     /// Fewest tokens of an attention launch whose split kernel merges its own splits
     /// (`Device::fuse_merge_min_rows`; `usize::MAX`: never).
     pub fuse_merge_min_rows: usize,
+    /// Most tokens of an attention launch whose split blocks have a warp per slot
+    /// (`Device::att_wide_max_rows`; 0: never).
+    pub att_wide_max_rows: usize,
     /// Column tiles per block of the int8 tensor-core kernels, one of `QT_WIDTHS`; `None`
     /// (the default): the wide blocks where they fill the SMs, else the narrow ones. The bits
     /// are the same either way.
@@ -69,6 +74,7 @@ impl Default for CudaOptions {
             prefill_gemm: PrefillGemm::Tensor,
             int8: Int8Policy::All,
             fuse_merge_min_rows: FUSE_MERGE_MIN_ROWS,
+            att_wide_max_rows: ATT_WIDE_MAX_ROWS,
             int8_mma_width: None,
             swiglu_q8: true,
             kv_type: CUDA_KV_TYPE,
@@ -80,7 +86,9 @@ impl CudaOptions {
     /// Defaults, overridden by `DFLASH_CUDA_DEVICE` (ordinal), `DFLASH_CUDA_GEMM` (`tensor`,
     /// the default; `kernel`; or `cublas` / `cublas:<min_rows>` for the cuBLAS prefill path)
     /// `DFLASH_CUDA_INT8` ([`Int8Policy`]), `DFLASH_CUDA_FUSE_MERGE` (when the split
-    /// attention merges by itself: `auto`, `0` or the fewest tokens; cuda/attention.rs) and
+    /// attention merges by itself: `auto`, `0` or the fewest tokens; cuda/attention.rs),
+    /// `DFLASH_CUDA_ATT_WIDE` (the most tokens of an attention launch with a warp per slot:
+    /// `auto`, `0` or a count; cuda/attention.rs) and
     /// `DFLASH_CUDA_INT8_MMA_WIDTH` (`auto`, or the column tiles per block of the int8
     /// tensor-core kernels: 4 or 1), `DFLASH_CUDA_SWIGLU_Q8` (`0` or `1`) and
     /// `DFLASH_KV_CACHE` (`f16` or `f32`).
@@ -89,6 +97,10 @@ impl CudaOptions {
             kv_type: KvType::from_env_or(CUDA_KV_TYPE)?,
             fuse_merge_min_rows: fuse_merge_min_rows(
                 std::env::var("DFLASH_CUDA_FUSE_MERGE").ok().as_deref(),
+            )
+            .map_err(RuntimeError::Device)?,
+            att_wide_max_rows: att_wide_max_rows(
+                std::env::var("DFLASH_CUDA_ATT_WIDE").ok().as_deref(),
             )
             .map_err(RuntimeError::Device)?,
             swiglu_q8: switch_on("DFLASH_CUDA_SWIGLU_Q8").map_err(RuntimeError::Device)?,
@@ -274,8 +286,12 @@ pub(crate) const ATT_GM: [usize; 8] = [1, 2, 3, 4, 5, 6, 7, 8];
 pub(crate) const ATT_MAX_GHD: usize = 1024;
 /// Splits of a token's keys (ATT_MAX_SPLITS in attention.cu).
 pub(crate) const ATT_MAX_SPLITS: usize = 16;
-/// Threads of an attention_split block (ATT_WARPS * 32).
-pub(crate) const ATT_THREADS: u32 = 128;
+/// Slots a split's tiles are dealt into (ATT_SLOTS in attention.cu): slot s takes tiles s,
+/// s + ATT_SLOTS, ... and the slots' states merge in slot order, whatever the block's warps.
+pub(crate) const ATT_SLOTS: usize = 8;
+/// Warps of an attention_split block in launches of more tokens than
+/// [`Device::att_wide_max_rows`] (two slots a warp; fewer launches' blocks need an SM each).
+pub(crate) const ATT_NARROW_WARPS: usize = 4;
 
 /// Function handles of the kernels every model needs (ops.cu, attention.cu).
 pub(crate) struct Kernels {
@@ -446,6 +462,10 @@ pub(crate) struct Device {
     /// instead of a separate `attention_merge` launch ([`CudaOptions::fuse_merge_min_rows`]);
     /// the bits are the same.
     pub fuse_merge_min_rows: usize,
+    /// Attention launches of at most this many tokens give each split block a warp per slot
+    /// (ATT_SLOTS warps: every tile of a split in flight at once), larger ones
+    /// [`ATT_NARROW_WARPS`] ([`CudaOptions::att_wide_max_rows`]); the bits are the same.
+    pub att_wide_max_rows: usize,
     /// Which of the target's projections multiply int8-quantized activations (`DFLASH_CUDA_INT8`).
     pub int8: Int8Policy,
     /// How the KV cache holds keys and values ([`CudaOptions::kv_type`]): the attention kernels
@@ -650,6 +670,7 @@ impl Device {
             pdl,
             fuse_rope,
             fuse_merge_min_rows: opts.fuse_merge_min_rows,
+            att_wide_max_rows: opts.att_wide_max_rows,
             int8: opts.int8,
             kv_type: opts.kv_type,
             int8_mma_min_m,
