@@ -36,8 +36,9 @@
 # KAB_BASELINE_MICRO=PATH at --pack: that build's `cuda_microbench`, which then joins KAB_MICRO
 # as arm "baseline" (a change of host constants, e.g. ATT_MAX_SPLITS, A/B'd in one call).
 # Each arm is `dflash bench --no-draft` (-p 512 -n 128 on the default shapes, -p 128 -n 64 on
-# the 4B's; KAB_DEPTHS ("128 512 4000") sets the prompt lengths for every shape instead; warm-up,
-# median of 3), arms alternating within a round; one line per arm, prompt length and round.
+# the 4B's; KAB_DEPTHS ("128 512 4000") sets the prompt lengths for every shape instead, and
+# KAB_BLOCKS ("16 4": the verify sizes, --block-size; 16 by default); warm-up, median of 3), arms
+# alternating within a round; one line per arm, prompt length, verify size and round.
 # Everything printed also goes to $OUT/kab.log (the device tool returns only the output's end).
 set -uo pipefail
 
@@ -170,14 +171,16 @@ for s in $shapes; do
     [ -x baseline/dflash ] && arms="baseline $arms"
     for r in $(seq "${KAB_ROUNDS:-3}"); do
         for p in $depths; do
-            for a in $arms; do
-                dir="" bin=./dflash
-                case "$a" in baseline) bin=baseline/dflash ;; *) dir="$(kdir "$a")" ;; esac
-                # shellcheck disable=SC2086,SC2046
-                env $(envof "$a") DFLASH_CUDA_KERNEL_DIR="$dir" timeout 120 "$bin" bench -m "$m" --device cuda \
-                    --no-draft -p "$p" -n "$n" -r 3 > /dev/null 2> bench.err
-                echo "$s p$p round $r $a: $(grep -E '\| tg|verify of|rror' bench.err | tr '\n' ' ' \
-                    | sed -E 's/\| synthetic \| [^|]*\| //; s/\(forward \+ greedy choice\) //')"
+            for b in ${KAB_BLOCKS:-16}; do
+                for a in $arms; do
+                    dir="" bin=./dflash
+                    case "$a" in baseline) bin=baseline/dflash ;; *) dir="$(kdir "$a")" ;; esac
+                    # shellcheck disable=SC2086,SC2046
+                    env $(envof "$a") DFLASH_CUDA_KERNEL_DIR="$dir" timeout 120 "$bin" bench -m "$m" --device cuda \
+                        --no-draft -p "$p" -n "$n" --block-size "$b" -r 3 > /dev/null 2> bench.err
+                    echo "$s p$p b$b round $r $a: $(grep -E '\| tg|verify of|rror' bench.err | tr '\n' ' ' \
+                        | sed -E 's/\| synthetic \| [^|]*\| //; s/\(forward \+ greedy choice\) //')"
+                done
             done
         done
     done

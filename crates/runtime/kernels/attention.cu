@@ -262,7 +262,10 @@ __device__ __forceinline__ void attention_split_body(const AttParams& p) {
     }
     __syncthreads();
 
-    for (int slot = warp; slot < ATT_SLOTS; slot += warps) {
+    // Slots past the split's last tile have no keys (their merge would skip them): none is
+    // walked, stored or merged.
+    const int slots = min(ATT_SLOTS, tile_end - sp * tps);
+    for (int slot = warp; slot < slots; slot += warps) {
         float m[GM], l[GM], acc[GM][PER];
 #pragma unroll
         for (int g = 0; g < GM; g++) {
@@ -369,19 +372,19 @@ __device__ __forceinline__ void attention_split_body(const AttParams& p) {
     }
     __syncthreads();
 
-    // Merge the slots in slot order (slots that saw no key have l == 0 and are skipped).
+    // Merge the slots in slot order (a slot that saw no key has l == 0 and is skipped).
     for (int idx = threadIdx.x; idx < G * (hd + 2); idx += blockDim.x) {
         const int g = idx / (hd + 2);
         const int c = idx - g * (hd + 2);
         float gm = -DF_INF;
-        for (int w = 0; w < ATT_SLOTS; w++) {
+        for (int w = 0; w < slots; w++) {
             if (st_l[w][g] > 0.0f) gm = fmaxf(gm, st_m[w][g]);
         }
         float v = 0.0f;
         if (c == 0) {
             v = gm;
         } else {
-            for (int w = 0; w < ATT_SLOTS; w++) {
+            for (int w = 0; w < slots; w++) {
                 if (st_l[w][g] > 0.0f) {
                     const float f = expf(__fsub_rn(st_m[w][g], gm));
                     v = c == 1 ? __fadd_rn(v, __fmul_rn(st_l[w][g], f)) : __fmaf_rn(st_acc[w][g * hd + c - 2], f, v);
