@@ -156,14 +156,62 @@ __device__ __forceinline__ void att_merge_last(const AttParams& p, int t, int kv
     }
 }
 
+// One slot's (or pair's) online softmax state to shared memory (lane d of the warp holds
+// dimensions d + 32 i).
+template <int PER, int GM>
+__device__ __forceinline__ void att_store(float* sm, float* sl, float* sacc, const float (&m)[GM], const float (&l)[GM],
+                                          const float (&acc)[GM][PER], int G, int hd) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int g = 0; g < GM; g++) {
+        if (g < G) {
+            if (lane == 0) {
+                sm[g] = m[g];
+                sl[g] = l[g];
+            }
+#pragma unroll
+            for (int i = 0; i < PER; i++) {
+                const int d = lane + 32 * i;
+                if (d < hd) sacc[g * hd + d] = acc[g][i];
+            }
+        }
+    }
+}
+
+// (m, l, acc), the state of a pair's upper slot, becomes the merge of the lower slot's state
+// (m0, l0, acc0) and itself: a state that saw no key (l == 0) leaves the other as it is; else
+// both are rescaled to the larger max and added, lower first.
+template <int PER, int GM>
+__device__ __forceinline__ void att_pair(const float (&m0)[GM], const float (&l0)[GM], const float (&acc0)[GM][PER],
+                                         float (&m)[GM], float (&l)[GM], float (&acc)[GM][PER], int G) {
+#pragma unroll
+    for (int g = 0; g < GM; g++) {
+        if (g >= G || !(l0[g] > 0.0f)) continue;
+        if (l[g] > 0.0f) {
+            const float mn = fmaxf(m0[g], m[g]);
+            const float f0 = expf(__fsub_rn(m0[g], mn));
+            const float f1 = expf(__fsub_rn(m[g], mn));
+            l[g] = __fadd_rn(__fmul_rn(l0[g], f0), __fmul_rn(l[g], f1));
+#pragma unroll
+            for (int i = 0; i < PER; i++) acc[g][i] = __fmaf_rn(acc[g][i], f1, __fmul_rn(acc0[g][i], f0));
+            m[g] = mn;
+        } else {
+            m[g] = m0[g];
+            l[g] = l0[g];
+#pragma unroll
+            for (int i = 0; i < PER; i++) acc[g][i] = acc0[g][i];
+        }
+    }
+}
+
 // PER = dimensions per lane (head_dim <= 32 * PER), GM = most query heads per KV head.
 // EARLY: the first tile's loads before q is staged (below).
 template <int PER, int GM, bool EARLY>
 __device__ __forceinline__ void attention_split_body(const AttParams& p) {
     __shared__ __align__(16) float qs[GM * 32 * PER];
-    __shared__ float st_m[ATT_SLOTS][GM];
-    __shared__ float st_l[ATT_SLOTS][GM];
-    __shared__ float st_acc[ATT_SLOTS][GM * 32 * PER];
+    __shared__ float st_m[ATT_SLOTS / 2][GM];
+    __shared__ float st_l[ATT_SLOTS / 2][GM];
+    __shared__ float st_acc[ATT_SLOTS / 2][GM * 32 * PER];
 
     const int t = blockIdx.x;
     const int kvh = blockIdx.y;
@@ -262,11 +310,9 @@ __device__ __forceinline__ void attention_split_body(const AttParams& p) {
     }
     __syncthreads();
 
-    // Slots past the split's last tile have no keys (their merge would skip them): none is
-    // walked, stored or merged.
-    const int slots = min(ATT_SLOTS, tile_end - sp * tps);
-    for (int slot = warp; slot < slots; slot += warps) {
-        float m[GM], l[GM], acc[GM][PER];
+    // Walks slot `slot`'s tiles into the empty state (m, l, acc); `first`: the slot's first
+    // tile was loaded early.
+    const auto walk = [&](int slot, bool first, float(&m)[GM], float(&l)[GM], float(&acc)[GM][PER]) {
 #pragma unroll
         for (int g = 0; g < GM; g++) {
             m[g] = -DF_INF;
@@ -274,8 +320,6 @@ __device__ __forceinline__ void attention_split_body(const AttParams& p) {
 #pragma unroll
             for (int i = 0; i < PER; i++) acc[g][i] = 0.0f;
         }
-
-        bool first = slot == warp;  // the tile loaded early, if any
         for (int tile = sp * tps + slot; tile < tile_end; tile += ATT_SLOTS, first = false) {
             const int t0 = start + 32 * tile;
             const int j = t0 + lane;
@@ -354,37 +398,56 @@ __device__ __forceinline__ void attention_split_body(const AttParams& p) {
                 }
             }
         }
+    };
 
+    // Slot s and slot s + ATT_PAIR merge first (att_pair), then the ATT_PAIR pairs in order.
+    // The lower slot's state goes to st_* (pair s's place); the warp that walked the upper
+    // slot, which has tiles only past ATT_PAIR tiles a split, merges it in. With ATT_SLOTS
+    // warps (one slot each; every warp runs the loop once, so the barrier is uniform) that is
+    // warp s + ATT_PAIR after the lower warp's store; with ATT_PAIR warps warp s walks both.
+    constexpr int ATT_PAIR = ATT_SLOTS / 2;
+    for (int slot = warp; slot < ATT_SLOTS; slot += warps) {
+        float m[GM], l[GM], acc[GM][PER];
+        walk(slot, slot == warp, m, l, acc);
+        if (slot < ATT_PAIR) att_store<PER, GM>(st_m[slot], st_l[slot], st_acc[slot], m, l, acc, G, hd);
+        if (warps == ATT_SLOTS) {
+            __syncthreads();
+        } else {
+            __syncwarp();
+        }
+        if (slot >= ATT_PAIR && sp * tps + slot < tile_end) {
+            const int s = slot - ATT_PAIR;
+            float m0[GM], l0[GM], acc0[GM][PER];
 #pragma unroll
-        for (int g = 0; g < GM; g++) {
-            if (g < G) {
-                if (lane == 0) {
-                    st_m[slot][g] = m[g];
-                    st_l[slot][g] = l[g];
-                }
+            for (int g = 0; g < GM; g++) {
+                m0[g] = st_m[s][g];
+                l0[g] = st_l[s][g];
 #pragma unroll
                 for (int i = 0; i < PER; i++) {
                     const int d = lane + 32 * i;
-                    if (d < hd) st_acc[slot][g * hd + d] = acc[g][i];
+                    acc0[g][i] = d < hd ? st_acc[s][g * hd + d] : 0.0f;
                 }
             }
+            __syncwarp();
+            att_pair<PER, GM>(m0, l0, acc0, m, l, acc, G);
+            att_store<PER, GM>(st_m[s], st_l[s], st_acc[s], m, l, acc, G, hd);
         }
     }
     __syncthreads();
 
-    // Merge the slots in slot order (a slot that saw no key has l == 0 and is skipped).
+    // Merge the pairs in order (a pair that saw no key has l == 0 and is skipped).
     for (int idx = threadIdx.x; idx < G * (hd + 2); idx += blockDim.x) {
         const int g = idx / (hd + 2);
         const int c = idx - g * (hd + 2);
         float gm = -DF_INF;
-        for (int w = 0; w < slots; w++) {
+        for (int w = 0; w < ATT_PAIR; w++) {
             if (st_l[w][g] > 0.0f) gm = fmaxf(gm, st_m[w][g]);
         }
         float v = 0.0f;
         if (c == 0) {
             v = gm;
         } else {
-            for (int w = 0; w < slots; w++) {
+            for (int w = 0; w < ATT_PAIR; w++) {
                 if (st_l[w][g] > 0.0f) {
                     const float f = expf(__fsub_rn(st_m[w][g], gm));
                     v = c == 1 ? __fadd_rn(v, __fmul_rn(st_l[w][g], f)) : __fmaf_rn(st_acc[w][g * hd + c - 2], f, v);
