@@ -17,10 +17,12 @@
 //      dimension order with fma (four dimensions per 16-byte load), times scale;
 //   2. per head, the tile max and the sum of exp(score - new max) use the fixed warp trees;
 //   3. acc is rescaled, then the tile's values are added in key order with fma.
-// The slots' states are merged in slot order and the split's (m, l, acc) is written out. The
-// block's warps take the slots in turn (warp w: slots w, w + warps, ...), so a launch may give
-// its blocks one warp per slot (decode: every tile of a split in flight at once) or fewer
-// (verify and prompt launches: more blocks per SM) without changing a bit.
+// Slot s's state and slot s + ATT_SLOTS / 2's merge first (att_pair), then the pairs in order,
+// and the split's (m, l, acc) is written out. The block's warps take the slots in turn (warp
+// w: slots w, w + warps), so a launch may give its blocks one warp per slot (decode: every
+// tile of a split in flight at once) or half as many (verify and prompt launches: more
+// blocks per SM) without changing a bit. Up to ATT_SLOTS / 2 tiles a split (2,048 keys)
+// the upper slots are empty and the bits are those of one state per lower slot.
 //
 // attention_merge: a block per (token, query head) combines the token's splits in split
 // order: m* = max m_s, f_s = exp(m_s - m*), out = (sum acc_s f_s) / (sum l_s f_s).

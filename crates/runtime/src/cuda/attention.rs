@@ -41,9 +41,12 @@ pub(crate) const ATT_PREFETCH_MAX_TOKENS: usize = 16;
 
 /// Most tokens of one attention launch whose split blocks get a warp per slot (ATT_SLOTS
 /// warps) by default: a decode step's blocks then have every tile of their split in flight at
-/// once; larger launches have enough blocks to fill the SMs with [`ATT_NARROW_WARPS`] warps
-/// a block (two slots each), and more of them fit an SM.
-pub const ATT_WIDE_MAX_ROWS: usize = 1;
+/// once (on an H100, default model's shapes: decode at depth 4,000 +17%, its step 1.42x →
+/// 1.19x the step at depth 128; a verify of 4 −2.5% up to depth 512, +7.5% at 4,000); larger
+/// launches fill the SMs with [`ATT_NARROW_WARPS`] warps a block (two slots each), and more of
+/// them fit an SM (a verify of 16 with a warp per slot: −7% at depth 4,000, +17% at 512).
+/// docs/benchmarks/2026-12-05-h100-h200-attention-slots.md.
+pub const ATT_WIDE_MAX_ROWS: usize = 4;
 
 /// `DFLASH_CUDA_ATT_WIDE`: `auto` (or unset, empty) [`ATT_WIDE_MAX_ROWS`], `0` / `off` never,
 /// or the most tokens.

@@ -287,10 +287,11 @@ pub(crate) const ATT_MAX_GHD: usize = 1024;
 /// Splits of a token's keys (ATT_MAX_SPLITS in attention.cu).
 pub(crate) const ATT_MAX_SPLITS: usize = 16;
 /// Slots a split's tiles are dealt into (ATT_SLOTS in attention.cu): slot s takes tiles s,
-/// s + ATT_SLOTS, ... and the slots' states merge in slot order, whatever the block's warps.
+/// s + ATT_SLOTS, ...; slots s and s + ATT_SLOTS / 2 merge, then the pairs in order, whatever
+/// the block's warps (ATT_SLOTS or [`ATT_NARROW_WARPS`]).
 pub(crate) const ATT_SLOTS: usize = 8;
 /// Warps of an attention_split block in launches of more tokens than
-/// [`Device::att_wide_max_rows`] (two slots a warp; fewer launches' blocks need an SM each).
+/// [`Device::att_wide_max_rows`] (two slots a warp, so more blocks fit an SM).
 pub(crate) const ATT_NARROW_WARPS: usize = 4;
 
 /// Function handles of the kernels every model needs (ops.cu, attention.cu).

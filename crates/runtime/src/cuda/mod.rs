@@ -48,12 +48,14 @@
 //!   invariance, like the CPU backend); the cuBLAS path (dequantize a panel of weight rows to
 //!   f32, SGEMM with pedantic math, i.e. no TF32) is opt-in because it makes prompt rows
 //!   depend on the chunk size.
-//! - **attention** (`kernels/attention.cu`, `cuda/attention.rs`): a block of 4 warps per
-//!   (token, KV head, key split), the GQA group's query heads sharing each K/V load; keys in
-//!   tiles of 32 at fixed offsets from `kv_start`, tile t to warp t mod 4, online softmax per
-//!   warp (a lane scores one key; lanes then own head dimensions for the value sum), warps
-//!   merged in order, then the splits in split order (a merge launch, or for prompt rows the
-//!   split kernel's last block). Any context length, head_dim <= 256.
+//! - **attention** (`kernels/attention.cu`, `cuda/attention.rs`): a block per (token, KV
+//!   head, key split), the GQA group's query heads sharing each K/V load; keys in tiles of 32
+//!   at fixed offsets from `kv_start`, tile t of a split to slot t mod 8, online softmax per
+//!   slot (a lane scores one key; lanes then own head dimensions for the value sum), slots s
+//!   and s + 4 merged, then the four pairs in order, then the splits in split order (a merge
+//!   launch, or for prompt rows the split kernel's last block). Launches of up to 4 tokens
+//!   give a block 8 warps (a slot each), larger ones 4 (two slots each): same bits. Any
+//!   context length, head_dim <= 256.
 //! - **RMS norm**: sixteen lanes per group, reproducing the CPU's 16-lane sum and halving tree.
 //! - element-wise ops, RoPE, gathers and KV copies: simple grid-stride kernels.
 //! - **token choice** (`kernels/sample.cu`, `cuda/sample.rs`): argmax in two stages (blocks
@@ -70,7 +72,9 @@
 //! `cublas` or `cublas:<min rows>`); `DFLASH_CUDA_FUSE_ROPE=0` (RoPE and the KV write as their
 //! own launch, not in the q/k/v products' epilogue); `DFLASH_CUDA_FUSE_MERGE` (`auto` default
 //! = prompt launches of 17+ tokens, a token count, or `0`: when the attention merges its splits
-//! inside the split kernel, same bits); `DFLASH_CUDA_INT8` (`1` default, also `auto`; `x2`:
+//! inside the split kernel, same bits); `DFLASH_CUDA_ATT_WIDE` (`auto` default = launches of up
+//! to 4 tokens, a token count, or `0`: which attention launches give a split block a warp per
+//! slot, same bits); `DFLASH_CUDA_INT8` (`1` default, also `auto`; `x2`:
 //! two-term int8 activations, the CPU's `int8x2`; `0`: f32 activations for the target's
 //! projections too, [`Int8Policy`]);
 //! `DFLASH_CUDA_INT8_MMA` (`auto` default = from 5 rows of x, a row count, or `0`: when int8
