@@ -25,6 +25,11 @@
 # B = 1, DFlash block 16 B = 1 and B = 4 vs plain; the lossless check of a kernel variant
 # without carrying the real model). Other variables of the backend (DFLASH_CUDA_INT8_MMA=2,
 # ...) apply to every arm.
+# KAB_NCU ("NCU ARGS;MICROBENCH ARGS", e.g. "--kernel-name regex:attention_split_4_4 --launch-skip 10
+# --launch-count 1;--shapes qwen3-4b --only attention": the verify block's kernel at 128 keys): per
+# arm, after the microbench, ncu (speed of light, launch, occupancy, warp state and memory
+# sections) on that launch of cuda_microbench; the report goes to $OUT/ncu_<arm>.txt and its
+# duration, registers, occupancy, issue and stall lines are printed.
 # KAB_ENV_ARMS ("NAME:VAR=VALUE[,VAR=VALUE...] ..."): arms that run the binary's own kernels with
 # those environment variables (e.g. "nox2:DFLASH_CUDA_FLOAT_MMA=0"), in the microbench, the
 # benches and the parity runs; KAB_TEST_VARIANTS may name them too.
@@ -162,6 +167,22 @@ if [ -n "${KAB_MICRO:-}" ]; then
         # shellcheck disable=SC2086,SC2046
         env $(envof "$a") DFLASH_CUDA_KERNEL_DIR="$dir" timeout 150 "$bin" $KAB_MICRO 2>&1 \
             | grep -E "^\| [A-Za-z0-9]|^#"
+    done
+fi
+if [ -n "${KAB_NCU:-}" ] && command -v ncu > /dev/null; then
+    nargs="${KAB_NCU%%;*}" margs="${KAB_NCU#*;}"
+    arms="base $variants $envarms"
+    [ -x baseline/cuda_microbench ] && arms="baseline $arms"
+    for a in $arms; do
+        dir="" bin=./cuda_microbench
+        case "$a" in baseline) bin=baseline/cuda_microbench ;; *) dir="$(kdir "$a")" ;; esac
+        echo "== ncu $nargs ($margs), $a"
+        # shellcheck disable=SC2086,SC2046
+        env $(envof "$a") DFLASH_CUDA_KERNEL_DIR="$dir" timeout 200 ncu --clock-control none \
+            --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+            --section MemoryWorkloadAnalysis $nargs "$bin" $margs > "$out/ncu_$a.txt" 2>&1
+        grep -E "^  [a-z_]+.*\(|Duration|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|L1/TEX Hit|Memory Throughput|Stall" \
+            "$out/ncu_$a.txt" | head -24
     done
 fi
 for s in $shapes; do
