@@ -149,6 +149,18 @@ for e in ${KAB_ENV_ARMS:-}; do envarms="$envarms ${e%%:*}"; done
 # The kernel directory of arm $1 (empty for "base" and the environment arms: the binary's
 # embedded kernels).
 kdir() { [ "$1" = base ] || [ -n "$(envof "$1")" ] || echo "$here/variants/$1"; }
+# The arms that run program $1 (dflash, cuda_microbench): "baseline" first when its build
+# was packed.
+arms_of() {
+    local a="base $variants $envarms"
+    [ -x "baseline/$1" ] && a="baseline $a"
+    echo "$a"
+}
+# Sets `bin` (program $2 of arm $1's build) and `dir` (arm $1's kernel directory).
+arm_bin() {
+    dir="" bin="./$2"
+    case "$1" in baseline) bin="baseline/$2" ;; *) dir="$(kdir "$1")" ;; esac
+}
 for v in ${KAB_TEST_VARIANTS:-$variants}; do
     for t in ${KAB_TESTS:-}; do
         echo "== $t with $v's kernels"
@@ -158,11 +170,9 @@ for v in ${KAB_TEST_VARIANTS:-$variants}; do
     done
 done
 if [ -n "${KAB_MICRO:-}" ]; then
-    arms="base $variants $envarms"
-    [ -x baseline/cuda_microbench ] && arms="baseline $arms"
+    arms=$(arms_of cuda_microbench)
     for a in $arms; do
-        dir="" bin=./cuda_microbench
-        case "$a" in baseline) bin=baseline/cuda_microbench ;; *) dir="$(kdir "$a")" ;; esac
+        arm_bin "$a" cuda_microbench
         echo "== cuda_microbench $KAB_MICRO, $a"
         # shellcheck disable=SC2086,SC2046
         env $(envof "$a") DFLASH_CUDA_KERNEL_DIR="$dir" timeout 150 "$bin" $KAB_MICRO 2>&1 \
@@ -171,11 +181,9 @@ if [ -n "${KAB_MICRO:-}" ]; then
 fi
 if [ -n "${KAB_NCU:-}" ] && command -v ncu > /dev/null; then
     nargs="${KAB_NCU%%;*}" margs="${KAB_NCU#*;}"
-    arms="base $variants $envarms"
-    [ -x baseline/cuda_microbench ] && arms="baseline $arms"
+    arms=$(arms_of cuda_microbench)
     for a in $arms; do
-        dir="" bin=./cuda_microbench
-        case "$a" in baseline) bin=baseline/cuda_microbench ;; *) dir="$(kdir "$a")" ;; esac
+        arm_bin "$a" cuda_microbench
         echo "== ncu $nargs ($margs), $a"
         # shellcheck disable=SC2086,SC2046
         env $(envof "$a") DFLASH_CUDA_KERNEL_DIR="$dir" timeout 200 ncu --clock-control none \
@@ -188,14 +196,12 @@ fi
 for s in $shapes; do
     m="$(model_of "$s")"
     case "$s" in qwen3-4b*) n=64 depths="${KAB_DEPTHS:-128}" ;; *) n=128 depths="${KAB_DEPTHS:-512}" ;; esac
-    arms="base $variants $envarms"
-    [ -x baseline/dflash ] && arms="baseline $arms"
+    arms=$(arms_of dflash)
     for r in $(seq "${KAB_ROUNDS:-3}"); do
         for p in $depths; do
             for b in ${KAB_BLOCKS:-16}; do
                 for a in $arms; do
-                    dir="" bin=./dflash
-                    case "$a" in baseline) bin=baseline/dflash ;; *) dir="$(kdir "$a")" ;; esac
+                    arm_bin "$a" dflash
                     # shellcheck disable=SC2086,SC2046
                     env $(envof "$a") DFLASH_CUDA_KERNEL_DIR="$dir" timeout 120 "$bin" bench -m "$m" --device cuda \
                         --no-draft -p "$p" -n "$n" --block-size "$b" -r 3 > /dev/null 2> bench.err
