@@ -4,9 +4,11 @@
 # 98 MB default model travels in two parts). Built and packed here, run there:
 #
 #   bash tools/h200_session.sh --pack      # here: builds, then fills .gpu/{common,A,B,C}
+#   bash tools/device_checkout.sh empty    # the tracked tree (~45 MiB) would not fit beside a stage
 #   run  carry [".gpu/common", ".gpu/A"]  command "bash .gpu/common/h200_session.sh A"
 #   run  carry [".gpu/common", ".gpu/B"]  command "bash .gpu/common/h200_session.sh B"
 #   run  carry [".gpu/common", ".gpu/C"]  command "bash .gpu/common/h200_session.sh C"
+#   bash .gpu/device_checkout.sh restore
 #
 # A: unpacks the binaries, starts a llama.cpp CUDA build (Feb-2025 source, sm_90) in the
 #    background (H200_LLAMA_AT=B: at the start of stage B instead, when stage A's timings
@@ -19,9 +21,12 @@
 #    (ncu_kernel_table.py).
 # C: the shipped drafter: DFlash parity on the GPU (B = 1 and B = 4); dflash bench AR vs
 #    DFlash and B = 4 (blocks 16 and 4); llama-bench beside dflash bench, alternating; the
-#    Qwen3-4B-shaped synthetic target (H200_Q4B_ROUNDS rounds, default 2); its matmul
-#    microbench (unless H200_PROFILE=0).
-# Logs and results go to $OUT (the device tool brings them back).
+#    Qwen3-4B-shaped synthetic target (H200_Q4B_ROUNDS rounds, default 2); (unless
+#    H200_PROFILE=0) its matmul microbench, and where a DFlash round's GPU time goes: every
+#    kernel of `dflash generate` rounds at blocks 4 and 16 timed alone by ncu, tabled by
+#    `ncu_kernel_table.py --rounds` (the draft part against the verify part).
+# A stage's logs and results go to one folder, packed at its end into
+# $OUT/h200-stage-<stage>.tar.xz (the device tool brings back at most 8 files a call).
 set -uo pipefail
 
 pack() {
@@ -67,9 +72,14 @@ here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 W="$HOME/dflash-h200"
 mkdir -p "$W"
-out="${OUT:-/tmp/h200_out}"
-mkdir -p "$out"
+# Everything a stage writes goes to one folder, packed into $OUT when the stage ends.
+out="$W/out-${1:-none}"
+rm -rf "$out" && mkdir -p "$out"
 log="$out/session-${1:-none}.log"
+pack_out() {
+    local dest="${OUT:-/tmp/h200_out}"
+    mkdir -p "$dest" && tar -C "$out" -cJf "$dest/h200-stage-${1}.tar.xz" .
+}
 exec > >(tee -a "$log") 2>&1
 # shellcheck source=tools/cuda_env.sh
 source "$here/cuda_env.sh"
@@ -217,6 +227,16 @@ stage_c() {
         DFLASH_CUDA_INT8=$int8 timeout 200 "$W/cuda_microbench" --shapes qwen3-4b --formats q4_0 --only matmul \
             --reps 20 | tee "$out/microbench_q4b_int8_$int8.md"
     done
+    if command -v ncu > /dev/null; then
+        for bs in 4 16; do
+            say "ncu: every kernel of DFlash rounds at block $bs, timed alone (draft part / verify part)"
+            timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum --csv "$W/dflash" generate \
+                -m "$MODEL" --device cuda --draft "$W/drafter" --block-size $bs --speculation always -n 96 \
+                "Explain how a rainbow forms, step by step." 2> "$out/ncu_rounds_b$bs.err" \
+                | tee "$out/ncu_rounds_b$bs.csv" | python3 "$here/ncu_kernel_table.py" --rounds \
+                | tee "$out/ncu_rounds_b$bs.md"
+        done
+    fi
 }
 
 # D (needs no model): the CUDA tests of every crate (.gpu/D/tests.tar.xz: cuda_ops with the
@@ -247,3 +267,4 @@ case "${1:-}" in
     C) stage_c ;;
     *) echo "usage: $0 --pack | A | B | C | D" >&2; exit 2 ;;
 esac
+pack_out "$1"

@@ -23,6 +23,19 @@ A forward ends at its `argmax_final` launch (every forward that chooses tokens h
 kind is the grid of that launch (one block per row choosing) and its number of launches. For
 each kind seen at least twice, the forward with the median total (the upper one of an even
 count) is tabled, kernel by kernel.
+
+`--rounds` takes a DFlash run on the GPU, e.g.
+
+    ncu --clock-control none --metrics gpu__time_duration.sum --csv dflash generate -m M \
+        --device cuda --draft D --block-size 4 --speculation always -n 96 "a prompt" \
+        | python3 tools/ncu_kernel_table.py --rounds
+
+and cuts it into rounds, each ending at its `verify_finish` launch (the verdict on the
+device). A round's draft part runs through its first drafting launch (`argmax_final`, or
+`draft_rows_f32` when sampling): the drafter's context write of the tokens the round before
+committed, the draft forward and the choice of the drafts; its verify part is the rest: the
+target's forward of the block and the verdict. The round with the median total is tabled,
+kernel by kernel, the two parts side by side.
 """
 import argparse
 import collections
@@ -102,14 +115,72 @@ def forwards_table(rows):
     return lines
 
 
+DRAFTING = ("argmax_final", "draft_rows_f32")
+VERDICT = "verify_finish"
+# Launches of the token choice on the device (no forward's).
+CHOICE = {"argmax_part_f32", "argmax_part", "argmax_final", "draft_rows_f32", "verify_slots_f32",
+          VERDICT}
+
+
+def rounds(rows):
+    """The launches cut into DFlash rounds, each a (draft part, verify part) pair of launch
+    lists (see the module docs); the prompt's forward, before the first round, counts in that
+    round's draft part; launches after the last verdict are dropped."""
+    out, cur = [], []
+    for name, _grid, us in rows:
+        cur.append((name, us))
+        if name == VERDICT:
+            # The drafting launch is the last one the target's forward follows (the target's
+            # own choice is followed by choice launches only).
+            forward = [i for i, (n, _) in enumerate(cur) if n not in CHOICE]
+            cut = next((i for i in range(len(cur) - 1, -1, -1)
+                        if cur[i][0] in DRAFTING and forward and forward[-1] > i), None)
+            if cut is None:
+                raise SystemExit("a verify_finish launch with no drafting launch before it")
+            out.append((cur[:cut + 1], cur[cut + 1:]))
+            cur = []
+    return out
+
+
+def rounds_table(rows):
+    """Markdown lines: the median DFlash round, kernel by kernel, draft part and verify part."""
+    rs = rounds(rows)
+    if not rs:
+        raise SystemExit("no DFlash round (no verify_finish launch) in the input")
+    total = lambda r: sum(us for _, us in r[0]) + sum(us for _, us in r[1])
+    rs.sort(key=total)
+    draft, verify = rs[len(rs) // 2]
+    part = lambda launches_: sum(us for _, us in launches_)
+    lines = [f"- {len(rs)} rounds; the median round: {total((draft, verify)):.1f} us of kernels, "
+             f"draft part {part(draft):.1f} us in {len(draft)} launches, "
+             f"verify part {part(verify):.1f} us in {len(verify)} launches"]
+    tables = [by_kernel(draft), by_kernel(verify)]
+    names = sorted({n for t in tables for n in t}, key=lambda n: -sum(sum(t.get(n, [0.0])) for t in tables))
+    lines.append("| kernel | draft part: launches x us each = us | verify part: launches x us each = us |")
+    lines.append("|---|---:|---:|")
+    for n in names:
+        cells = []
+        for t in tables:
+            v = sorted(t.get(n, []))
+            cells.append(f"{len(v)} x {v[len(v) // 2]:.2f} = {sum(v):.1f}" if v else "")
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=float, default=1.0, help="decode steps the launches cover")
-    ap.add_argument("--forwards", action="store_true",
-                    help="compare the kinds of forward (decode step, verify block) side by side")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--forwards", action="store_true",
+                      help="compare the kinds of forward (decode step, verify block) side by side")
+    mode.add_argument("--rounds", action="store_true",
+                      help="a DFlash run: the median round's draft part against its verify part")
     args = ap.parse_args()
     if args.steps <= 0:
         raise SystemExit("--steps must be positive")
+    if args.rounds:
+        print("\n".join(rounds_table(list(launches(sys.stdin)))))
+        return
     if args.forwards:
         print("\n".join(forwards_table(list(launches(sys.stdin)))))
         return

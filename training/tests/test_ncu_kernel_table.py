@@ -71,3 +71,48 @@ def test_input_without_ncu_csv_is_an_error():
     r = run([], "nothing here\n")
     assert r.returncode != 0
     assert "no ncu CSV header" in r.stderr
+
+
+def rounds_csv():
+    """A prompt's forward, then three greedy DFlash rounds (context write, draft forward,
+    drafting argmax; target forward, its argmax, the verdict), then a trailing launch."""
+    lines = [HEADER]
+    i = 0
+    seq = [("prefill_gemm", 50_000), ("argmax_final", 2000)]
+    for att_ns in (8000, 9000, 30_000):  # the round's draft attention
+        seq += [("kv_write", 2000), ("draft_attention", att_ns), ("argmax_part", 3000),
+                ("argmax_final", 2000), ("target_attention", 12_000), ("argmax_part", 3000),
+                ("argmax_final", 2000), ("verify_finish", 1000)]
+    seq.append(("kv_write", 5_000_000))
+    for name, ns in seq:
+        lines.append(launch(i, name, "(1, 1, 1)", ns))
+        i += 1
+    return "\n".join(lines) + "\n"
+
+
+def test_rounds_puts_the_median_rounds_draft_part_beside_its_verify_part():
+    r = run(["--rounds"], rounds_csv())
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.splitlines()
+    # Rounds of 85 (the first holds the prompt's forward), 34 and 55 us: the median is the third.
+    assert out[0] == ("- 3 rounds; the median round: 55.0 us of kernels, draft part 37.0 us in 4 launches, "
+                      "verify part 18.0 us in 4 launches")
+    rows = {line.split(" | ")[0][2:]: line for line in out if line.startswith("| ") and "---" not in line}
+    assert rows["target_attention"] == "| target_attention |  | 1 x 12.00 = 12.0 |"
+    assert rows["draft_attention"] == "| draft_attention | 1 x 30.00 = 30.0 |  |"
+    assert rows["argmax_part"] == "| argmax_part | 1 x 3.00 = 3.0 | 1 x 3.00 = 3.0 |"
+    assert rows["verify_finish"] == "| verify_finish |  | 1 x 1.00 = 1.0 |"
+
+
+def test_rounds_needs_a_verdict():
+    r = run(["--rounds"], csv_text())
+    assert r.returncode != 0
+    assert "no DFlash round" in r.stderr
+
+
+def test_rounds_cut_the_first_round_after_its_drafting_not_the_prompts_choice():
+    r = run(["--rounds"], "\n".join(rounds_csv().splitlines()[:11]) + "\n")
+    assert r.returncode == 0, r.stderr
+    # One round: the prompt's forward and its choice count in the draft part.
+    assert r.stdout.splitlines()[0] == ("- 1 rounds; the median round: 85.0 us of kernels, draft part "
+                                        "67.0 us in 6 launches, verify part 18.0 us in 4 launches")
