@@ -1,7 +1,10 @@
 """Random anchor sampling inside assistant spans (pure numpy).
 
 An anchor ``a`` starts a training block ``[token_a, MASK x (B-1)]`` at positions
-``a .. a+B-1``.  ``a`` is valid iff ``loss_mask[a]`` and ``loss_mask[a+1]`` are
+``a .. a+B-1``.  A *short* block of length ``L < B`` stands for the engine's block of ``L``
+tokens ``[token_a, MASK x (L-1)]``: its slots ``L..`` are neither keys nor loss positions
+(masks.py, loss.py), so the drafter also learns the smaller blocks it is run with (a drafter
+trained on blocks of 16 only predicts slot 1 markedly worse when fed 2 or 4 positions).  ``a`` is valid iff ``loss_mask[a]`` and ``loss_mask[a+1]`` are
 both set: the anchor token itself is part of the assistant response (at
 inference slot 0 always holds an already-committed response token) and so is
 its first prediction target.
@@ -56,3 +59,21 @@ def block_input_ids(input_ids: np.ndarray, anchors: np.ndarray, valid: np.ndarra
 def block_position_ids(anchors: np.ndarray, block_size: int) -> np.ndarray:
     """Absolute positions [N, B]: ``a + j`` (same positions as the target)."""
     return anchors[:, None].astype(np.int64) + np.arange(block_size, dtype=np.int64)[None, :]
+
+
+def sample_block_lens(valid: np.ndarray, block_size: int, short_frac: float, short_lens,
+                      rng: np.random.Generator) -> np.ndarray:
+    """Block lengths int64 [N]: ``block_size``, except that each valid block is, with
+    probability ``short_frac``, a short block of a length drawn uniformly from ``short_lens``
+    (each in 2..block_size - 1).  Draws nothing from ``rng`` when ``short_frac`` is 0, so the
+    batches of a run without short blocks do not change."""
+    valid = np.asarray(valid, dtype=bool)
+    lens = np.full(valid.shape[0], block_size, dtype=np.int64)
+    if short_frac <= 0:
+        return lens
+    choices = np.asarray(list(short_lens), dtype=np.int64)
+    if choices.size == 0 or choices.min() < 2 or choices.max() >= block_size:
+        raise ValueError(f"short block lengths {choices.tolist()}: each must be in 2..{block_size - 1}")
+    short = valid & (rng.random(valid.shape[0]) < short_frac)
+    lens[short] = choices[rng.integers(0, choices.size, size=int(short.sum()))]
+    return lens

@@ -6,7 +6,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from .anchors import block_input_ids, block_position_ids, sample_anchors
+from .anchors import block_input_ids, block_position_ids, sample_anchors, sample_block_lens
 from .loss import block_labels_and_weights
 from .masks import block_context_visibility
 
@@ -19,13 +19,17 @@ def loss_mask_from_prompt_len(total_len: int, prompt_len: int) -> np.ndarray:
 
 def collate(seqs: Sequence[Tuple[np.ndarray, np.ndarray]], *, num_anchors: int, block_size: int,
             mask_token_id: int, gamma: float, rng: np.random.Generator,
-            pad_token_id: int = 0, pad_multiple: int = 8) -> Dict[str, np.ndarray]:
+            pad_token_id: int = 0, pad_multiple: int = 8, short_frac: float = 0.0,
+            short_lens: Sequence[int] = (2, 3, 4)) -> Dict[str, np.ndarray]:
     """seqs: list of (input_ids [S_i], loss_mask [S_i]).  Right-padded to S = max S_i
     rounded up to a multiple of ``pad_multiple`` (keeps attention-mask strides aligned).
+    ``short_frac`` of the blocks are short ones of a length from ``short_lens``
+    (anchors.sample_block_lens).
 
     Returns numpy arrays:
       input_ids [b,S] int64, attention_mask [b,S] bool, position_ids [b,S],
       block_ids [b,N,B], block_pos [b,N,B], block_valid [b,N] bool,
+      block_len [b,N] int64 (B, or a short block's length),
       ctx_visible [b,N,S] bool (context part of the mask, see masks.py),
       labels [b,N,B] int64, weights [b,N,B] float32.
     """
@@ -38,6 +42,7 @@ def collate(seqs: Sequence[Tuple[np.ndarray, np.ndarray]], *, num_anchors: int, 
         "block_ids": np.zeros((b, num_anchors, block_size), dtype=np.int64),
         "block_pos": np.zeros((b, num_anchors, block_size), dtype=np.int64),
         "block_valid": np.zeros((b, num_anchors), dtype=bool),
+        "block_len": np.full((b, num_anchors), block_size, dtype=np.int64),
         "ctx_visible": np.zeros((b, num_anchors, s_max), dtype=bool),
         "labels": np.zeros((b, num_anchors, block_size), dtype=np.int64),
         "weights": np.zeros((b, num_anchors, block_size), dtype=np.float32),
@@ -50,8 +55,10 @@ def collate(seqs: Sequence[Tuple[np.ndarray, np.ndarray]], *, num_anchors: int, 
         out["block_ids"][i] = block_input_ids(ids, anchors, valid, block_size, mask_token_id)
         out["block_pos"][i] = block_position_ids(anchors, block_size)
         out["block_valid"][i] = valid
+        lens = sample_block_lens(valid, block_size, short_frac, short_lens, rng)
+        out["block_len"][i] = lens
         out["ctx_visible"][i] = block_context_visibility(anchors, valid, s_max)
-        lab, w = block_labels_and_weights(ids, lm, anchors, valid, block_size, gamma)
+        lab, w = block_labels_and_weights(ids, lm, anchors, valid, block_size, gamma, lens)
         out["labels"][i] = lab
         out["weights"][i] = w
     out["position_ids"] = np.broadcast_to(np.arange(s_max, dtype=np.int64), (b, s_max)).copy()

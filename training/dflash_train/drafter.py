@@ -283,15 +283,22 @@ class DFlashDrafter(nn.Module):
 
 
 # ------------------------------------------------------------------------------ training glue
-def dense_mask_torch(ctx_visible: torch.Tensor, block_size: int) -> torch.Tensor:
+def dense_mask_torch(ctx_visible: torch.Tensor, block_size: int,
+                     block_len: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Expand the numpy-built per-block context visibility [b, N, S] to the
     dense mask [b, 1, N*B, S + N*B] of masks.dense_block_attention_mask:
     context part repeated for the B queries of each block, block part
-    block-diagonal (own block only, bidirectional)."""
+    block-diagonal (own block only, bidirectional; with ``block_len`` [b, N], a
+    block's keys only up to its length)."""
     b, n, s = ctx_visible.shape
+    dev = ctx_visible.device
     ctx = ctx_visible.repeat_interleave(block_size, dim=1)
-    bid = torch.arange(n, device=ctx_visible.device).repeat_interleave(block_size)
+    bid = torch.arange(n, device=dev).repeat_interleave(block_size)
     own = (bid[:, None] == bid[None, :]).expand(b, -1, -1)
+    if block_len is not None:
+        slot = torch.arange(block_size, device=dev).repeat(n)
+        inside = slot[None, :] < block_len.to(dev).repeat_interleave(block_size, dim=1)  # [b, N*B] keys
+        own = own & inside[:, None, :]
     return torch.cat([ctx, own], dim=2)[:, None]
 
 
@@ -368,12 +375,13 @@ def block_loss(drafter: DFlashDrafter, emb_w: torch.Tensor, head_w: torch.Tensor
     b, n, bs = block_ids.shape
     x = F.embedding(block_ids.view(b, n * bs), emb_w)
     ctx_pos = batch["position_ids"]
+    block_len = batch.get("block_len")
     if ctx_pad:
-        mask = FlexBlocks(batch["block_pos"][:, :, 0], batch["block_valid"], bs, ctx_pad)
+        mask = FlexBlocks(batch["block_pos"][:, :, 0], batch["block_valid"], bs, ctx_pad, block_len)
         target_feats = pad_context(target_feats, ctx_pad, 1)
         ctx_pos = pad_context(ctx_pos, ctx_pad, 1)
     else:
-        mask = dense_mask_torch(batch["ctx_visible"], bs)
+        mask = dense_mask_torch(batch["ctx_visible"], bs, block_len)
     h = drafter(x, batch["block_pos"].view(b, n * bs), target_feats, ctx_pos, mask)
     w = batch["weights"].view(-1)
     sel = torch.nonzero(w > 0, as_tuple=False).squeeze(1)

@@ -15,7 +15,8 @@ ascending inside each sequence (anchors.py), and the BlockMask is built directly
 
 Inside partial tiles ``mask_mod`` applies the exact rule: context key ``p`` visible iff
 ``p < anchor`` of the query's block (0 for padding blocks, which then see only their own
-block), block key visible iff it belongs to the query's block.  Scores, softmax and the output
+block), block key visible iff it belongs to the query's block and lies inside its length (a
+short block's, see anchors.py).  Scores, softmax and the output
 equal the dense SDPA form up to rounding (tests/test_flexattn_torch.py).
 """
 
@@ -41,10 +42,12 @@ class FlexBlocks:
     """What the drafter's attention needs in place of a dense mask: the BlockMask.
 
     ``anchors`` [b, N] (padding blocks: any value; ``valid`` [b, N] False), ``block_size`` B,
-    ``ctx_pad`` Sp.  The mask_mod's visible-length buffer is shared by every FlexBlocks of one
+    ``ctx_pad`` Sp, ``block_len`` [b, N] the blocks' lengths (all B when None).  The
+    mask_mod's visible-length and block-length buffers are shared by every FlexBlocks of one
     shape: build the next one only after the previous step's backward."""
 
-    def __init__(self, anchors: torch.Tensor, valid: torch.Tensor, block_size: int, ctx_pad: int):
+    def __init__(self, anchors: torch.Tensor, valid: torch.Tensor, block_size: int, ctx_pad: int,
+                 block_len: Optional[torch.Tensor] = None):
         b, n = anchors.shape
         if TILE % block_size:
             raise ValueError(f"block size {block_size} must divide the tile {TILE}")
@@ -54,11 +57,15 @@ class FlexBlocks:
             raise ValueError(f"anchors x block size ({n} x {block_size}) must be a multiple of {TILE}")
         self.block_size, self.ctx_pad = block_size, ctx_pad
         vis = torch.where(valid, anchors, torch.zeros_like(anchors)).to(torch.int32).clamp_(max=ctx_pad)
-        self.block_mask = build_block_mask(vis, valid, block_size, ctx_pad)
+        lens = (torch.full_like(vis, block_size) if block_len is None
+                else block_len.to(device=vis.device, dtype=torch.int32))
+        self.block_mask = build_block_mask(vis, valid, block_size, ctx_pad, lens)
 
 
-def build_block_mask(vis: torch.Tensor, valid: torch.Tensor, block_size: int, ctx_pad: int) -> BlockMask:
-    """BlockMask of the module doc from per-block visible context lengths ``vis`` [b, N]."""
+def build_block_mask(vis: torch.Tensor, valid: torch.Tensor, block_size: int, ctx_pad: int,
+                     lens: torch.Tensor) -> BlockMask:
+    """BlockMask of the module doc from per-block visible context lengths ``vis`` [b, N] and
+    block lengths ``lens`` [b, N]."""
     b, n = vis.shape
     per = TILE // block_size
     nq = n * block_size // TILE
@@ -90,8 +97,9 @@ def build_block_mask(vis: torch.Tensor, valid: torch.Tensor, block_size: int, ct
 
     kv_num, kv_idx = to_idx(part)
     full_num, full_idx = to_idx(full)
-    buf, mask_mod = _mask_mod(tuple(vis.shape), block_size, ctx_pad, vis.device)
+    buf, len_buf, mask_mod = _mask_mod(tuple(vis.shape), block_size, ctx_pad, vis.device)
     buf.copy_(vis)
+    len_buf.copy_(lens)
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=TILE,
                                     mask_mod=mask_mod, seq_lengths=(n * block_size, ctx_pad + n * block_size))
 
@@ -100,19 +108,22 @@ _MASK_MODS: dict = {}
 
 
 def _mask_mod(shape, block_size: int, ctx_pad: int, device):
-    """One mask_mod function and one visible-length buffer per shape, reused every step, so the
-    compiled kernel sees the same function and tensor (no recompilation per batch)."""
+    """One mask_mod function and one pair of buffers (visible context lengths, block lengths)
+    per shape, reused every step, so the compiled kernel sees the same function and tensors (no
+    recompilation per batch)."""
     key = (shape, block_size, ctx_pad, str(device))
     if key not in _MASK_MODS:
         vis = torch.zeros(shape, dtype=torch.int32, device=device)
+        lens = torch.full(shape, block_size, dtype=torch.int32, device=device)
 
         def mask_mod(bi, h, q_idx, kv_idx):
             blk = q_idx // block_size
             ctx_ok = (kv_idx < ctx_pad) & (kv_idx < vis[bi, blk])
-            own = (kv_idx >= ctx_pad) & ((kv_idx - ctx_pad) // block_size == blk)
+            own = ((kv_idx >= ctx_pad) & ((kv_idx - ctx_pad) // block_size == blk)
+                   & ((kv_idx - ctx_pad) % block_size < lens[bi, blk]))
             return ctx_ok | own
 
-        _MASK_MODS[key] = (vis, mask_mod)
+        _MASK_MODS[key] = (vis, lens, mask_mod)
     return _MASK_MODS[key]
 
 

@@ -2,11 +2,14 @@
 
 Slot k (1 <= k < B) of the block anchored at a predicts token a+k ("same
 position" prediction, like inference).  Weight:
-    w[n, k] = valid[n] * (a+k < S) * loss_mask[a+k] * exp(-(k-1)/gamma)
+    w[n, k] = valid[n] * (a+k < S) * loss_mask[a+k] * (k < len[n]) * exp(-(k-1)/gamma)
+with len[n] the block's length (B unless the block is a short one, see anchors.py).
 Slot 0 (the given anchor token) has weight 0.  Loss = sum(w * CE) / sum(w).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import numpy as np
 
@@ -22,11 +25,13 @@ def position_decay(block_size: int, gamma: float) -> np.ndarray:
 
 
 def block_labels_and_weights(input_ids: np.ndarray, loss_mask: np.ndarray, anchors: np.ndarray,
-                             valid: np.ndarray, block_size: int, gamma: float):
+                             valid: np.ndarray, block_size: int, gamma: float,
+                             block_len: Optional[np.ndarray] = None):
     """Returns ``(labels int64 [N, B], weights float32 [N, B])``.
 
     ``labels[n, k] = input_ids[a+k]`` where the target position exists, else
-    IGNORE_INDEX (slot 0 is always IGNORE_INDEX).  Weights as in the module doc.
+    IGNORE_INDEX (slot 0 is always IGNORE_INDEX).  Weights as in the module doc
+    (``block_len`` [N]: the blocks' lengths, all B when None).
     """
     ids = np.asarray(input_ids).reshape(-1)
     lm = np.asarray(loss_mask).astype(bool).reshape(-1)
@@ -38,6 +43,8 @@ def block_labels_and_weights(input_ids: np.ndarray, loss_mask: np.ndarray, ancho
     labels[:, 0] = IGNORE_INDEX
     w = (in_range & lm[safe] & np.asarray(valid, dtype=bool)[:, None]).astype(np.float32)
     w *= position_decay(block_size, gamma)[None, :]
+    if block_len is not None:
+        w *= np.arange(block_size)[None, :] < np.asarray(block_len)[:, None]
     labels = np.where(w > 0, labels, IGNORE_INDEX)
     return labels, w
 

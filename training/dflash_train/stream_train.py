@@ -127,6 +127,7 @@ class StreamPrefetcher:
 
     def __init__(self, data: StreamData, args, cfg, gamma: float, seed: int, depth: int = 8):
         self.data, self.args, self.cfg, self.gamma = data, args, cfg, gamma
+        self.short_lens = train_mod.short_block_lens(args, cfg)
         self.rng = np.random.default_rng(seed)
         self.q: "queue.Queue" = queue.Queue(maxsize=depth)
         self.stop = False
@@ -153,7 +154,8 @@ class StreamPrefetcher:
             for k in self.rng.permutation(len(batches)):
                 nb = collate([(r["ids"], r["loss_mask"]) for r in batches[k]], num_anchors=a.num_anchors,
                              block_size=self.cfg.block_size, mask_token_id=self.cfg.mask_token_id,
-                             gamma=self.gamma, rng=self.rng, pad_token_id=0)
+                             gamma=self.gamma, rng=self.rng, pad_token_id=0, short_frac=a.short_blocks,
+                             short_lens=self.short_lens)
                 if a.min_weight > 0:
                     drop = nb["weights"] < a.min_weight
                     nb["weights"][drop] = 0.0
@@ -248,6 +250,10 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.walk_small_block < 0 or args.walk_small_block == 1:
         ap.error(f"--walk-small-block {args.walk_small_block}: expected 0 (off) or a block size of at least 2")
+    try:
+        train_mod.short_block_lens(args)
+    except ValueError as e:
+        ap.error(str(e))
     t0 = time.time()
     deadline = t0 + args.time_limit_s
     if args.device.startswith("cuda"):
@@ -277,7 +283,8 @@ def main(argv=None):
     decay_start = deadline - args.reserve_s - args.decay_s
     tr.log(f"[stream] call {calls}: {args.time_limit_s:.0f}s, decay from +{decay_start - t0:.0f}s for "
            f"{args.decay_s:.0f}s, lr {args.lr}, kd {args.kd_alpha}, gamma {tr.gamma}, "
-           f"batch {args.batch_size} x {args.num_anchors} anchors")
+           f"batch {args.batch_size} x {args.num_anchors} anchors"
+           + (f", short blocks {args.short_blocks} of {args.short_block_lens}" if args.short_blocks else ""))
     B = tr.cfg.block_size
     if args.walk_small_block >= B:
         ap.error(f"--walk-small-block {args.walk_small_block}: must be below the drafter's block size {B} "

@@ -59,6 +59,12 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--sliding-window", type=int, default=None,
                    help="non-causal sliding-window attention of this many positions (default: full)")
     g.add_argument("--num-anchors", type=int, default=128, help="anchors per sequence")
+    g.add_argument("--short-blocks", type=float, default=0.0,
+                   help="share of training blocks made short, of a length from --short-block-lens: the "
+                        "engine's smaller blocks (a drafter trained on full blocks only predicts worse when "
+                        "fed fewer masks); 0 = full blocks only")
+    g.add_argument("--short-block-lens", default="2,3,4",
+                   help="comma list of short block lengths, each 2..block size - 1")
     g.add_argument("--batch-size", type=int, default=16, help="sequences per step")
     g.add_argument("--max-seq-len", type=int, default=1408)
     g.add_argument("--lr", type=float, default=1e-3)
@@ -83,6 +89,24 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--no-amp", action="store_true", help="disable bf16 autocast on CUDA")
 
 
+def short_block_lens(a, cfg: Optional[DrafterConfig] = None) -> List[int]:
+    """The short block lengths of ``--short-block-lens``, checked against ``--short-blocks`` and,
+    given ``cfg``, the drafter (a DFlash2 drafter's convolutions and selector are sized for its
+    whole block). Raises ValueError with the flag's name."""
+    if not 0.0 <= a.short_blocks <= 1.0:
+        raise ValueError(f"--short-blocks {a.short_blocks}: expected a share in 0..1")
+    try:
+        lens = [int(x) for x in a.short_block_lens.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--short-block-lens {a.short_block_lens!r}: expected a comma list of integers")
+    if a.short_blocks > 0 and cfg is not None:
+        if cfg.is_dflash2:
+            raise ValueError("--short-blocks: a DFlash2 drafter runs at its whole block only")
+        if not lens or min(lens) < 2 or max(lens) >= cfg.block_size:
+            raise ValueError(f"--short-block-lens {a.short_block_lens!r}: each must be in 2..{cfg.block_size - 1}")
+    return lens
+
+
 def lr_factor(progress: float, warmup: float, min_ratio: float) -> float:
     progress = min(max(progress, 0.0), 1.0)
     if warmup > 0 and progress < warmup:
@@ -102,6 +126,7 @@ class Prefetcher:
 
     def __init__(self, seqs, args, cfg: DrafterConfig, gamma: float, seed: int, depth: int = 6):
         self.seqs, self.args, self.cfg, self.gamma = seqs, args, cfg, gamma
+        self.short_lens = short_block_lens(args, cfg)
         self.rng = np.random.default_rng(seed)
         self.q: "queue.Queue" = queue.Queue(maxsize=depth)
         self.epoch = 0
@@ -118,7 +143,8 @@ class Prefetcher:
                     return
                 nb = collate([self.seqs[i][:2] for i in idx], num_anchors=self.args.num_anchors,
                              block_size=self.cfg.block_size, mask_token_id=self.cfg.mask_token_id,
-                             gamma=self.gamma, rng=self.rng, pad_token_id=0)
+                             gamma=self.gamma, rng=self.rng, pad_token_id=0,
+                             short_frac=self.args.short_blocks, short_lens=self.short_lens)
                 self.q.put((self.epoch + (bi + 1) / len(batches), nb))
             self.epoch += 1
 
@@ -207,6 +233,7 @@ class Trainer:
         if cfg.vocab_size != emb.shape[0]:
             self.log(f"[train] note: config vocab {cfg.vocab_size} vs embedding rows {emb.shape[0]}")
         self.cfg = cfg
+        self.short_lens = short_block_lens(a, cfg)
         self.gamma = a.gamma if a.gamma is not None else default_gamma(cfg.block_size)
         self.drafter = DFlashDrafter(cfg)
         self.selector_stats: Dict = {}
@@ -448,6 +475,10 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     add_args(ap)
     args = ap.parse_args(argv)
+    try:
+        short_block_lens(args)
+    except ValueError as e:
+        ap.error(str(e))
     deadline = time.time() + args.time_limit_s
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.manual_seed(args.seed)

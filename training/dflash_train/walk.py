@@ -40,15 +40,21 @@ def selector_path(selector, logits: torch.Tensor, h: torch.Tensor, anchor: torch
 
 @torch.no_grad()
 def walk_tau(drafter, target, emb_w: torch.Tensor, head_w: torch.Tensor, recs: Sequence[dict],
-             max_new: int = 256, batch: int = 32, autocast=None, block: Optional[int] = None) -> Dict:
+             max_new: int = 256, batch: int = 32, autocast=None, block: Optional[int] = None,
+             verify: Optional[int] = None) -> Dict:
     """``recs``: dicts with ``ids`` (int64 numpy) and ``first_span`` (start, end) of a greedy
-    answer.  ``block``: the decoding block size (default the drafter's trained one; the engine
-    drafts smaller blocks as [anchor, MASK x (block - 1)] too).  Returns tau, rounds, tokens
-    and the acceptance rate by slot (share of rounds that accepted at least k drafts)."""
+    answer.  ``block``: the drafted block size (default the drafter's trained one; the engine
+    drafts smaller blocks as [anchor, MASK x (block - 1)] too).  ``verify``: the verified block
+    size (default ``block``): a round keeps at most ``verify - 1`` drafts of its ``block - 1``
+    (a drafter fed more masks than the target checks).  Returns tau, rounds, tokens and the
+    acceptance rate by slot (share of rounds that accepted at least k drafts)."""
     cfg = drafter.cfg
     B = cfg.block_size if block is None else block
     if not 2 <= B <= cfg.block_size:
         raise ValueError(f"walk block {B}: must be 2..{cfg.block_size} (the drafter's block size)")
+    V = B if verify is None else verify
+    if not 2 <= V <= B:
+        raise ValueError(f"walk verify {V}: must be 2..{B} (the drafted block)")
     if B < cfg.block_size and cfg.is_dflash2:
         raise ValueError(f"walk block {B}: a DFlash2 drafter's convolutions span its whole block "
                          f"({cfg.block_size}), so it walks at that size only")
@@ -56,7 +62,7 @@ def walk_tau(drafter, target, emb_w: torch.Tensor, head_w: torch.Tensor, recs: S
     was_training = drafter.training
     drafter.eval()
     tokens = rounds = 0
-    at_least = np.zeros(B, dtype=np.int64)
+    at_least = np.zeros(V, dtype=np.int64)
     per_seq: List[float] = []
     ac = autocast if autocast is not None else contextlib.nullcontext
     for st in range(0, len(recs), batch):
@@ -93,10 +99,10 @@ def walk_tau(drafter, target, emb_w: torch.Tensor, head_w: torch.Tensor, recs: S
                 sel = drafter.candidate_selector
                 pred = logits.argmax(-1) if sel is None else selector_path(sel, logits, h, blk[:, 0])
             ok = (pred[:, 1:] == lab[:, 1:]) & valid[:, 1:]
-            acc = torch.cumprod(ok.long(), dim=1).sum(1)
+            acc = torch.cumprod(ok.long(), dim=1).sum(1).clamp(max=V - 1)
             commit = torch.minimum(acc + 1, end - 1 - a)
             commit = torch.where(active, commit, torch.zeros_like(commit))
-            for k in range(B):
+            for k in range(V):
                 at_least[k] += int(((acc >= k) & active).sum())
             seq_tok += commit
             seq_rounds += active.long()

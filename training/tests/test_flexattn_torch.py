@@ -21,7 +21,7 @@ def tiny_cfg(dflash2: bool = False):
                          rope_theta=10000.0, **v2)
 
 
-def make_batch(seed: int, lengths, prompt_lens, num_anchors: int):
+def make_batch(seed: int, lengths, prompt_lens, num_anchors: int, short_frac: float = 0.0):
     rng = np.random.default_rng(seed)
     seqs = []
     for s, p in zip(lengths, prompt_lens):
@@ -29,7 +29,8 @@ def make_batch(seed: int, lengths, prompt_lens, num_anchors: int):
         lm = np.zeros(s, dtype=bool)
         lm[p:] = True
         seqs.append((ids, lm))
-    return collate(seqs, num_anchors=num_anchors, block_size=BS, mask_token_id=5, gamma=4.0, rng=rng)
+    return collate(seqs, num_anchors=num_anchors, block_size=BS, mask_token_id=5, gamma=4.0, rng=rng,
+                   short_frac=short_frac, short_lens=(2, 4, 8))
 
 
 def tile_classes_from_dense(dense: torch.Tensor):
@@ -39,13 +40,14 @@ def tile_classes_from_dense(dense: torch.Tensor):
     return t.any(-1).any(2), t.all(-1).all(2)
 
 
-def test_block_mask_covers_exactly_the_visible_tiles():
-    nb = make_batch(1, [300, 520, 90], [40, 200, 10], num_anchors=24)
+@pytest.mark.parametrize("short_frac", [0.0, 0.5])
+def test_block_mask_covers_exactly_the_visible_tiles(short_frac):
+    nb = make_batch(1, [300, 520, 90], [40, 200, 10], num_anchors=24, short_frac=short_frac)
     bt = batch_to_torch(nb, "cpu")
     sp = padded_context_len(520)
-    blocks = FlexBlocks(bt["block_pos"][:, :, 0], bt["block_valid"], BS, sp)
+    blocks = FlexBlocks(bt["block_pos"][:, :, 0], bt["block_valid"], BS, sp, bt["block_len"])
     vis = torch.nn.functional.pad(bt["ctx_visible"], (0, sp - bt["ctx_visible"].shape[-1]))
-    dense = dense_mask_torch(vis, BS)
+    dense = dense_mask_torch(vis, BS, bt["block_len"])
     anyv, allv = tile_classes_from_dense(dense)
     bm = blocks.block_mask
     nq, nk = anyv.shape[1], anyv.shape[2]

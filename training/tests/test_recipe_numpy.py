@@ -231,3 +231,34 @@ def test_config_roundtrip():
     assert d["dflash_config"] == {"mask_token_id": 16, "target_layer_ids": [1, 8, 14, 20, 27]}
     assert d["tie_word_embeddings"] is False and d["attention_bias"] is False
     assert DrafterConfig.from_hf_dict(d) == cfg
+
+
+def test_short_blocks_are_drawn_only_for_valid_anchors_and_only_when_asked():
+    from dflash_train.anchors import sample_block_lens
+
+    valid = np.array([True] * 300 + [False] * 20)
+    rng = np.random.default_rng(5)
+    state = rng.bit_generator.state
+    assert (sample_block_lens(valid, 16, 0.0, (2, 4), rng) == 16).all()
+    assert rng.bit_generator.state == state  # nothing drawn: runs without short blocks are unchanged
+    lens = sample_block_lens(valid, 16, 0.5, (2, 4), rng)
+    assert set(np.unique(lens[:300]).tolist()) == {2, 4, 16}
+    assert 100 < int((lens[:300] < 16).sum()) < 200
+    assert (lens[300:] == 16).all()
+    for bad in [(1, 4), (2, 16), ()]:
+        with pytest.raises(ValueError, match="short block lengths"):
+            sample_block_lens(valid, 16, 0.5, bad, rng)
+
+
+def test_a_short_blocks_slots_past_its_length_are_no_keys_and_take_no_loss():
+    ids = np.arange(30, dtype=np.int64)
+    lm = np.ones(30, dtype=bool)
+    anchors, valid = np.array([3, 10]), np.array([True, True])
+    lens = np.array([2, 4])
+    _, w = block_labels_and_weights(ids, lm, anchors, valid, 4, 4.0, lens)
+    assert w[0, 1] > 0 and not w[0, 2:].any()
+    assert (w[1, 1:] > 0).all()
+    own = own_block_mask(2, 4, lens)
+    assert own[0].tolist() == [True, True, False, False, False, False, False, False]
+    assert own[3].tolist() == own[0].tolist()  # slot 3 of a block of 2 still sees slots 0..1 only
+    assert own[4].tolist() == [False] * 4 + [True] * 4

@@ -192,12 +192,14 @@ def test_lr_wsd():
     assert lr_wsd(50, 200.0, 100.0, 10.0, 10, 0.1) == pytest.approx(0.1)
 
 
-@pytest.mark.parametrize("dflash2,block", [(False, 4), (True, 4), (False, 2)])
-def test_walk_tau_equals_a_walk_over_teacher_forced_acceptance(dflash2, block):
+@pytest.mark.parametrize("dflash2,block,verify", [(False, 4, None), (True, 4, None), (False, 2, None),
+                                                  (False, 4, 2)])
+def test_walk_tau_equals_a_walk_over_teacher_forced_acceptance(dflash2, block, verify):
     """DFlash2: the walk's selector follows its own picks, the training's teacher-forced pick
     the true previous token; they agree on every accepted prefix, so the walks match. Block 2:
     a walk at a smaller block than the drafter's (as the engine drafts it) matches the
-    teacher-forced acceptance of blocks of that size."""
+    teacher-forced acceptance of blocks of that size. Verify 2 of a block of 4: the acceptance
+    of blocks of 4, at most one draft a round."""
     V, H = 61, 32
     cfg_t = transformers.LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=5,
                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -231,7 +233,8 @@ def test_walk_tau_equals_a_walk_over_teacher_forced_acceptance(dflash2, block):
         ids = np.r_[rng.integers(0, V - 1, size=p), [best] * (n - p)].astype(np.int64)
         ids[p + 7::9] = rng.integers(0, V - 1, size=ids[p + 7::9].size)
         recs.append({"ids": ids, "first_span": (p, n)})
-    got = walk_tau(drafter, target, emb, head, recs, max_new=1000, batch=2, block=block)
+    got = walk_tau(drafter, target, emb, head, recs, max_new=1000, batch=2, block=block, verify=verify)
+    cap = block if verify is None else verify
     # reference: teacher-forced acceptance at every anchor (training's masks and labels), walked
     tokens = rounds = 0
     for r in recs:
@@ -248,14 +251,17 @@ def test_walk_tau_equals_a_walk_over_teacher_forced_acceptance(dflash2, block):
         by_anchor = {int(a): int(t) for a, t, v in zip(nb["block_pos"][0, :, 0], acc_len, nb["block_valid"][0]) if v}
         a = s0
         while a < end - 1:
-            commit = min(by_anchor[a], end - 1 - a)
+            commit = min(by_anchor[a], cap, end - 1 - a)
             tokens += commit
             rounds += 1
             a += commit
     assert rounds == got["walk_rounds"] and tokens == got["walk_tokens"]
-    assert 1.0 < got["walk_tau"] <= block
+    assert 1.0 < got["walk_tau"] <= cap
+    assert len(got["walk_accept_by_slot"]) == min(cap - 1, 8)
     with pytest.raises(ValueError, match="walk block"):
         walk_tau(drafter, target, emb, head, recs, block=5)
+    with pytest.raises(ValueError, match="walk verify"):
+        walk_tau(drafter, target, emb, head, recs, block=2, verify=3)
     if dflash2:  # its convolutions are sized for its block
         with pytest.raises(ValueError, match="DFlash2"):
             walk_tau(drafter, target, emb, head, recs, block=2)

@@ -41,23 +41,26 @@ def tiny_target():
     return m
 
 
-def make_batch(cfg, seed=0, n_seqs=3, num_anchors=6):
+def make_batch(cfg, seed=0, n_seqs=3, num_anchors=6, short_frac=0.0, short_lens=(2, 3)):
     rng = np.random.default_rng(seed)
     seqs = []
     for n, p in [(40, 12), (33, 9), (25, 20)][:n_seqs]:
         ids = rng.integers(0, V - 1, size=n)
         seqs.append((ids, loss_mask_from_prompt_len(n, p)))
     return collate(seqs, num_anchors=num_anchors, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
-                   gamma=4.0, rng=rng)
+                   gamma=4.0, rng=rng, short_frac=short_frac, short_lens=short_lens)
 
 
-def test_dense_mask_torch_matches_numpy():
+@pytest.mark.parametrize("short_frac", [0.0, 0.6])
+def test_dense_mask_torch_matches_numpy(short_frac):
     cfg = tiny_cfg()
-    nb = make_batch(cfg)
-    m = dense_mask_torch(torch.from_numpy(nb["ctx_visible"]), cfg.block_size)
+    nb = make_batch(cfg, short_frac=short_frac)
+    assert (nb["block_len"] < cfg.block_size).any() == (short_frac > 0)
+    m = dense_mask_torch(torch.from_numpy(nb["ctx_visible"]), cfg.block_size, torch.from_numpy(nb["block_len"]))
     for i in range(nb["input_ids"].shape[0]):
         anchors = nb["block_pos"][i, :, 0]
-        ref = dense_block_attention_mask(anchors, nb["block_valid"][i], nb["input_ids"].shape[1], cfg.block_size)
+        ref = dense_block_attention_mask(anchors, nb["block_valid"][i], nb["input_ids"].shape[1], cfg.block_size,
+                                         nb["block_len"][i])
         assert np.array_equal(m[i, 0].numpy(), ref)
 
 
@@ -81,7 +84,7 @@ def _run(drafter, emb, feats, nb):
     bt = batch_to_torch(nb, "cpu")
     b, n, bs = bt["block_ids"].shape
     x = torch.nn.functional.embedding(bt["block_ids"].view(b, n * bs), emb)
-    mask = dense_mask_torch(bt["ctx_visible"], bs)
+    mask = dense_mask_torch(bt["ctx_visible"], bs, bt["block_len"])
     return drafter(x, bt["block_pos"].view(b, n * bs), feats, bt["position_ids"], mask).view(b, n, bs, -1)
 
 
@@ -107,6 +110,31 @@ def test_packed_blocks_equal_single_block_inference():
                 cpos = torch.arange(a)[None]
                 single = d(x, pos, ctx, cpos, None)  # no mask: whole block + whole (truncated) context
                 torch.testing.assert_close(packed[i, j], single[0], atol=2e-5, rtol=2e-5)
+
+
+def test_short_packed_blocks_equal_inference_of_the_short_block():
+    """A short block (length L < B) packed among full ones equals the engine's forward of the
+    block of L tokens [anchor, MASK x (L - 1)] alone, slot for slot, and takes no loss past L."""
+    torch.manual_seed(0)
+    cfg = tiny_cfg(layers=2, block=6)
+    d = DFlashDrafter(cfg).eval()
+    emb = torch.randn(V, H)
+    nb = make_batch(cfg, seed=3, num_anchors=8, short_frac=0.7, short_lens=(2, 3, 5))
+    lens = nb["block_len"][nb["block_valid"]]
+    assert set(lens.tolist()) >= {2, 3, 5, 6}
+    S = nb["input_ids"].shape[1]
+    feats = torch.randn(nb["input_ids"].shape[0], S, cfg.num_taps * H)
+    with torch.no_grad():
+        packed = _run(d, emb, feats, nb)
+        for i in range(nb["input_ids"].shape[0]):
+            for j in np.nonzero(nb["block_valid"][i])[0]:
+                a, L = int(nb["block_pos"][i, j, 0]), int(nb["block_len"][i, j])
+                assert not nb["weights"][i, j, L:].any()
+                blk = torch.from_numpy(nb["block_ids"][i, j, :L])[None]
+                pos = torch.from_numpy(nb["block_pos"][i, j, :L])[None]
+                single = d(torch.nn.functional.embedding(blk, emb), pos, feats[i:i + 1, :a], torch.arange(a)[None],
+                           None)
+                torch.testing.assert_close(packed[i, j, :L], single[0], atol=2e-5, rtol=2e-5)
 
 
 def test_future_context_and_other_blocks_do_not_leak():
@@ -270,3 +298,25 @@ def test_bf16_autocast_path(tiny_target):
     loss.backward()
     assert torch.isfinite(loss)
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in d.parameters())
+
+
+def test_short_block_flags_are_checked_against_the_drafter():
+    import types
+
+    from dflash_train.train import short_block_lens
+
+    flags = lambda frac, lens: types.SimpleNamespace(short_blocks=frac, short_block_lens=lens)
+    assert short_block_lens(flags(0.3, "2,3,4"), tiny_cfg(block=8)) == [2, 3, 4]
+    assert short_block_lens(flags(0.0, "2,9"), tiny_cfg(block=8)) == [2, 9]  # off: not checked
+    for frac, lens, cfg, msg in [(1.5, "2", None, "share in 0..1"), (0.3, "2,x", None, "comma list"),
+                                 (0.3, "2,8", tiny_cfg(block=8), "each must be in 2..7"),
+                                 (0.3, "1", tiny_cfg(block=8), "each must be in 2..7")]:
+        with pytest.raises(ValueError, match=msg):
+            short_block_lens(flags(frac, lens), cfg)
+    v2 = DrafterConfig(hidden_size=H, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8, vocab_size=V, num_target_layers=L_T,
+                       target_layer_ids=[1, 2], mask_token_id=V - 1, block_size=8, rms_norm_eps=1e-5,
+                       rope_theta=10000.0, conv_kernel_size=2, conv_group_size=8, selector_rank=4,
+                       selector_top_k=6)
+    with pytest.raises(ValueError, match="DFlash2"):
+        short_block_lens(flags(0.3, "2"), v2)
