@@ -233,7 +233,7 @@ class Trainer:
         if cfg.vocab_size != emb.shape[0]:
             self.log(f"[train] note: config vocab {cfg.vocab_size} vs embedding rows {emb.shape[0]}")
         self.cfg = cfg
-        self.short_lens = short_block_lens(a, cfg)
+        short_block_lens(a, cfg)  # the short-block flags fit this drafter (fails before any data loads)
         self.gamma = a.gamma if a.gamma is not None else default_gamma(cfg.block_size)
         self.drafter = DFlashDrafter(cfg)
         self.selector_stats: Dict = {}
