@@ -98,14 +98,18 @@ def forwards_table(rows):
         picked.append((f"argmax grid {grid}, {count} launches, {len(fws)} forwards", fws[len(fws) // 2]))
     if not picked:
         raise SystemExit("no kind of forward (argmax_final grid, launches) occurs twice")
-    lines = []
-    for label, fw in picked:
-        lines.append(f"- {label}: {sum(us for _, us in fw):.1f} us of kernels")
-    tables = [by_kernel(fw) for _, fw in picked]
+    lines = [f"- {label}: {sum(us for _, us in fw):.1f} us of kernels" for label, fw in picked]
+    return lines + side_by_side([(f"kind {i + 1}", fw) for i, (_, fw) in enumerate(picked)])
+
+
+def side_by_side(columns):
+    """Markdown table lines: one row per kernel, one column per (title, launches) pair, each
+    cell `launches x median us = total us`; kernels ordered by their largest column total."""
+    tables = [by_kernel(launches_) for _, launches_ in columns]
     names = sorted({n for t in tables for n in t},
                    key=lambda n: -max(sum(t.get(n, [0.0])) for t in tables))
-    lines.append("| kernel | " + " | ".join(f"kind {i + 1}: launches x us each = us" for i in range(len(picked))) + " |")
-    lines.append("|---|" + "---:|" * len(picked))
+    lines = ["| kernel | " + " | ".join(f"{title}: launches x us each = us" for title, _ in columns) + " |",
+             "|---|" + "---:|" * len(columns)]
     for n in names:
         cells = []
         for t in tables:
@@ -154,17 +158,7 @@ def rounds_table(rows):
     lines = [f"- {len(rs)} rounds; the median round: {total((draft, verify)):.1f} us of kernels, "
              f"draft part {part(draft):.1f} us in {len(draft)} launches, "
              f"verify part {part(verify):.1f} us in {len(verify)} launches"]
-    tables = [by_kernel(draft), by_kernel(verify)]
-    names = sorted({n for t in tables for n in t}, key=lambda n: -sum(sum(t.get(n, [0.0])) for t in tables))
-    lines.append("| kernel | draft part: launches x us each = us | verify part: launches x us each = us |")
-    lines.append("|---|---:|---:|")
-    for n in names:
-        cells = []
-        for t in tables:
-            v = sorted(t.get(n, []))
-            cells.append(f"{len(v)} x {v[len(v) // 2]:.2f} = {sum(v):.1f}" if v else "")
-        lines.append(f"| {n} | " + " | ".join(cells) + " |")
-    return lines
+    return lines + side_by_side([("draft part", draft), ("verify part", verify)])
 
 
 def main():

@@ -17,7 +17,6 @@ Usage: python3 tools/walk_blocks.py [--dflash target/release/dflash] [--model GG
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -31,6 +30,7 @@ from dflash_train.export import load_drafter  # noqa: E402
 from dflash_train.target import (chat_prompt_ids, embedding_weight, lm_head_weight, load_target,  # noqa: E402
                                  load_tokenizer)
 from dflash_train.walk import walk_tau  # noqa: E402
+from walk_cpu_paths import answers  # noqa: E402  (the CPU engine's greedy answers, tools/)
 
 
 def pairs_arg(text):
@@ -44,17 +44,6 @@ def pairs_arg(text):
         if not 2 <= v <= d:
             raise argparse.ArgumentTypeError(f"{item!r}: VERIFY must be 2..DRAFT")
         out.append((d, v))
-    return out
-
-
-def answers(dflash, model, prompts, max_new):
-    out = []
-    for p in prompts:
-        r = subprocess.run([dflash, "generate", "-m", model, "--device", "cpu", "--no-draft", "-n", str(max_new),
-                            "--output-format", "json", p], capture_output=True, text=True)
-        if r.returncode != 0:
-            sys.exit(f"walk_blocks: dflash generate failed: {r.stderr.strip()[-500:]}")
-        out.append(json.loads(r.stdout)["tokens"])
     return out
 
 
@@ -75,7 +64,7 @@ def main():
     with open(os.path.join(REPO, "data/mt_bench_first_turns.jsonl")) as f:
         prompts = [json.loads(line)["prompt"] for line in f][:a.prompts]
     t = time.time()
-    texts = answers(a.dflash, a.model, prompts, a.max_new)
+    texts = answers(a.dflash, a.model, prompts, "auto", a.max_new)  # the default numeric path
     print(f"{len(texts)} greedy answers, {sum(map(len, texts))} tokens ({time.time() - t:.0f} s)", flush=True)
     target = load_target(a.model, None, "float32", "cpu")
     tok = load_tokenizer(a.model)
