@@ -30,7 +30,7 @@ from dflash_train.export import load_drafter  # noqa: E402
 from dflash_train.target import (chat_prompt_ids, embedding_weight, lm_head_weight, load_target,  # noqa: E402
                                  load_tokenizer)
 from dflash_train.walk import walk_tau  # noqa: E402
-from walk_cpu_paths import answers  # noqa: E402  (the CPU engine's greedy answers, tools/)
+from walk_cpu_paths import answers, parse_walk_args, walk_args  # noqa: E402  (tools/)
 
 
 def pairs_arg(text):
@@ -48,18 +48,9 @@ def pairs_arg(text):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dflash", default=os.path.join(REPO, "target/release/dflash"))
-    ap.add_argument("--model", default=os.path.expanduser("~/.cache/dflash/SmolLM2-135M-Instruct.Q4_1.gguf"))
-    ap.add_argument("--drafter", default=os.path.join(REPO, "models/drafters/smollm2-135m-instruct-dflash"))
-    ap.add_argument("--prompts", type=int, default=24)
-    ap.add_argument("--max-new", type=int, default=256)
+    ap = walk_args(__doc__, prompts=24)
     ap.add_argument("--pairs", type=pairs_arg, default=pairs_arg("2:2,16:2,4:4,16:4,16:16"))
-    a = ap.parse_args()
-    for what, path in (("dflash binary (cargo build --release -p dflash-cli)", a.dflash), ("model", a.model),
-                       ("drafter directory", a.drafter)):
-        if not os.path.exists(path):
-            sys.exit(f"walk_blocks: {what} not found: {path}")
+    a = parse_walk_args(ap)
     torch.set_num_threads(os.cpu_count() or 1)
     with open(os.path.join(REPO, "data/mt_bench_first_turns.jsonl")) as f:
         prompts = [json.loads(line)["prompt"] for line in f][:a.prompts]

@@ -43,18 +43,31 @@ def answers(dflash, model, prompts, mode, max_new):
     return out
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def walk_args(description, prompts):
+    """The arguments of a walk over the CPU engine's answers: the binary, model and drafter (with
+    this repository's defaults), the number of MT-Bench prompts and the answer length. Parse with
+    `parse_walk_args`."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dflash", default=os.path.join(REPO, "target/release/dflash"))
     ap.add_argument("--model", default=os.path.expanduser("~/.cache/dflash/SmolLM2-135M-Instruct.Q4_1.gguf"))
     ap.add_argument("--drafter", default=os.path.join(REPO, "models/drafters/smollm2-135m-instruct-dflash"))
-    ap.add_argument("--prompts", type=int, default=40)
+    ap.add_argument("--prompts", type=int, default=prompts)
     ap.add_argument("--max-new", type=int, default=256)
+    return ap
+
+
+def parse_walk_args(ap):
+    """The parsed arguments, with a clear error where the binary, model or drafter is missing."""
     a = ap.parse_args()
     for what, path in (("dflash binary (cargo build --release -p dflash-cli)", a.dflash), ("model", a.model),
                        ("drafter directory", a.drafter)):
         if not os.path.exists(path):
-            sys.exit(f"walk_cpu_paths: {what} not found: {path}")
+            ap.error(f"{what} not found: {path}")
+    return a
+
+
+def main():
+    a = parse_walk_args(walk_args(__doc__, prompts=40))
     torch.set_num_threads(os.cpu_count() or 1)
     with open(os.path.join(REPO, "data/mt_bench_first_turns.jsonl")) as f:
         prompts = [json.loads(line)["prompt"] for line in f][:a.prompts]
