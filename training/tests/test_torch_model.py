@@ -88,6 +88,16 @@ def _run(drafter, emb, feats, nb):
     return drafter(x, bt["block_pos"].view(b, n * bs), feats, bt["position_ids"], mask).view(b, n, bs, -1)
 
 
+def _alone(drafter, emb, feats, nb, i, j, length):
+    """Block j of sequence i, its first ``length`` tokens, drafted alone as inference does: no
+    mask, the whole block and the context strictly before its anchor."""
+    a = int(nb["block_pos"][i, j, 0])
+    blk = torch.from_numpy(nb["block_ids"][i, j, :length])[None]
+    pos = torch.from_numpy(nb["block_pos"][i, j, :length])[None]
+    x = torch.nn.functional.embedding(blk, emb)
+    return drafter(x, pos, feats[i:i + 1, :a], torch.arange(a)[None], None)[0]
+
+
 def test_packed_blocks_equal_single_block_inference():
     """Each packed training block must equal an inference-style forward of that
     block alone with only the context strictly before its anchor."""
@@ -102,14 +112,8 @@ def test_packed_blocks_equal_single_block_inference():
         packed = _run(d, emb, feats, nb)
         for i in range(nb["input_ids"].shape[0]):
             for j in np.nonzero(nb["block_valid"][i])[0]:
-                a = int(nb["block_pos"][i, j, 0])
-                blk = torch.from_numpy(nb["block_ids"][i, j])[None]
-                pos = torch.from_numpy(nb["block_pos"][i, j])[None]
-                x = torch.nn.functional.embedding(blk, emb)
-                ctx = feats[i:i + 1, :a]
-                cpos = torch.arange(a)[None]
-                single = d(x, pos, ctx, cpos, None)  # no mask: whole block + whole (truncated) context
-                torch.testing.assert_close(packed[i, j], single[0], atol=2e-5, rtol=2e-5)
+                single = _alone(d, emb, feats, nb, i, j, cfg.block_size)
+                torch.testing.assert_close(packed[i, j], single, atol=2e-5, rtol=2e-5)
 
 
 def test_short_packed_blocks_equal_inference_of_the_short_block():
@@ -128,13 +132,10 @@ def test_short_packed_blocks_equal_inference_of_the_short_block():
         packed = _run(d, emb, feats, nb)
         for i in range(nb["input_ids"].shape[0]):
             for j in np.nonzero(nb["block_valid"][i])[0]:
-                a, L = int(nb["block_pos"][i, j, 0]), int(nb["block_len"][i, j])
+                L = int(nb["block_len"][i, j])
                 assert not nb["weights"][i, j, L:].any()
-                blk = torch.from_numpy(nb["block_ids"][i, j, :L])[None]
-                pos = torch.from_numpy(nb["block_pos"][i, j, :L])[None]
-                single = d(torch.nn.functional.embedding(blk, emb), pos, feats[i:i + 1, :a], torch.arange(a)[None],
-                           None)
-                torch.testing.assert_close(packed[i, j, :L], single[0], atol=2e-5, rtol=2e-5)
+                single = _alone(d, emb, feats, nb, i, j, L)
+                torch.testing.assert_close(packed[i, j, :L], single, atol=2e-5, rtol=2e-5)
 
 
 def test_future_context_and_other_blocks_do_not_leak():
