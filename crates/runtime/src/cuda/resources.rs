@@ -7,7 +7,12 @@
 //! a candidate can be checked before device time is spent on it. `DFLASH_CUDA_KERNEL_DIR`
 //! applies, as for every compilation (see [`compile`](super::compile)).
 
-use super::compile::{compile_logged, Module, Target};
+use super::compile::{compile_logged, nvrtc_version, Module, Target};
+
+/// NVRTC from 12.9 on keeps its own cache of compiles, and a compile it answers from that cache
+/// carries no ptxas report in its log (on the H100/H200 machines, a module compiled earlier in
+/// the same process came back without one); `--no-cache` makes it run ptxas again.
+const NO_CACHE_FROM: (i32, i32) = (12, 9);
 
 /// One kernel's resources, from ptxas's report.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -28,7 +33,11 @@ pub struct KernelResources {
 /// The resources of every kernel of `module` compiled for `sm_<arch>`, in ptxas's order.
 pub fn module_resources(module: Module, arch: u32) -> Result<Vec<KernelResources>, String> {
     let target = Target { arch, cubin: true };
-    let (_, log) = compile_logged(module, target, &["--ptxas-options=-v"])?;
+    let mut options = vec!["--ptxas-options=-v"];
+    if nvrtc_version()? >= NO_CACHE_FROM {
+        options.push("--no-cache");
+    }
+    let (_, log) = compile_logged(module, target, &options)?;
     let kernels = parse_ptxas_log(&log);
     if kernels.is_empty() {
         return Err(format!(
