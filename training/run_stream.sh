@@ -173,7 +173,6 @@ log "generator dtype $GEN_DTYPE"
 log "trainer args: ${TRAIN_ARGS:-}; generator args: ${GEN_ARGS:-}"
 TGPU=$(( NGPU > 1 ? NGPU - 1 : 0 ))
 BUDGET=$(( $(left) - 45 ))
-KV=$([ "$NGPU" -gt 1 ] && echo 80 || echo 56)
 # A/B: a second trainer beside the plain one, sharing GPU 0 with the generator: the arms of AB_ARGS
 # (into train_ab), else with two GPUs (or KD_AB=1) distillation (KD_ALPHA, into train_kd)
 KD_ALPHA="${KD_ALPHA:-0.5}"
@@ -183,6 +182,14 @@ if [ -n "${AB_ARGS:-}" ]; then
 elif { [ "$NGPU" -gt 1 ] || [ "${KD_AB:-0}" = 1 ]; } && [ "$KD_ALPHA" != "0" ]; then
   AB_DIR=train_kd; AB_EXTRA="--kd-alpha $KD_ALPHA"
 fi
+# the generator's KV cache (GiB): GPU 0's memory less ~12 GiB for each trainer beside it (flex +
+# compile at batch 8 peaks at 8-12) and 8 for the generator's weights, logits and buffers; at most
+# 56 beside a trainer and 80 alone (an H200: 56 / 80; an 80 GB H100 with two trainers: 47)
+BESIDE=$(( (NGPU > 1 ? 0 : 1) + (${#AB_DIR} > 0 ? 1 : 0) ))
+GPU0_GIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0 | awk '{print int($1 / 1024)}')
+KV=$(( GPU0_GIB - 12 * BESIDE - 8 )); CAP=$(( BESIDE > 0 ? 56 : 80 ))
+[ "$KV" -gt "$CAP" ] && KV=$CAP
+log "generator KV cache $KV GiB (GPU 0: $GPU0_GIB GiB, $BESIDE trainer(s) beside it)"
 if [ -n "$AB_DIR" ]; then
   mkdir -p "$W/$AB_DIR"
   # shellcheck disable=SC2086
