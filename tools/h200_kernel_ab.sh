@@ -30,6 +30,11 @@
 # arm, after the microbench, ncu (speed of light, launch, occupancy, warp state and memory
 # sections) on that launch of cuda_microbench; the report goes to $OUT/ncu_<arm>.txt and its
 # duration, registers, occupancy, issue and stall lines are printed.
+# KAB_ROUND_NCU ("4 16": draft blocks): per arm of the `dflash` binary, at the end, every kernel
+# of `dflash generate` DFlash rounds (--speculation always, 32 tokens) on that synthetic target
+# with the random drafter, timed alone by ncu and tabled by `ncu_kernel_table.py --rounds` (the
+# draft part — context write, draft forward, choice — against the verify part), preceded by
+# `dflash bench --draft` (host ms per round); where a round's GPU time goes without the model.
 # KAB_ENV_ARMS ("NAME:VAR=VALUE[,VAR=VALUE...] ..."): arms that run the binary's own kernels with
 # those environment variables (e.g. "nox2:DFLASH_CUDA_FLOAT_MMA=0"), in the microbench, the
 # benches and the parity runs; KAB_TEST_VARIANTS may name them too.
@@ -80,7 +85,7 @@ if [ "${1:-}" = "--pack" ]; then
         mkdir -p ".gpu/kab/variants/$(basename "$d")"
         cp "$d"/*.cu ".gpu/kab/variants/$(basename "$d")/"
     done
-    cp tools/h200_kernel_ab.sh tools/cuda_env.sh .gpu/kab/
+    cp tools/h200_kernel_ab.sh tools/cuda_env.sh tools/ncu_kernel_table.py .gpu/kab/
     # Each variant's kernels against the embedded ones, as ptxas reports them (registers,
     # spills, stack, shared memory): the rows that differ, here, before any device time.
     cargo build --release -p dflash-runtime --features cuda --example cuda_kernel_resources
@@ -222,16 +227,39 @@ for v in ${KAB_TEST_VARIANTS:-$variants}; do
             --skip tensor_core_prefill_matches 2>&1 | grep -E "ERROR SUMMARY|test result|Invalid" | head -5
     done
 done
-if [ "${KAB_PARITY:-0}" = 1 ]; then
+# The published default model's layout (Q4_1, Q8_0 head) and a random drafter of the shipped one's
+# shape, for the parity runs and the round profile.
+parity_pair() {
     pm="$(model_of smollm2-135m:q4_1:q8_0)"
     [ -f "$pm" ] || ./synthetic_model --shape smollm2-135m --dtype q4_1 --head-dtype q8_0 \
         --out "$pm" > /dev/null
     [ -d drafter ] || ./random_drafter "$here/parity" drafter 7 > /dev/null
+}
+if [ "${KAB_PARITY:-0}" = 1 ]; then
+    parity_pair
     for a in base $variants $envarms; do
         dir="$(kdir "$a")"
         # shellcheck disable=SC2046
         env $(envof "$a") DFLASH_CUDA_KERNEL_DIR="$dir" timeout 200 ./gpu_parity --model "$pm" --draft drafter \
             --prompts "$here/parity/prompts.jsonl" --count 24 --max-tokens 64 > "parity_$a.log" 2>&1
         echo "== parity $a (exit $?): $(grep -vE '^prompt [0-9]+:' "parity_$a.log" | tail -n 7 | tr '\n' ' ')"
+    done
+fi
+if [ -n "${KAB_ROUND_NCU:-}" ] && command -v ncu > /dev/null; then
+    parity_pair
+    for a in $(arms_of dflash); do
+        arm_bin "$a" dflash
+        for bs in $KAB_ROUND_NCU; do
+            # shellcheck disable=SC2046
+            env $(envof "$a") DFLASH_CUDA_KERNEL_DIR="$dir" timeout 120 "$bin" bench -m "$pm" --device cuda \
+                --draft drafter --block-size "$bs" -n 128 -r 3 > /dev/null 2> bench.err
+            echo "== DFlash rounds at block $bs, $a: $(grep -E '^\| AR' bench.err)"
+            # shellcheck disable=SC2046
+            env $(envof "$a") DFLASH_CUDA_KERNEL_DIR="$dir" timeout 200 ncu --clock-control none \
+                --metrics gpu__time_duration.sum --csv "$bin" generate -m "$pm" --device cuda --draft drafter \
+                --block-size "$bs" --speculation always -n 32 "Explain how a rainbow forms, step by step." \
+                2> "$out/ncu_rounds_${a}_b$bs.err" > "$out/ncu_rounds_${a}_b$bs.csv"
+            python3 "$here/ncu_kernel_table.py" --rounds < "$out/ncu_rounds_${a}_b$bs.csv"
+        done
     done
 fi
