@@ -61,6 +61,8 @@ struct Workspace<B: Backend> {
     dynamic: B::Tensor,
     conv: B::Tensor,
     hproj: B::Tensor,
+    /// The context's keys and values: k then v of each layer.
+    ctx_kv: Vec<B::Tensor>,
 }
 
 /// A DFlash or DFlash2 drafter on backend `B`.
@@ -253,6 +255,7 @@ impl<B: Backend> DflashDrafter<B> {
             dynamic: b.tensor(0, 0),
             conv: b.tensor(0, h),
             hproj: b.tensor(0, 0),
+            ctx_kv: (0..2 * cfg.layers).map(|_| b.tensor(0, kvd)).collect(),
         };
         let selector = match cfg.dflash2 {
             Some(_) => Some(Selector::load(b, src, &cfg)?),
@@ -381,13 +384,10 @@ impl<B: Backend> DflashDrafter<B> {
         };
         b.run(|| {
             let ws = &mut self.ws;
-            for (t, cols) in [
-                (&mut ws.feat, taps_width),
-                (&mut ws.ctx, h),
-                (&mut ws.k, kvd),
-                (&mut ws.v, kvd),
-            ] {
-                b.reshape(t, total, cols);
+            b.reshape(&mut ws.feat, total, taps_width);
+            b.reshape(&mut ws.ctx, total, h);
+            for t in &mut ws.ctx_kv {
+                b.reshape(t, total, kvd);
             }
             let mut work = || {
                 let ws = &mut self.ws;
@@ -395,21 +395,24 @@ impl<B: Backend> DflashDrafter<B> {
                 b.gather_step(taps, &self.ctx_step, &mut ws.feat);
                 b.matmul(&ws.feat, &self.fc, &mut ws.ctx);
                 b.rms_norm(&mut ws.ctx, &self.hidden_norm, eps, false, None);
-                for (li, layer) in self.layers.iter().enumerate() {
-                    b.matmul_many(
-                        &ws.ctx,
-                        &[&layer.wk, &layer.wv],
-                        &mut [&mut ws.k, &mut ws.v],
-                    );
-                    b.rms_norm(&mut ws.k, &layer.k_norm, eps, false, None);
-                    b.rope(
-                        &mut ws.k,
-                        meta,
-                        &self.inv_freq,
-                        self.cfg.head_dim,
-                        RopeStyle::Neox,
-                    );
-                    b.kv_write(&mut self.kv, li, &ws.k, &ws.v, meta);
+                // Every layer's keys and values come from the same context rows: one call.
+                let weights: Vec<&B::Weight> =
+                    self.layers.iter().flat_map(|l| [&l.wk, &l.wv]).collect();
+                let mut outs: Vec<&mut B::Tensor> = ws.ctx_kv.iter_mut().collect();
+                b.matmul_many(&ws.ctx, &weights, &mut outs);
+                let rope = Rope {
+                    inv_freq: &self.inv_freq,
+                    head_dim: self.cfg.head_dim,
+                    style: RopeStyle::Neox,
+                };
+                for (li, (layer, kv)) in
+                    self.layers.iter().zip(outs.chunks_exact_mut(2)).enumerate()
+                {
+                    let [k, v] = kv else {
+                        unreachable!("chunks of two")
+                    };
+                    let norm = (&layer.k_norm, eps);
+                    b.k_norm_rope_kv_write(k, v, &mut self.kv, li, meta, norm, rope);
                 }
             };
             if total <= GRAPH_MAX_TOKENS {

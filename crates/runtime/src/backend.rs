@@ -139,6 +139,24 @@ impl<T> Clone for QkNorm<'_, T> {
 
 impl<T> Copy for QkNorm<'_, T> {}
 
+/// [`Backend::k_norm_rope_kv_write`] as its ops: `rms_norm` of k (in place), `rope` of k,
+/// then `kv_write` (the trait's default, and a backend's fallback where it cannot fuse them).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn k_norm_then_rope_kv<B: Backend + ?Sized>(
+    b: &B,
+    k: &mut B::Tensor,
+    v: &B::Tensor,
+    kv: &mut B::Kv,
+    layer: usize,
+    meta: &B::Meta,
+    (k_norm, eps): (&B::Tensor, f32),
+    rope: Rope<'_, B::Tensor>,
+) {
+    b.rms_norm(k, k_norm, eps, false, None);
+    b.rope(k, meta, rope.inv_freq, rope.head_dim, rope.style);
+    b.kv_write(kv, layer, k, v, meta);
+}
+
 /// [`Backend::qk_norm_rope_kv_write`] as its ops: `rms_norm` of q and of k (in place), then
 /// `rope_kv_write` (the trait's default, and a backend's fallback where it cannot fuse them).
 #[allow(clippy::too_many_arguments)]
@@ -636,6 +654,24 @@ pub trait Backend: Send + Sync + 'static {
         rope: Rope<'_, Self::Tensor>,
     ) {
         qk_norm_then_rope_kv(self, q, k, v, kv, layer, meta, norm, rope)
+    }
+
+    /// The keys-only form of [`Backend::qk_norm_rope_kv_write`] (a DFlash drafter's context:
+    /// keys and values, no queries): the per-head norm `k_norm` of k (in place), RoPE of k,
+    /// and the KV write of k and v. Bit-identical to `rms_norm(k)`, `rope(k)`, `kv_write`,
+    /// which is the default; a backend may do it in one pass.
+    #[allow(clippy::too_many_arguments)]
+    fn k_norm_rope_kv_write(
+        &self,
+        k: &mut Self::Tensor,
+        v: &Self::Tensor,
+        kv: &mut Self::Kv,
+        layer: usize,
+        meta: &Self::Meta,
+        (k_norm, eps): (&Self::Tensor, f32),
+        rope: Rope<'_, Self::Tensor>,
+    ) {
+        k_norm_then_rope_kv(self, k, v, kv, layer, meta, (k_norm, eps), rope)
     }
 
     /// RoPE of `q` and `k` at each token's position, then the KV write of `k` and `v`.

@@ -262,11 +262,13 @@ fn rope_kv_write_equals_rope_rope_kv_write_and_verify_equals_decode_on(g: &CudaB
 }
 
 #[test]
-fn qk_norm_rope_kv_write_equals_norms_then_rope_kv_write() {
-    on_each_kv_type(|g, _| qk_norm_rope_kv_write_equals_norms_then_rope_kv_write_on(g));
+fn qk_and_k_norm_rope_kv_write_equal_norms_then_rope_kv_write() {
+    on_each_kv_type(|g, _| qk_and_k_norm_rope_kv_write_equal_norms_then_rope_kv_write_on(g));
 }
 
-fn qk_norm_rope_kv_write_equals_norms_then_rope_kv_write_on(g: &CudaBackend) {
+/// `qk_norm_rope_kv_write`, and its keys-only form `k_norm_rope_kv_write`, against the norms
+/// then `rope_kv_write`.
+fn qk_and_k_norm_rope_kv_write_equal_norms_then_rope_kv_write_on(g: &CudaBackend) {
     // (heads, KV heads, head_dim, rotary pairs): Qwen3-4B's attention, the default model's
     // drafter-like one, a partial rotary embedding and the largest head size of the kernel.
     for (n_heads, n_kv_heads, head_dim, half) in [
@@ -335,6 +337,22 @@ fn qk_norm_rope_kv_write_equals_norms_then_rope_kv_write_on(g: &CudaBackend) {
                         bits(&g.to_host(&af)),
                         bits(&g.to_host(&asep)),
                         "attention: {what}"
+                    );
+                    // Keys only (a DFlash drafter's context write): the same k and cache.
+                    let mut kv_k = kv_setup(g, (n_kv_heads, head_dim), &lens);
+                    let mut kk = g.upload(&k, block, kv_dim);
+                    g.k_norm_rope_kv_write(&mut kk, &vf, &mut kv_k, 0, &mg, (&kn, eps), rope);
+                    assert_eq!(
+                        bits(&g.to_host(&kk)),
+                        bits(&g.to_host(&ks)),
+                        "keys only k: {what}"
+                    );
+                    let mut ak = g.tensor(0, 0);
+                    g.attention(&qs, &kv_k, 0, &mg, shape, &mut ak);
+                    assert_eq!(
+                        bits(&g.to_host(&ak)),
+                        bits(&g.to_host(&asep)),
+                        "keys only attention: {what}"
                     );
                 }
             }

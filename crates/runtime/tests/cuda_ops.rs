@@ -474,6 +474,38 @@ fn matmul_many_equals_separate_products() {
     }
 }
 
+#[test]
+fn matmul_many_past_one_launch_equals_separate_products() {
+    // A DFlash drafter's context write: k and v of every layer from the same rows, more
+    // products than one launch holds (bf16 on the f32 kernels, Q4_1 on the int8 ones).
+    let Some(g) = gpu() else { return };
+    let k = 576;
+    for dtype in [DType::BF16, DType::Q4_1] {
+        let wg: Vec<_> = (0..8)
+            .map(|i| random_weight(dtype, 192, k, 500 + i as u64))
+            .map(|w| g.upload_weight(&w, WeightRole::Projection).unwrap())
+            .collect();
+        for m in [1, 4, 16] {
+            let x = g.upload(&random_vec(m * k, -1.0, 1.0, 6 + m as u64), m, k);
+            let mut outs: Vec<_> = (0..wg.len()).map(|_| g.tensor(0, 0)).collect();
+            {
+                let refs: Vec<_> = wg.iter().collect();
+                let mut out_refs: Vec<_> = outs.iter_mut().collect();
+                g.matmul_many(&x, &refs, &mut out_refs);
+            }
+            for (i, (w, o)) in wg.iter().zip(&outs).enumerate() {
+                let mut single = g.tensor(0, 0);
+                g.matmul(&x, w, &mut single);
+                assert_eq!(
+                    bits(&g.to_host(o)),
+                    bits(&g.to_host(&single)),
+                    "{dtype} M={m} product {i}"
+                );
+            }
+        }
+    }
+}
+
 /// Spans of a step made of runs of `(rows, prompt)`, one row (sequence) per run.
 fn step_spans(runs: &[(usize, bool)]) -> Vec<RowSpan> {
     let mut first = 0;

@@ -17,10 +17,12 @@ use super::int8_x::{int8_x_bytes, QuantizedX};
 use super::kv::CudaKv;
 use super::pack;
 use super::profile::{KernelClassTime, ProfileKeys, Profiler};
+use super::rope_kv::HeadNorms;
 use super::tensor::{CudaMeta, CudaStep, CudaTensor, CudaWeight};
 use crate::backend::{
-    prompt_runs, qk_norm_then_rope_kv, qkv_then_rope_kv, Activations, AttnShape, Backend, GdnShape,
-    GraphKey, QkNorm, Rope, RopeStyle, RowSpan, TokenMeta, WeightPath, WeightRole,
+    k_norm_then_rope_kv, prompt_runs, qk_norm_then_rope_kv, qkv_then_rope_kv, Activations,
+    AttnShape, Backend, GdnShape, GraphKey, QkNorm, Rope, RopeStyle, RowSpan, TokenMeta,
+    WeightPath, WeightRole,
 };
 use crate::choice::{DraftRow, SampleRow, Verdict, VerifyRow};
 use crate::cpu::int8::pack::PANEL;
@@ -1280,14 +1282,17 @@ impl Backend for CudaBackend {
         let same_format = ws.iter().all(|w| w.kernels() == ws[0].kernels());
         let cublas = matches!(self.dev.prefill_gemm, PrefillGemm::Cublas { min_rows }
             if x.rows > 16 && x.rows >= min_rows);
-        if ws.len() > MM_SEGS || !same_format || cublas {
+        if !same_format || cublas {
             for (w, out) in ws.iter().zip(outs.iter_mut()) {
                 self.matmul(x, w, out);
             }
             return;
         }
-        let prods = self.store_products(x, ws, outs);
-        self.mm_launch(x, &prods, Epilogue::Store);
+        // MM_SEGS products a launch (a DFlash drafter's context: every layer's k and v).
+        for (ws, outs) in ws.chunks(MM_SEGS).zip(outs.chunks_mut(MM_SEGS)) {
+            let prods = self.store_products(x, ws, outs);
+            self.mm_launch(x, &prods, Epilogue::Store);
+        }
     }
 
     fn add_bias(&self, x: &mut CudaTensor, bias: &CudaTensor) {
@@ -1786,7 +1791,7 @@ impl Backend for CudaBackend {
         meta: &CudaMeta,
         rope: Rope<'_, CudaTensor>,
     ) {
-        self.rope_kv_launch(q, k, v, kv, layer, meta, None, rope);
+        self.rope_kv_launch(Some(q), k, v, kv, layer, meta, None, rope);
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1801,10 +1806,33 @@ impl Backend for CudaBackend {
         norm: QkNorm<'_, CudaTensor>,
         rope: Rope<'_, CudaTensor>,
     ) {
-        if Self::qk_norm_fusable(&norm, &rope) {
-            self.rope_kv_launch(q, k, v, kv, layer, meta, Some(norm), rope);
+        if Self::qk_norm_fusable(norm.into(), &rope) {
+            self.rope_kv_launch(Some(q), k, v, kv, layer, meta, Some(norm.into()), rope);
         } else {
             qk_norm_then_rope_kv(self, q, k, v, kv, layer, meta, norm, rope);
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn k_norm_rope_kv_write(
+        &self,
+        k: &mut CudaTensor,
+        v: &CudaTensor,
+        kv: &mut CudaKv,
+        layer: usize,
+        meta: &CudaMeta,
+        (k_norm, eps): (&CudaTensor, f32),
+        rope: Rope<'_, CudaTensor>,
+    ) {
+        let norm = HeadNorms {
+            q: None,
+            k: k_norm,
+            eps,
+        };
+        if Self::qk_norm_fusable(norm, &rope) {
+            self.rope_kv_launch(None, k, v, kv, layer, meta, Some(norm), rope);
+        } else {
+            k_norm_then_rope_kv(self, k, v, kv, layer, meta, (k_norm, eps), rope);
         }
     }
 
