@@ -48,7 +48,9 @@
 # Each arm is `dflash bench --no-draft` (-p 512 -n 128 on the default shapes, -p 128 -n 64 on
 # the 4B's; KAB_DEPTHS ("128 512 4000") sets the prompt lengths for every shape instead, and
 # KAB_BLOCKS ("16 4": the verify sizes, --block-size; 16 by default); warm-up, median of 3), arms
-# alternating within a round; one line per arm, prompt length, verify size and round.
+# alternating within a round; one line per arm, prompt length, verify size and round. Before
+# its first timed run on a model, each arm runs once untimed (`dflash bench -p 16 -n 4 -r 1`,
+# limit 400 s), so that NVRTC's first compile of its kernels does not eat a timed run's limit.
 # Everything printed also goes to $OUT/kab.log (the device tool returns only the output's end).
 set -uo pipefail
 
@@ -198,10 +200,22 @@ if [ -n "${KAB_NCU:-}" ] && command -v ncu > /dev/null; then
             "$out/ncu_$a.txt" | head -24
     done
 fi
+# Runs arm $1's dflash once on model $2 (more `dflash bench` arguments after it), untimed and
+# with a long limit: NVRTC compiles a build's kernels for a format at first use, up to ~140 s
+# on a fresh machine, which is past the limits of the timed runs below.
+warm() {
+    local a="$1" m="$2"
+    shift 2
+    arm_bin "$a" dflash
+    # shellcheck disable=SC2046
+    env $(envof "$a") DFLASH_CUDA_KERNEL_DIR="$dir" timeout 400 "$bin" bench -m "$m" --device cuda \
+        -p 16 -n 4 -r 1 "$@" > /dev/null 2>&1 || echo "warm-up of $a on $m failed"
+}
 for s in $shapes; do
     m="$(model_of "$s")"
     case "$s" in qwen3-4b*) n=64 depths="${KAB_DEPTHS:-128}" ;; *) n=128 depths="${KAB_DEPTHS:-512}" ;; esac
     arms=$(arms_of dflash)
+    for a in $arms; do warm "$a" "$m" --no-draft; done
     for r in $(seq "${KAB_ROUNDS:-3}"); do
         for p in $depths; do
             for b in ${KAB_BLOCKS:-16}; do
@@ -238,6 +252,7 @@ parity_pair() {
 if [ "${KAB_PARITY:-0}" = 1 ]; then
     parity_pair
     for a in base $variants $envarms; do
+        warm "$a" "$pm" --draft drafter
         dir="$(kdir "$a")"
         # shellcheck disable=SC2046
         env $(envof "$a") DFLASH_CUDA_KERNEL_DIR="$dir" timeout 200 ./gpu_parity --model "$pm" --draft drafter \
@@ -248,6 +263,7 @@ fi
 if [ -n "${KAB_ROUND_NCU:-}" ] && command -v ncu > /dev/null; then
     parity_pair
     for a in $(arms_of dflash); do
+        warm "$a" "$pm" --draft drafter
         arm_bin "$a" dflash
         for bs in $KAB_ROUND_NCU; do
             # shellcheck disable=SC2046
