@@ -20,7 +20,8 @@
 # On the GPU machine this script sets CUDA_HOME (if unset) and LD_LIBRARY_PATH (the toolkit's
 # and the pip wheels' lib folders, for libnvrtc / libcublas), runs every executable in .gpu/
 # one test at a time (first the plain run, which also compiles the kernels with NVRTC into
-# the cache; then, when compute-sanitizer is there, a memcheck pass), and prints a summary.
+# the cache unless --build packed them, .gpu/kcache.tar.xz from tools/kernel_cache.sh; then,
+# when compute-sanitizer is there, a memcheck pass), and prints a summary.
 # Tests that print "skipped: no CUDA device" count as failures here: this script exists to
 # run them on a GPU. Logs go to $OUT (the device tool brings them back) or /tmp/gpu_check.
 #
@@ -56,6 +57,7 @@ for line in sys.stdin:
 '
     done
     strip .gpu/tests/* 2>/dev/null || true
+    bash tools/kernel_cache.sh .gpu/kcache.tar.xz
     exclude=$(git rev-parse --git-path info/exclude)  # (a worktree's .git is a file)
     mkdir -p "$(dirname "$exclude")"
     grep -qxF '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >> "$exclude"
@@ -73,6 +75,8 @@ say() { echo "$@" | tee -a "$log"; }
 # shellcheck source=tools/cuda_env.sh
 source "$(dirname "$0")/cuda_env.sh"
 export DFLASH_CACHE_DIR="${DFLASH_CACHE_DIR:-/tmp/dflash-cache}"
+# The kernels compiled at --build (tools/kernel_cache.sh; a miss where this NVRTC differs).
+[ -f .gpu/kcache.tar.xz ] && mkdir -p "$DFLASH_CACHE_DIR" && tar -C "$DFLASH_CACHE_DIR" -xJf .gpu/kcache.tar.xz
 export RUST_BACKTRACE=1
 if [ -n "${GPU_CHECK_MODEL:-}" ]; then
     [ -f "$GPU_CHECK_MODEL" ] || { echo "GPU_CHECK_MODEL=$GPU_CHECK_MODEL is not a file" >&2; exit 2; }

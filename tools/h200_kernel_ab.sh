@@ -38,7 +38,9 @@
 # KAB_ENV_ARMS ("NAME:VAR=VALUE[,VAR=VALUE...] ..."): arms that run the binary's own kernels with
 # those environment variables (e.g. "nox2:DFLASH_CUDA_FLOAT_MMA=0"), in the microbench, the
 # benches and the parity runs; KAB_TEST_VARIANTS may name them too.
-# At --pack each variant's kernels are also compiled here with NVRTC and its ptxas report
+# At --pack the build's and each variant's kernels are compiled here for sm_90 with NVRTC
+# (tools/kernel_cache.sh) and carried as a kernel cache (kcache.tar.xz, ~2.4 MB), which the GPU
+# machine unpacks before anything runs. Each variant's ptxas report
 # (registers, spills, stack, shared memory per kernel; the cuda_kernel_resources example) is
 # compared with the embedded kernels': the rows that differ are printed.
 # KAB_BASELINE=PATH at --pack: a `dflash` binary of another build (e.g. main's, before a change
@@ -88,11 +90,14 @@ if [ "${1:-}" = "--pack" ]; then
         cp "$d"/*.cu ".gpu/kab/variants/$(basename "$d")/"
     done
     cp tools/h200_kernel_ab.sh tools/cuda_env.sh tools/ncu_kernel_table.py .gpu/kab/
+    # The kernels of this build (and of each variant) compiled here for sm_90, so that the GPU
+    # machine finds them in its cache instead of spending its first minutes in NVRTC.
+    bash tools/kernel_cache.sh .gpu/kab/kcache.tar.xz "$@"
+    # shellcheck source=tools/cuda_env.sh
+    source tools/cuda_env.sh
     # Each variant's kernels against the embedded ones, as ptxas reports them (registers,
     # spills, stack, shared memory): the rows that differ, here, before any device time.
     cargo build --release -p dflash-runtime --features cuda --example cuda_kernel_resources
-    # shellcheck source=tools/cuda_env.sh
-    source tools/cuda_env.sh
     for d in "$@"; do
         v=$(basename "$d")
         mods=$(for f in "$d"/*.cu; do
@@ -131,6 +136,9 @@ cd "$W" || exit 1
 rm -rf "$W/baseline"  # a warm machine keeps the last pack's files
 tar -C "$W" -xJf "$here/bins.tar.xz"
 export DFLASH_CACHE_DIR="$W/cache"
+# Kernels compiled at --pack (same NVRTC major.minor: the cache key holds it, so a mismatch is
+# only a miss).
+[ -f "$here/kcache.tar.xz" ] && mkdir -p "$W/cache" && tar -C "$W/cache" -xJf "$here/kcache.tar.xz"
 cat "$here/builds.txt"
 variants=$(ls "$here/variants")
 shapes="${KAB_SHAPES:-smollm2-135m:q4_1 qwen3-4b:q4_0}"

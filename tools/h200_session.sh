@@ -41,6 +41,7 @@ pack() {
     rm -rf .gpu/common .gpu/A .gpu/B .gpu/C
     mkdir -p .gpu/common .gpu/A .gpu/B .gpu/C .gpu/bin
     cp tools/h200_session.sh tools/cuda_env.sh tools/ncu_kernel_table.py .gpu/common/
+    bash tools/kernel_cache.sh .gpu/common/kcache.tar.xz
     cp data/mt_bench_first_turns.jsonl .gpu/common/prompts.jsonl
     for b in dflash examples/gpu_parity examples/cuda_microbench examples/synthetic_model; do
         cp "target/release/$b" .gpu/bin/
@@ -84,6 +85,8 @@ exec > >(tee -a "$log") 2>&1
 # shellcheck source=tools/cuda_env.sh
 source "$here/cuda_env.sh"
 export DFLASH_CACHE_DIR="$W/cache" RUST_BACKTRACE=1
+# The kernels compiled at --pack (tools/kernel_cache.sh; a miss where this NVRTC differs).
+[ -f "$here/kcache.tar.xz" ] && mkdir -p "$W/cache" && tar -C "$W/cache" -xJf "$here/kcache.tar.xz"
 MODEL="$W/SmolLM2-135M-Instruct.Q4_1.gguf"
 SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 say() { echo "== $(date +%T) $*"; }

@@ -20,7 +20,7 @@
 #   IN=<dir>/..         where carried inputs live: */*.gguf[.xz].part-*, */*.sha256, */train_convs.jsonl.gz,
 #                       */init_drafter.tar.xz (an exported drafter the trainer starts from),
 #                       */eval/*.jsonl (evaluation prompts to keep out of the data), whl/*.whl (gguf),
-#                       */dflash (a CUDA build, for mode eval)
+#                       */dflash (a CUDA build, for mode eval) and */kcache.tar.xz (its kernels)
 #   W=/root/dflash_work state kept between calls on a warm machine (stage, data, train)
 #   GEN_DTYPE=          force the generator dtype (default: bf16 if its teacher-forced greedy
 #                       agreement with fp32 is >= AGREE_MIN, else float32)
@@ -84,6 +84,11 @@ if [ "$MODE" = "eval" ]; then
   # block 16/8) and `dflash bench` AR vs DFlash. Needs a CUDA build carried in $IN/*/dflash.
   BIN=("$IN"/*/dflash); BIN="${BIN[0]}"; chmod +x "$BIN"
   [ -f "$HERE/cuda_env.sh" ] && source "$HERE/cuda_env.sh"
+  # Its kernels compiled at staging (tools/kernel_cache.sh), so the first eval does not wait
+  # for NVRTC.
+  export DFLASH_CACHE_DIR="${DFLASH_CACHE_DIR:-$W/cache}"
+  KC=("$IN"/*/kcache.tar.xz)
+  [ -f "${KC[0]}" ] && mkdir -p "$DFLASH_CACHE_DIR" && tar -C "$DFLASH_CACHE_DIR" -xJf "${KC[0]}"
   M=("$W"/stage/*.gguf); M="${M[0]}"
   for RUN in ${EVAL_RUNS:-$(cat "$W/best_run.txt" 2>/dev/null || echo train)}; do
   D="$W/$RUN/best"

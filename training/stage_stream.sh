@@ -4,7 +4,7 @@
 #   DEST/a/     <model>.gguf.xz.part-aa                 (first call)
 #   DEST/b/     the other part(s) + .sha256 + train_convs.jsonl.gz + eval/*.jsonl
 #               + init_drafter.tar.xz when INIT (an exported drafter dir) is set (second call)
-#   DEST/c/     dflash (a CUDA build, when BIN is set: run_stream.sh eval)
+#   DEST/c/     dflash (a CUDA build, when BIN is set: run_stream.sh eval) + kcache.tar.xz (its kernels)
 #   DEST/whl/   the gguf wheel (transformers reads the target with it; the device image lacks it)
 # The model and the drafter travel xz-compressed (98 + 32 MB -> 90 + 22 MB), so both fit in two
 # calls' 64 MiB. usage: [INIT=DIR] [BIN=dflash] bash training/stage_stream.sh DEST [MODEL_GGUF] [CONVS]
@@ -35,5 +35,10 @@ if [ -n "${INIT:-}" ]; then
 fi
 mkdir -p "$DEST/whl"
 python3 -m pip download -q --no-deps gguf==0.19.0 -d "$DEST/whl"
-if [ -n "${BIN:-}" ]; then mkdir -p "$DEST/c"; cp "$BIN" "$DEST/c/dflash"; fi
+if [ -n "${BIN:-}" ]; then
+  mkdir -p "$DEST/c"
+  cp "$BIN" "$DEST/c/dflash"
+  # Its kernels, compiled here (the working tree's sources: BIN should be a build of them).
+  bash "$HERE/../tools/kernel_cache.sh" "$DEST/c/kcache.tar.xz"
+fi
 du -sh "$DEST"/*
