@@ -37,6 +37,9 @@ if [ "${1:-}" = "--pack" ]; then
         && CARGO_TARGET_DIR="$tgt" cargo build --release -p dflash-runtime --features cuda --example cuda_microbench)
     cp target/release/dflash .gpu/ab/bin/dflash_base
     cp target/release/examples/cuda_microbench .gpu/ab/bin/cuda_microbench_base
+    # Both builds' kernels compiled here (the baseline's sources as a kernel directory: cached
+    # where its host constants match the candidate's, else compiled there).
+    bash tools/kernel_cache.sh .gpu/ab/kcache.tar.xz "$wt/crates/runtime/kernels"
     git worktree remove --force "$wt"
     strip .gpu/ab/bin/* 2>/dev/null || true
     tar -C .gpu/ab/bin -cJf .gpu/ab/bins.tar.xz . && rm -rf .gpu/ab/bin
@@ -56,6 +59,7 @@ W="$HOME/ab"
 mkdir -p "$W"
 tar -C "$W" -xJf "$here/bins.tar.xz"
 export DFLASH_CACHE_DIR="$W/cache"
+[ -f "$here/kcache.tar.xz" ] && mkdir -p "$W/cache" && tar -C "$W/cache" -xJf "$here/kcache.tar.xz"
 [ -n "${AB_INT8:-}" ] && export DFLASH_CUDA_INT8="$AB_INT8"
 cd "$W" || exit 1
 cat "$here/builds.txt"
