@@ -19,8 +19,15 @@ out=$(realpath -m "$1")
 shift
 cd "$(dirname "$0")/.."
 cargo build --release -p dflash-runtime --features cuda --example cuda_kernel_cache
-# shellcheck source=tools/cuda_env.sh
-source tools/cuda_env.sh
+# The device machines' NVRTC (CUDA 13.0; KC_NVRTC): the cache key holds NVRTC's major.minor,
+# so the kernels are compiled with that version whatever this environment holds (installing
+# PyTorch here brought NVRTC 13.2, whose files the devices' 13.0 would never read).
+nv="${KC_NVRTC:-13.0}"
+nvdir="$HOME/.cache/dflash/nvrtc-$nv"
+[ -e "$nvdir/nvidia/cu13/lib/libnvrtc.so.13" ] || python3 -m pip install --quiet \
+    --disable-pip-version-check --root-user-action=ignore --no-deps --target "$nvdir" "nvidia-cuda-nvrtc==$nv.*" \
+    || echo "could not install NVRTC $nv here; using whatever NVRTC is found" >&2
+export LD_LIBRARY_PATH="$nvdir/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 # Compiled modules are kept here between packs (a pack of unchanged kernels is then instant);
 # only the files of this build go into OUT.
 kc="${KC_DIR:-$HOME/.cache/dflash/kernel-pack}"
@@ -38,4 +45,4 @@ for d in "$@"; do
 done
 grep -E ': /' "$list" | sed -E 's/^.*: //' | sort -u | xargs -n1 basename \
     | tar -cJf "$out" --transform 's,^,cuda-kernels/,' -C "$kc/cuda-kernels" -T -
-echo "kernel cache for sm_$arch: $out ($(du -h "$out" | cut -f1))"
+echo "kernel cache for sm_$arch, $(grep -m1 '^NVRTC' "$list"): $out ($(du -h "$out" | cut -f1))"

@@ -39,6 +39,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     // The backend's own choice for a device of this compute capability.
     let target = compile::target_for(arch)?;
+    let (major, minor) = compile::nvrtc_version()?;
+    println!("NVRTC {major}.{minor}");
     let modules: Vec<Module> = Module::all()
         .into_iter()
         .filter(|m| m.name().contains(&module))
