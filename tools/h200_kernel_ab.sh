@@ -39,7 +39,7 @@
 # those environment variables (e.g. "nox2:DFLASH_CUDA_FLOAT_MMA=0"), in the microbench, the
 # benches and the parity runs; KAB_TEST_VARIANTS may name them too.
 # At --pack the build's and each variant's kernels are compiled here for sm_90 with NVRTC
-# (tools/kernel_cache.sh) and carried as a kernel cache (kcache.tar.xz, ~2.4 MB), which the GPU
+# (tools/kernel_cache.sh) and carried as a kernel cache (kcache.tar.xz, ~2 MB), which the GPU
 # machine unpacks before anything runs. Each variant's ptxas report
 # (registers, spills, stack, shared memory per kernel; the cuda_kernel_resources example) is
 # compared with the embedded kernels': the rows that differ are printed.
