@@ -15,39 +15,17 @@
 
 use std::time::Instant;
 
-use dflash_runtime::cuda::compile::{self, Module};
+mod nvrtc_args;
+
+use dflash_runtime::cuda::compile;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let mut arch = 90u32;
-    let mut module = String::new();
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        let mut val = || args.next().ok_or(format!("{a} needs a value"));
-        match a.as_str() {
-            "--arch" => {
-                let v = val()?;
-                arch = v
-                    .parse()
-                    .map_err(|_| format!("--arch {v}: expected a number such as 90"))?
-            }
-            "--module" => module = val()?,
-            _ => return Err(format!("unknown argument {a} (--arch, --module)").into()),
-        }
-    }
-    if !compile::nvrtc_available() {
-        return Err(compile::NVRTC_HINT.into());
-    }
+    let args = nvrtc_args::parse(false)?;
+    let (arch, modules) = (args.arch, nvrtc_args::modules(&args.module)?);
     // The backend's own choice for a device of this compute capability.
     let target = compile::target_for(arch)?;
     let (major, minor) = compile::nvrtc_version()?;
     println!("NVRTC {major}.{minor}");
-    let modules: Vec<Module> = Module::all()
-        .into_iter()
-        .filter(|m| m.name().contains(&module))
-        .collect();
-    if modules.is_empty() {
-        return Err(format!("no module name contains {module:?}").into());
-    }
     let started = Instant::now();
     // One thread per module, each stored as it is compiled (as the backend does at run time).
     compile::compile_many(&modules, target, true)?;

@@ -12,38 +12,17 @@
 //! set, a variant's sources are read instead of the embedded ones, so the two can be compared
 //! before a GPU run (see `tools/h200_kernel_ab.sh`).
 
-use dflash_runtime::cuda::compile::{self, Module};
+mod nvrtc_args;
+
 use dflash_runtime::cuda::resources::module_resources;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let mut arch = 90u32;
-    let mut module = String::new();
-    let mut kernel = String::new();
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        let mut val = || args.next().ok_or(format!("{a} needs a value"));
-        match a.as_str() {
-            "--arch" => {
-                let v = val()?;
-                arch = v
-                    .parse()
-                    .map_err(|_| format!("--arch {v}: expected a number such as 90"))?
-            }
-            "--module" => module = val()?,
-            "--kernel" => kernel = val()?,
-            _ => return Err(format!("unknown argument {a} (--arch, --module, --kernel)").into()),
-        }
-    }
-    if !compile::nvrtc_available() {
-        return Err(compile::NVRTC_HINT.into());
-    }
-    let modules: Vec<Module> = Module::all()
-        .into_iter()
-        .filter(|m| m.name().contains(&module))
-        .collect();
-    if modules.is_empty() {
-        return Err(format!("no module name contains {module:?}").into());
-    }
+    let nvrtc_args::Args {
+        arch,
+        module,
+        kernel,
+    } = nvrtc_args::parse(true)?;
+    let modules = nvrtc_args::modules(&module)?;
     // Every module compiles before anything is printed, so an error leaves no half table.
     let mut rows = Vec::new();
     for m in modules {
