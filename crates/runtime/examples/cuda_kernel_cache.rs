@@ -9,9 +9,10 @@
 //! Every module whose name contains NAME (all by default) is compiled as the backend compiles
 //! it for that architecture (`target_for`: a CUBIN when this NVRTC targets the chip, else
 //! PTX), one thread per module, and stored under the cache root (`DFLASH_CACHE_DIR`, else the
-//! default; `DFLASH_CUDA_KERNEL_DIR` applies as it does at run time). The cache key holds the source, the target, NVRTC's major.minor
-//! version and the options, so the files serve a GPU machine whose NVRTC has the same
-//! major.minor version, and a file that does not match is never read there.
+//! default; `DFLASH_CUDA_KERNEL_DIR` applies as it does at run time). The cache key holds the
+//! source, the target, NVRTC's major.minor version and the options, so the files serve a GPU
+//! machine whose NVRTC has the same major.minor version, and a file that does not match is
+//! never read there.
 
 use std::time::Instant;
 
