@@ -23,6 +23,12 @@ from .target import decoder_layers
 BLOCK = 32
 
 
+# Values rounded per pass: the float32 temporaries of a pass stay near 64 MiB whatever the
+# tensor (a generator prefill's MLP input reaches ~1.5 GiB in float32, which did not fit beside
+# the generator's KV cache and a trainer on one GPU).
+CHUNK_VALUES = 1 << 24
+
+
 @torch.no_grad()
 def fake_quant_blocks(x: torch.Tensor) -> torch.Tensor:
     """``x`` with every 32-value block of its last axis replaced by ``codes * scale``, computed
@@ -30,7 +36,17 @@ def fake_quant_blocks(x: torch.Tensor) -> torch.Tensor:
     k = x.shape[-1]
     if k % BLOCK:
         raise ValueError(f"int8 activations need whole {BLOCK}-value blocks (last axis {k})")
-    xb = x.float().reshape(*x.shape[:-1], k // BLOCK, BLOCK)
+    flat = x.reshape(-1, k)
+    out = torch.empty_like(flat)
+    rows = max(1, CHUNK_VALUES // k)
+    for i in range(0, flat.shape[0], rows):
+        out[i:i + rows] = _round_rows(flat[i:i + rows])
+    return out.reshape(x.shape)
+
+
+def _round_rows(x: torch.Tensor) -> torch.Tensor:
+    """The rounding of ``fake_quant_blocks`` on a 2-D slice of rows."""
+    xb = x.float().reshape(x.shape[0], x.shape[1] // BLOCK, BLOCK)
     amax = xb.abs().amax(dim=-1, keepdim=True)
     pos = amax > 0
     one = torch.ones_like(amax)

@@ -44,6 +44,18 @@ def test_codes_follow_the_engine_rule():
     assert np.all(np.abs(got - x) <= steps * 0.5 * (1 + 2.0 ** -20) + 1e-30)
 
 
+def test_rounding_in_row_chunks_equals_one_pass(monkeypatch):
+    """Large tensors are rounded a slice of rows at a time (bounded float32 temporaries): the
+    values are those of one pass, for 3-D inputs and a chunk that does not divide the rows."""
+    torch.manual_seed(5)
+    x = (torch.randn(7, 13, 96) * 4).to(torch.bfloat16)
+    whole = int8_act.fake_quant_blocks(x)
+    monkeypatch.setattr(int8_act, "CHUNK_VALUES", 96 * 5)
+    sliced = int8_act.fake_quant_blocks(x)
+    assert sliced.shape == x.shape and sliced.dtype == x.dtype
+    assert torch.equal(sliced, whole)
+
+
 def test_a_partial_block_is_refused():
     with pytest.raises(ValueError, match="32-value blocks"):
         int8_act.fake_quant_blocks(torch.zeros(2, 40))
