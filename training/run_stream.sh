@@ -31,6 +31,7 @@
 #   AB_ARGS=            a second trainer with these extra arguments beside the plain one, into
 #                       train_ab (e.g. "--dflash2 --selector-rank 16": a DFlash2 drafter grown from
 #                       the carried DFlash one); takes the place of the distillation arm
+#   GEN_KV_GIB=         the generator's KV cache in GiB (default: from GPU 0's memory, see below)
 #   GEN_ARGS= / TRAIN_ARGS=   extra arguments for gen_data / stream_train (after the bench call's
 #                       choices; a carried */init_drafter.tar.xz export starts the trainer from it)
 #   BENCH_ARGS= / TRAIN_BENCH_ARGS=   extra arguments for bench_gen throughput / bench_train (mode bench)
@@ -194,6 +195,10 @@ BESIDE=$(( (NGPU > 1 ? 0 : 1) + (${#AB_DIR} > 0 ? 1 : 0) ))
 GPU0_GIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0 | awk '{print int($1 / 1024)}')
 KV=$(( GPU0_GIB - 12 * BESIDE - 8 )); CAP=$(( BESIDE > 0 ? 56 : 80 ))
 [ "$KV" -gt "$CAP" ] && KV=$CAP
+# --int8-act keeps a rounded copy of each projection's input: a prefill beside a trainer on an
+# 80 GB H100 ran out of memory twice with the plain figure, so 4 GiB more stay free for it
+case " ${GEN_ARGS:-} " in *" --int8-act "*) KV=$(( KV - 4 ));; esac
+KV="${GEN_KV_GIB:-$KV}"
 log "generator KV cache $KV GiB (GPU 0: $GPU0_GIB GiB, $BESIDE trainer(s) beside it)"
 if [ -n "$AB_DIR" ]; then
   mkdir -p "$W/$AB_DIR"
