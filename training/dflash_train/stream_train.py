@@ -37,7 +37,7 @@ import torch
 from . import train as train_mod
 from .batch import collate
 from .drafter import batch_to_torch, block_loss
-from .export import check_export, export_drafter
+from .export import carry_draft_vocab, check_export, export_drafter
 from .flexattn import padded_context_len
 from .loss import IGNORE_INDEX
 from .store import conv_shard_paths, read_conv_shard
@@ -398,6 +398,7 @@ def main(argv=None):
                     "extra": f"walk tau (held-out greedy conversations, block {B}): {wk.get('walk_tau')}"})
     exp = os.path.join(args.work, "export")
     export_drafter({k: v for k, v in tr.drafter.state_dict().items()}, tr.cfg, exp, card)
+    carry_draft_vocab(args.init_drafter, exp)
     chk = check_export(exp)
     best_path = os.path.join(args.work, "best.json")
     best = json.load(open(best_path)) if os.path.exists(best_path) else {}

@@ -230,6 +230,28 @@ def test_export_roundtrip_and_sharding(tmp_path):
         export_drafter({k: v for k, v in sd.items() if k != "fc.weight"}, cfg, str(tmp_path / "bad"))
 
 
+def test_an_export_keeps_its_init_drafters_draft_vocabulary(tmp_path):
+    """The shipped drafter's draft_vocab.safetensors (the CPU default drafts over its first
+    4,096 ids) travels into an export trained from it; check_export reads past it."""
+    from dflash_train.export import DRAFT_VOCAB, carry_draft_vocab
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    cfg = tiny_cfg(layers=2)
+    init = tmp_path / "init"
+    export_drafter(DFlashDrafter(cfg).state_dict(), cfg, str(init), {})
+    ranks = torch.arange(40, dtype=torch.int32).flip(0)
+    save_file({"ranked_ids": ranks}, str(init / DRAFT_VOCAB))
+    out = tmp_path / "out"
+    export_drafter(DFlashDrafter(cfg).state_dict(), cfg, str(out), {})
+    assert not carry_draft_vocab(None, str(out)) and not (out / DRAFT_VOCAB).exists()
+    assert carry_draft_vocab(str(init), str(out))
+    assert (out / DRAFT_VOCAB).read_bytes() == (init / DRAFT_VOCAB).read_bytes()
+    rep = check_export(str(out))
+    assert rep["ok"], rep
+    assert not carry_draft_vocab(str(out / "missing"), str(tmp_path))
+
+
 def test_moment_codecs():
     torch.manual_seed(0)
     m = torch.randn(1000) * torch.logspace(-6, -2, 1000)
