@@ -15,7 +15,8 @@ use crate::weight::HostWeight;
 
 /// What a weight matrix is used for. A backend may give each use its own numeric path (the
 /// CPU multiplies target projections with int8 activations and keeps the vocabulary
-/// projection and the drafter on f32 activations).
+/// projection on f32 activations, and the drafter too unless its f32 kernels are AVX2's:
+/// `cpu::policy`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum WeightRole {
     /// A projection inside the target's layers (q, k, v, o, gate, up, down).

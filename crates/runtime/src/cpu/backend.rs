@@ -664,26 +664,30 @@ impl Backend for CpuBackend {
 
     fn matmul_many(&self, x: &CpuTensor, ws: &[&CpuWeight], outs: &mut [&mut CpuTensor]) {
         assert_eq!(ws.len(), outs.len());
-        // Weights on the int8 path (one family and one count of terms per process) and on the
-        // f32 path.
-        let mut int8_jobs: Vec<(&PackedWeight, &mut [f32])> = Vec::new();
+        // Weights on the int8 path, by family and terms (one family per process; the terms
+        // follow the weight's role: the target's and a drafter's may differ), and on the f32
+        // path.
+        type Int8Jobs<'a> = Vec<(&'a PackedWeight, &'a mut [f32])>;
+        let mut int8_jobs: Vec<((Int8Kernel, Terms), Int8Jobs<'_>)> = Vec::new();
         let mut f32_jobs: Vec<(&HostWeight, &mut [f32])> = Vec::new();
-        let mut kernel = None;
         for (w, out) in ws.iter().zip(outs.iter_mut()) {
             let h = &w.host;
             assert_eq!(x.cols, h.cols, "matmul {}: inner dimensions differ", h.name);
             out.reshape(x.rows, h.rows);
             match &w.int8 {
                 Some(i) => {
-                    assert!(kernel.is_none_or(|k| k == (i.kernel, i.terms)));
-                    kernel = Some((i.kernel, i.terms));
-                    int8_jobs.push((&i.packed, &mut out.data));
+                    let key = (i.kernel, i.terms);
+                    let job = (&i.packed, &mut out.data[..]);
+                    match int8_jobs.iter_mut().find(|(k, _)| *k == key) {
+                        Some((_, jobs)) => jobs.push(job),
+                        None => int8_jobs.push((key, vec![job])),
+                    }
                 }
                 None => f32_jobs.push((h, &mut out.data)),
             }
         }
-        if let Some((k, terms)) = kernel {
-            int8::matmul_many(&self.pool, k, terms, &x.data, x.rows, &mut int8_jobs);
+        for ((k, terms), jobs) in &mut int8_jobs {
+            int8::matmul_many(&self.pool, *k, *terms, &x.data, x.rows, jobs);
         }
         if !f32_jobs.is_empty() {
             matmul::matmul_many(&self.pool, self.isa, &x.data, x.rows, &mut f32_jobs);

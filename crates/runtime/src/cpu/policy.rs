@@ -2,17 +2,27 @@
 //!
 //! - `auto` (default): the target's projections (q, k, v, o, gate, up, down) in Q4_0, Q4_1
 //!   or Q8_0 use int8 activations with the best tuned int8 kernel family that passed its
-//!   self-check; the vocabulary projection, drafter weights, other formats (Q4_K, Q6_K,
-//!   f16, bf16, f32) and tiny shapes (fewer than 16 output rows) keep the f32 kernels.
-//! - `int8x2`: as `auto` with two-term int8 activations (the codes of x and of its residual,
-//!   see `int8::quantize::Terms`): each product multiplies twice the int8 rows and lands
-//!   about 250 times closer to the f32 product, so the target's greedy text stays near the
-//!   model's (with the shipped drafter, MT-Bench τ at block 16 2.95 against 2.71 for `auto`,
-//!   f32 2.92), at 10–20 % of the decode speed (docs/benchmarks/2026-12-04-cpu-int8x2.md).
+//!   self-check; the vocabulary projection, other formats (Q4_K, Q6_K, f16, bf16, f32) and
+//!   tiny shapes (fewer than 16 output rows) keep the f32 kernels. The drafter's own
+//!   projections (fc, q, k, v, o, gate, up, down) keep f32 activations too, except where the
+//!   f32 kernels are AVX2's (no AVX-512): there they take two-term int8 activations, whose
+//!   products land about 250 times closer to the f32 product than one-term int8 (logits
+//!   within 0.004 of the f32 path's on the default model) at a fraction of the cost: on an
+//!   AVX2-only AMD EPYC the f32 Q4_1 product of two rows costs 4.6x the int8 one (1.3x on
+//!   AVX-512), so f32 drafts made DFlash slower than plain decoding there (0.93x) and these
+//!   faster (1.03–1.07x, draft 1.0–1.1 ms a round against 1.8;
+//!   docs/benchmarks/2026-12-06-cpu-avx2-int8x2-drafts.md). The draft head keeps f32.
+//! - `f32-draft`: as `auto`, with the drafter's projections on f32 on every CPU.
+//! - `int8x2`: as `auto` with two-term int8 activations for the target's projections too
+//!   (the codes of x and of its residual, see `int8::quantize::Terms`): each product
+//!   multiplies twice the int8 rows and lands about 250 times closer to the f32 product, so
+//!   the target's greedy text stays near the model's (with the shipped drafter, MT-Bench τ
+//!   at block 16 2.95 against 2.71 for `auto`, f32 2.92), at 10–20 % of the decode speed
+//!   (docs/benchmarks/2026-12-04-cpu-int8x2.md).
 //! - `int8-vocab`: as `auto`, and the vocabulary projection too (for measurements; drafts
 //!   then also read int8 vocabulary logits).
-//! - `int8-draft`: as `auto`, and the drafter's own projections too (fc, q, k, v, o, gate,
-//!   up, down); the draft head keeps f32 activations.
+//! - `int8-draft`: as `auto`, with the drafter's projections on one-term int8 activations on
+//!   every CPU; the draft head keeps f32 activations.
 //! - `reference`: the f32 kernels everywhere.
 //!
 //! A weight's path is fixed when it is uploaded, so every product with it, whatever the
@@ -63,6 +73,7 @@ pub enum MatmulMode {
     Int8x2,
     Int8Vocab,
     Int8Draft,
+    F32Draft,
     Reference,
 }
 
@@ -75,9 +86,11 @@ impl FromStr for MatmulMode {
             "int8x2" => Ok(MatmulMode::Int8x2),
             "int8-vocab" => Ok(MatmulMode::Int8Vocab),
             "int8-draft" => Ok(MatmulMode::Int8Draft),
+            "f32-draft" => Ok(MatmulMode::F32Draft),
             "reference" => Ok(MatmulMode::Reference),
             other => Err(RuntimeError::Device(format!(
-                "{ENV}={other:?}: expected auto, int8x2, int8-vocab, int8-draft or reference"
+                "{ENV}={other:?}: expected auto, int8x2, int8-vocab, int8-draft, f32-draft or \
+                 reference"
             ))),
         }
     }
@@ -90,6 +103,7 @@ impl fmt::Display for MatmulMode {
             MatmulMode::Int8x2 => "int8x2",
             MatmulMode::Int8Vocab => "int8-vocab",
             MatmulMode::Int8Draft => "int8-draft",
+            MatmulMode::F32Draft => "f32-draft",
             MatmulMode::Reference => "reference",
         })
     }
@@ -101,7 +115,8 @@ impl MatmulMode {
         std::env::var(ENV).unwrap_or_default().parse()
     }
 
-    /// The int8 rows per activation row of this mode's int8 products.
+    /// The int8 rows per activation row of this mode's int8 products of the target's
+    /// projections.
     pub fn terms(self) -> Terms {
         match self {
             MatmulMode::Int8x2 => Terms::Two,
@@ -109,13 +124,17 @@ impl MatmulMode {
         }
     }
 
-    fn int8_for(self, role: WeightRole) -> bool {
+    /// The int8 terms a weight of `role` takes in this mode where the f32 kernels are
+    /// `isa`'s, or `None` for f32 activations (see the module docs).
+    fn int8_terms(self, role: WeightRole, isa: Isa) -> Option<Terms> {
         match (self, role) {
-            (MatmulMode::Reference, _) => false,
-            (_, WeightRole::Projection) => true,
-            (MatmulMode::Int8Vocab, WeightRole::Vocab) => true,
-            (MatmulMode::Int8Draft, WeightRole::Draft) => true,
-            _ => false,
+            (MatmulMode::Reference, _) => None,
+            (_, WeightRole::Projection) => Some(self.terms()),
+            (MatmulMode::Int8Vocab, WeightRole::Vocab) => Some(Terms::One),
+            (MatmulMode::Int8Draft, WeightRole::Draft) => Some(Terms::One),
+            (MatmulMode::F32Draft, WeightRole::Draft) => None,
+            (_, WeightRole::Draft) if isa == Isa::Avx2 => Some(Terms::Two),
+            _ => None,
         }
     }
 }
@@ -151,9 +170,9 @@ pub fn select(
     isa: Isa,
 ) -> CpuPath {
     let shape_fits = rows >= PANEL && cols.is_multiple_of(32);
-    match int8 {
-        Some(k) if mode.int8_for(role) && Int8Format::of(dtype).is_some() && shape_fits => {
-            CpuPath::Int8(k, mode.terms())
+    match (int8, mode.int8_terms(role, isa)) {
+        (Some(k), Some(terms)) if Int8Format::of(dtype).is_some() && shape_fits => {
+            CpuPath::Int8(k, terms)
         }
         _ => CpuPath::F32(isa),
     }
@@ -211,6 +230,20 @@ mod tests {
             "int8-draft".parse::<MatmulMode>().unwrap(),
             MatmulMode::Int8Draft
         );
+        assert_eq!(
+            "f32-draft".parse::<MatmulMode>().unwrap(),
+            MatmulMode::F32Draft
+        );
+        for m in [
+            "auto",
+            "int8x2",
+            "int8-vocab",
+            "int8-draft",
+            "f32-draft",
+            "reference",
+        ] {
+            assert_eq!(m.parse::<MatmulMode>().unwrap().to_string(), m);
+        }
         let e = "fast".parse::<MatmulMode>().unwrap_err().to_string();
         assert!(
             e.contains("DFLASH_MATMUL") && e.contains("reference"),
@@ -250,7 +283,8 @@ mod tests {
             head.2,
         );
         assert_eq!(v, CpuPath::Int8(Int8Kernel::Avx2, Terms::One));
-        // Drafter weights, other formats, tiny shapes, reference mode, no int8 family: f32.
+        // Drafter weights (where the f32 kernels are not AVX2's), other formats, tiny
+        // shapes, reference mode, no int8 family: f32.
         assert_eq!(
             sel(auto, WeightRole::Draft, DType::Q4_1, 576, 576),
             CpuPath::F32(isa)
@@ -293,6 +327,41 @@ mod tests {
             isa,
         );
         assert_eq!(none, CpuPath::F32(isa));
+    }
+
+    #[test]
+    fn drafter_projections_take_two_term_int8_where_the_f32_kernels_are_avx2s() {
+        let (n, k) = (1536, 576);
+        let two = CpuPath::Int8(Int8Kernel::Avx2, Terms::Two);
+        let one = CpuPath::Int8(Int8Kernel::Avx2, Terms::One);
+        let draft = |mode, isa| select(mode, WeightRole::Draft, DType::Q4_1, n, k, K, isa);
+        for mode in [MatmulMode::Auto, MatmulMode::Int8x2, MatmulMode::Int8Vocab] {
+            assert_eq!(draft(mode, Isa::Avx2), two, "{mode}");
+            for isa in [Isa::Avx512, Isa::Neon, Isa::Portable(8)] {
+                assert_eq!(draft(mode, isa), CpuPath::F32(isa), "{mode} {isa}");
+            }
+        }
+        for isa in [Isa::Avx2, Isa::Avx512] {
+            assert_eq!(draft(MatmulMode::F32Draft, isa), CpuPath::F32(isa));
+            assert_eq!(draft(MatmulMode::Int8Draft, isa), one);
+            assert_eq!(draft(MatmulMode::Reference, isa), CpuPath::F32(isa));
+        }
+        // The rule moves the drafter's projections only: not the target's, not any head,
+        // nor formats or shapes the int8 kernels do not take.
+        let avx2 = |role, dtype, n| select(MatmulMode::Auto, role, dtype, n, k, K, Isa::Avx2);
+        assert_eq!(avx2(WeightRole::Projection, DType::Q4_1, n), one);
+        assert_eq!(
+            avx2(WeightRole::Vocab, DType::Q8_0, 49152),
+            CpuPath::F32(Isa::Avx2)
+        );
+        assert_eq!(
+            avx2(WeightRole::Draft, DType::BF16, n),
+            CpuPath::F32(Isa::Avx2)
+        );
+        assert_eq!(
+            avx2(WeightRole::Draft, DType::Q4_1, 8),
+            CpuPath::F32(Isa::Avx2)
+        );
     }
 
     #[test]
