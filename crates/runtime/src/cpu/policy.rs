@@ -9,8 +9,8 @@
 //!   products land about 250 times closer to the f32 product than one-term int8 (logits
 //!   within 0.004 of the f32 path's on the default model) at a fraction of the cost: on an
 //!   AVX2-only AMD EPYC the f32 Q4_1 product of two rows costs 4.6x the int8 one (1.3x on
-//!   AVX-512), so f32 drafts made DFlash slower than plain decoding there (0.93x) and these
-//!   faster (1.03–1.07x, draft 1.0–1.1 ms a round against 1.8;
+//!   AVX-512), so f32 drafts made DFlash slower than plain decoding there (median 0.95x) and
+//!   these faster (median 1.065x, draft 1.17 ms a round against 1.81; MT-Bench τ unchanged;
 //!   docs/benchmarks/2026-12-06-cpu-avx2-int8x2-drafts.md). The draft head keeps f32.
 //! - `f32-draft`: as `auto`, with the drafter's projections on f32 on every CPU.
 //! - `int8x2`: as `auto` with two-term int8 activations for the target's projections too
