@@ -5,6 +5,8 @@
 //! aside), then the row cut back; and one single-token decode step with its greedy choice. The
 //! choice (`argmax_rows`) brings only token ids to the host, so each timing ends when the
 //! device has finished. One warm-up pair, then `reps` timed pairs; medians with the raw runs.
+//! The ratio is the median of the pairs' own ratios: a machine whose speed drifts between
+//! pairs (a shared CPU) moves both runs of a pair together, not the ratio.
 
 use std::time::{Duration, Instant};
 
@@ -92,16 +94,22 @@ fn measure<T: Target>(t: &mut T, prompt: &[u32], block: usize, reps: usize) -> R
         }
     }
     t.release_row(b.row);
+    let ratio = pair_ratio(&verify, &decode);
     let (v, d) = (median(verify.clone()), median(decode.clone()));
     Ok(json!({
         "block": block,
         "context": b.start,
         "verify_ms": v,
         "decode_step_ms": d,
-        "verify_over_decode": v / d,
+        "verify_over_decode": ratio,
         "verify_runs_ms": verify,
         "decode_step_runs_ms": decode,
     }))
+}
+
+/// The median over timed pairs of `num[i] / den[i]`.
+pub fn pair_ratio(num: &[f64], den: &[f64]) -> f64 {
+    median(num.iter().zip(den).map(|(n, d)| n / d).collect())
 }
 
 /// A row holding the prompt, on which blocks of tokens are run and cut back.
