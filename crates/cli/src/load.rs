@@ -201,12 +201,18 @@ pub fn load_target(args: &ModelArgs) -> Result<Bundle> {
                 opts.kv_type = kv.into();
             }
             let backend = Arc::new(CudaBackend::with_options(opts)?);
-            let device = format!(
+            let mut device = format!(
                 "cuda:{ordinal} {} ({}) kv {}",
                 backend.device_name(),
                 backend.kernel_target(),
                 backend.kv_type()
             );
+            if !backend.skipped_launches().is_empty() {
+                // Every report names the device: a measurement with launches left out
+                // cannot pass for a real one.
+                let skipped = backend.skipped_launches().join(", ");
+                device.push_str(&format!(" SKIPPING [{skipped}], results wrong"));
+            }
             let m = load_model(backend.clone(), &path).with_context(context)?;
             let parts = (m.tokenizer, m.template, m.name);
             (

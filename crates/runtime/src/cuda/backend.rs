@@ -213,6 +213,12 @@ impl CudaBackend {
         &self.dev.name
     }
 
+    /// Launch names skipped by `DFLASH_CUDA_SKIP` (a profiling aid; results are wrong while
+    /// any is).
+    pub fn skipped_launches(&self) -> &[String] {
+        &self.dev.skip
+    }
+
     /// (major, minor) compute capability.
     pub fn compute_capability(&self) -> (i32, i32) {
         self.dev.compute_capability

@@ -14,7 +14,7 @@ use super::attention::{
 use super::compile::{self, Image, Module, Target};
 use super::int8::{int8_format, int8_mma_min_rows, int8_mma_width, Int8Policy};
 use super::int8_x::FreshX;
-use super::profile::Profiler;
+use super::profile::{skip_list, ProfileKeys, Profiler};
 use crate::dtype::DType;
 use crate::error::RuntimeError;
 use crate::kv_type::KvType;
@@ -450,6 +450,11 @@ pub(crate) struct Device {
     /// A tile forced by `DFLASH_CUDA_MM_TILE` (1, 2, 4, 8 or 16 rows of x) for every
     /// product: a debugging aid (one kernel instance for every M).
     pub fixed_mt: Option<usize>,
+    /// Launch names (digits written `N`, as [`ProfileKeys::Name`] keys them) that are not
+    /// launched at all, from `DFLASH_CUDA_SKIP` (comma-separated): a profiling aid that
+    /// measures what a kernel costs inside a captured step (the step time without it). The
+    /// results are wrong while it is set, and opening the device says so.
+    pub skip: Vec<String>,
     /// Kernels are launched with programmatic stream serialization (programmatic dependent
     /// launch: sm_90 and later, unless `DFLASH_CUDA_PDL=0`), so each kernel's blocks start
     /// while the one before finishes and wait for it in `df_kernel_begin` (common.cu).
@@ -621,6 +626,14 @@ impl Device {
             Err(_) => None,
         };
 
+        let skip = skip_list(std::env::var("DFLASH_CUDA_SKIP").ok().as_deref());
+        if !skip.is_empty() {
+            tracing::warn!(
+                "DFLASH_CUDA_SKIP: launches of {skip:?} are skipped; every result is wrong \
+                 (a profiling aid)"
+            );
+        }
+
         let pdl = match std::env::var("DFLASH_CUDA_PDL").as_deref() {
             Err(_) | Ok("1") | Ok("") => arch >= 90 && cc.0 >= 9,
             Ok("0") => false,
@@ -668,6 +681,7 @@ impl Device {
             formats: Default::default(),
             format_lock: Mutex::new(()),
             fixed_mt,
+            skip,
             pdl,
             fuse_rope,
             fuse_merge_min_rows: opts.fuse_merge_min_rows,
@@ -924,6 +938,9 @@ impl Device {
             grid.1 <= 65535 && grid.2 <= 65535,
             "grid too large for {name}: {grid:?}"
         );
+        if !self.skip.is_empty() && self.skip.contains(&ProfileKeys::Name.key(name)) {
+            return;
+        }
         // A poisoned lock (a panic in an earlier launch) still guards a usable profiler.
         let mut prof = self.profiler.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(p) = prof.as_mut() {

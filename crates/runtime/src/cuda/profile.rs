@@ -21,7 +21,7 @@ pub enum ProfileKeys {
 }
 
 impl ProfileKeys {
-    fn key(self, name: &str) -> String {
+    pub(crate) fn key(self, name: &str) -> String {
         match self {
             ProfileKeys::Class => name.split([' ', '[']).next().unwrap_or(name).to_string(),
             ProfileKeys::Name => {
@@ -115,9 +115,40 @@ impl Profiler {
     }
 }
 
+/// `DFLASH_CUDA_SKIP`'s launch names: comma-separated [`ProfileKeys::Name`] keys, blanks
+/// around each dropped (unset or empty: none).
+pub(crate) fn skip_list(v: Option<&str>) -> Vec<String> {
+    v.unwrap_or("")
+        .split(',')
+        .map(str::trim)
+        .filter(|n| !n.is_empty())
+        .map(str::to_string)
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
-    use super::ProfileKeys;
+    use super::{skip_list, ProfileKeys};
+
+    #[test]
+    fn skip_lists_hold_launch_name_keys() {
+        assert!(skip_list(None).is_empty());
+        assert!(skip_list(Some(" , ")).is_empty());
+        let s = skip_list(Some(
+            "attention merge, matmul[blk.N.ffn_down.weight] ,quant_qN",
+        ));
+        assert_eq!(
+            s,
+            [
+                "attention merge",
+                "matmul[blk.N.ffn_down.weight]",
+                "quant_qN"
+            ]
+        );
+        // A launch is skipped when its name's key is listed.
+        assert!(s.contains(&ProfileKeys::Name.key("matmul[blk.3.ffn_down.weight]")));
+        assert!(!s.contains(&ProfileKeys::Name.key("matmul[blk.3.ffn_gate.weight]")));
+    }
 
     #[test]
     fn keys_fold_layer_numbers_or_keep_the_class() {
