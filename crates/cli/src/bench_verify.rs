@@ -108,7 +108,7 @@ fn measure<T: Target>(t: &mut T, prompt: &[u32], block: usize, reps: usize) -> R
 }
 
 /// The median over timed pairs of `num[i] / den[i]`.
-pub fn pair_ratio(num: &[f64], den: &[f64]) -> f64 {
+fn pair_ratio(num: &[f64], den: &[f64]) -> f64 {
     median(num.iter().zip(den).map(|(n, d)| n / d).collect())
 }
 

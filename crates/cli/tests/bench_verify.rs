@@ -1,7 +1,8 @@
 //! `dflash bench` measures a verify block against a decode step on the target alone: the
-//! report carries every timed pair and the median of the pairs' ratios, the table says it, and a block that
-//! cannot fit the context after the prompt is a clear error; with a drafter, the DFlash arm
-//! reports its draft, verify and commit time per round.
+//! report carries every timed pair and the median of the pairs' ratios, the table says it,
+//! and a block that cannot fit the context after the prompt is a clear error; with a drafter,
+//! the DFlash arm reports its draft, verify and commit time per round, and `--batch` arms
+//! decode a queue of requests.
 
 mod support;
 
