@@ -44,6 +44,10 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--data-dirs", nargs="*", default=[], help="regen shard dirs/files")
     g.add_argument("--resume", default=None, help="checkpoint dir to resume from ('auto' = OUT/ckpt if present)")
     g.add_argument("--draft-layers", type=int, default=3)
+    g.add_argument("--grow-layers", type=int, default=0,
+                   help="train a drafter of this many layers grown from the resumed one: its layers, then "
+                        "copies of its last layer whose output projections start at zero, so the grown "
+                        "drafter starts out computing what the resumed one does (0 = the resumed layers)")
     g.add_argument("--num-taps", type=int, default=5)
     g.add_argument("--target-layer-ids", default=None, help="comma list; default: published rule")
     g.add_argument("--block-size", type=int, default=16)
@@ -166,15 +170,43 @@ def as_dflash2(cfg: DrafterConfig, a) -> DrafterConfig:
                                selector_rank=a.selector_rank, selector_top_k=a.selector_top_k)
 
 
-def load_backbone(drafter: DFlashDrafter, sd: Dict[str, torch.Tensor]) -> None:
+def load_backbone(drafter: DFlashDrafter, sd: Dict[str, torch.Tensor], layers: Optional[int] = None) -> None:
     """A DFlash drafter's weights into a DFlash2 ``drafter`` of the same shape, whose own parts
-    (the block convolutions and the candidate selector) keep their no-op initialisation."""
+    (the block convolutions and the candidate selector) keep their no-op initialisation; with
+    ``layers`` (the drafter ``sd`` holds that many), ``drafter``'s layers past them are grown
+    (`grow_layers`)."""
     res = drafter.load_state_dict(sd, strict=False)
     own = ("attention_conv.", "mlp_conv.", "candidate_selector.")
-    missing = [k for k in res.missing_keys if not any(o in k for o in own)]
+    n_old = len(drafter.layers) if layers is None else layers
+    new = tuple(f"layers.{i}." for i in range(n_old, len(drafter.layers)))
+    missing = [k for k in res.missing_keys if not any(o in k for o in own) and not k.startswith(new)]
     if missing or res.unexpected_keys:
-        raise ValueError(f"the DFlash drafter does not fit the DFlash2 shape: missing {missing[:4]}, "
+        raise ValueError(f"the resumed drafter does not fit this shape: missing {missing[:4]}, "
                          f"unexpected {res.unexpected_keys[:4]}")
+    if n_old < len(drafter.layers):
+        grow_layers(drafter, n_old)
+
+
+def grown_config(cfg: DrafterConfig, layers: int) -> DrafterConfig:
+    """``cfg`` with ``layers`` layers (--grow-layers), the new ones of its last layer's kind."""
+    if layers < cfg.num_hidden_layers:
+        raise ValueError(f"--grow-layers {layers}: the drafter already has {cfg.num_hidden_layers} layers")
+    types = cfg.layer_types
+    if types is not None:
+        types = list(types) + [types[-1]] * (layers - len(types))
+    return dataclasses.replace(cfg, num_hidden_layers=layers, layer_types=types)
+
+
+def grow_layers(drafter: DFlashDrafter, n_old: int) -> None:
+    """Layers ``n_old..`` of ``drafter`` become copies of layer ``n_old - 1`` with the attention's
+    and the MLP's output projections zero: each adds nothing to the residual stream, so the
+    drafter computes what its first ``n_old`` layers do, and training grows them from there."""
+    last = drafter.layers[n_old - 1].state_dict()
+    with torch.no_grad():
+        for layer in drafter.layers[n_old:]:
+            layer.load_state_dict(last)
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
 
 
 class Trainer:
@@ -232,6 +264,11 @@ class Trainer:
             sd = None
         if cfg.vocab_size != emb.shape[0]:
             self.log(f"[train] note: config vocab {cfg.vocab_size} vs embedding rows {emb.shape[0]}")
+        n_old = cfg.num_hidden_layers
+        if getattr(a, "grow_layers", 0):
+            cfg = grown_config(cfg, a.grow_layers)
+            if sd is not None and cfg.num_hidden_layers > n_old:
+                self.log(f"[train] {n_old} layers grown to {cfg.num_hidden_layers} (the new ones start as no-ops)")
         self.cfg = cfg
         short_block_lens(a, cfg)  # the short-block flags fit this drafter (fails before any data loads)
         self.gamma = a.gamma if a.gamma is not None else default_gamma(cfg.block_size)
@@ -239,9 +276,9 @@ class Trainer:
         self.selector_stats: Dict = {}
         if sd is None:
             self.drafter.reset_parameters(seed=a.seed)
-        elif grown:
+        elif grown or cfg.num_hidden_layers > n_old:
             self.drafter.reset_parameters(seed=a.seed)
-            load_backbone(self.drafter, sd)
+            load_backbone(self.drafter, sd, layers=n_old)
         else:
             self.drafter.load_state_dict(sd)
         self.drafter.to(self.device)

@@ -265,3 +265,48 @@ def test_a_dflash_drafter_grows_into_a_dflash2_one():
                                              selector_top_k=None, num_hidden_layers=3), a))
     with pytest.raises(ValueError, match="does not fit"):
         load_backbone(wide, d1.state_dict())
+
+
+@pytest.mark.parametrize("dflash2", [False, True])
+def test_grown_layers_start_as_no_ops(dflash2):
+    """train.grown_config + load_backbone(layers=) (stream_train --init-drafter D --grow-layers N):
+    the first layers keep the resumed drafter's weights, the new ones copy its last layer with
+    zero output projections, so the grown drafter's hidden states equal the resumed one's; a
+    drafter can only grow."""
+    from types import SimpleNamespace
+
+    from dflash_train.train import as_dflash2, grown_config, load_backbone
+
+    v1 = tiny_cfg(conv_kernel_size=None, conv_group_size=None, selector_rank=None, selector_top_k=None)
+    d1 = DFlashDrafter(v1)
+    d1.reset_parameters(seed=5)
+    cfg = grown_config(v1, 4)
+    if dflash2:
+        cfg = as_dflash2(cfg, SimpleNamespace(conv_kernel_size=2, conv_group_size=16, selector_rank=8,
+                                              selector_top_k=5))
+    assert cfg.num_hidden_layers == 4 and cfg.to_hf_dict()["num_hidden_layers"] == 4
+    assert len(cfg.to_hf_dict()["layer_types"]) == 4
+    d = DFlashDrafter(cfg)
+    d.reset_parameters(seed=9)
+    load_backbone(d, d1.state_dict(), layers=2)
+    sd = d.state_dict()
+    for k, v in d1.state_dict().items():
+        assert torch.equal(sd[k], v), k
+    for i in (2, 3):
+        assert torch.equal(sd[f"layers.{i}.self_attn.q_proj.weight"], sd["layers.1.self_attn.q_proj.weight"])
+        assert not sd[f"layers.{i}.self_attn.o_proj.weight"].any()
+        assert not sd[f"layers.{i}.mlp.down_proj.weight"].any()
+    bt, _, _, feats, mask, x, _ = _inputs(cfg, seed=2)
+    with torch.no_grad():
+        h1 = d1(x, bt["block_pos"].view(1, -1), feats, bt["position_ids"], mask)
+        h = d(x, bt["block_pos"].view(1, -1), feats, bt["position_ids"], mask)
+    assert torch.equal(h1, h)
+    # The new layers learn: their output projections get gradients at once.
+    _, _, _, feats, mask, x, _ = _inputs(cfg, seed=3)
+    d(x, bt["block_pos"].view(1, -1), feats, bt["position_ids"], mask).square().sum().backward()
+    assert d.layers[3].mlp.down_proj.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="already has 2 layers"):
+        grown_config(v1, 1)
+    sliding = tiny_cfg(conv_kernel_size=None, conv_group_size=None, selector_rank=None, selector_top_k=None,
+                       sliding_window=8, layer_types=["full_attention", "sliding_attention"])
+    assert grown_config(sliding, 3).layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
