@@ -1,13 +1,19 @@
 //! Element-wise ops: SiLU-gated product, residual add, argmax.
 
 /// `gate[i] = silu(gate[i]) * up[i]`, with silu(x) = x / (1 + e^-x): e^-x from
-/// [`super::vexp`] on AVX-512, from libm elsewhere (each value on its own either way).
+/// [`super::vexp`] on AVX-512 and AVX2 (the same bits), from libm elsewhere (each value on its
+/// own either way).
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     assert_eq!(gate.len(), up.len());
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx512f") {
         // SAFETY: AVX-512F was just detected; the slices have the same length.
         return unsafe { silu_mul_avx512(gate, up) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        // SAFETY: AVX2 and FMA were just detected; the slices have the same length.
+        return unsafe { silu_mul_avx2(gate, up) };
     }
     for (g, &u) in gate.iter_mut().zip(up) {
         *g = *g / (1.0 + (-*g).exp()) * u;
@@ -27,6 +33,22 @@ unsafe fn silu_mul_avx512(gate: &mut [f32], up: &[f32]) {
         let e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
         let s = _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), u);
         _mm512_mask_storeu_ps(gs.as_mut_ptr(), m, s);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn silu_mul_avx2(gate: &mut [f32], up: &[f32]) {
+    use super::vexp::{exp8, load8, store8, LANES8};
+    use std::arch::x86_64::*;
+    let one = _mm256_set1_ps(1.0);
+    for (gs, us) in gate.chunks_mut(LANES8).zip(up.chunks(LANES8)) {
+        let n = gs.len();
+        let g = load8(gs.as_ptr(), n);
+        let u = load8(us.as_ptr(), n);
+        let e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        let s = _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), u);
+        store8(gs.as_mut_ptr(), s, n);
     }
 }
 

@@ -5,7 +5,7 @@ use std::arch::x86_64::*;
 
 use half::f16;
 
-use super::super::vexp::{exp16, lane_mask, LANES};
+use super::super::vexp::{exp16, exp8, lane_mask, load8, store8, LANES, LANES8};
 use super::{ChunkStats, KvValue, Part, Typed, MAX_QUERIES};
 
 /// `softmax_weights` in 16 lanes: `exp(s - max)` by [`exp16`], summed in 16 partial sums
@@ -29,6 +29,32 @@ unsafe fn softmax_weights_avx512(scores: &mut [f32]) -> ChunkStats {
     ChunkStats {
         max,
         sum: _mm512_reduce_add_ps(sum),
+    }
+}
+
+/// `softmax_weights` in 8 lanes (AVX2): `exp(s - max)` by [`exp8`], summed in 8 partial sums
+/// reduced by halves at the end (one order for a given count, whichever query asks).
+#[target_feature(enable = "avx2,fma")]
+unsafe fn softmax_weights_avx2(scores: &mut [f32]) -> ChunkStats {
+    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mx = _mm256_set1_ps(max);
+    let mut sum = _mm256_setzero_ps();
+    for s in scores.chunks_mut(LANES8) {
+        let n = s.len();
+        let e = exp8(_mm256_sub_ps(load8(s.as_ptr(), n), mx));
+        store8(s.as_mut_ptr(), e, n);
+        // Lanes past n hold exp(0 - max): left out of the sum.
+        let keep = _mm256_cmpgt_epi32(
+            _mm256_set1_epi32(n as i32),
+            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+        );
+        sum = _mm256_add_ps(sum, _mm256_and_ps(e, _mm256_castsi256_ps(keep)));
+    }
+    let h = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps::<1>(sum));
+    let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    ChunkStats {
+        max,
+        sum: _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps::<1>(h, h))),
     }
 }
 
@@ -366,7 +392,7 @@ pub unsafe fn attend_avx2<T: Lanes>(
         *s = _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1))) * scale;
     }
     out.fill(0.0);
-    let stats = super::softmax_weights(scores);
+    let stats = softmax_weights_avx2(scores);
     for (&p, j) in scores.iter().zip(kv.start..kv.end) {
         let val = kv.v.as_ptr().add(j * kv.stride + kv.head_off);
         let pv = _mm256_set1_ps(p);
