@@ -254,6 +254,8 @@ def main(argv=None):
         train_mod.short_block_lens(args)
     except ValueError as e:
         ap.error(str(e))
+    if args.grow_layers < 0:
+        ap.error(f"--grow-layers {args.grow_layers}: expected a layer count (0 = the resumed drafter's)")
     t0 = time.time()
     deadline = t0 + args.time_limit_s
     if args.device.startswith("cuda"):
@@ -265,7 +267,10 @@ def main(argv=None):
     target = load_target(args.target, args.gguf_file, args.dtype, args.device)
     stable = os.path.join(args.work, "stable.pt")
     args.resume = args.init_drafter if args.init_drafter and not os.path.exists(stable) else None
-    tr = StreamTrainer(args, target, tok, args.work, target_name=os.path.basename(args.target.rstrip("/")))
+    try:
+        tr = StreamTrainer(args, target, tok, args.work, target_name=os.path.basename(args.target.rstrip("/")))
+    except ValueError as e:  # a resumed drafter that does not fit the flags (--grow-layers, --dflash2)
+        ap.error(str(e))
     uses: Dict[int, int] = {}
     calls = 0
     if os.path.exists(stable):

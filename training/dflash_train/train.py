@@ -516,12 +516,17 @@ def main(argv=None):
         short_block_lens(args)
     except ValueError as e:
         ap.error(str(e))
+    if args.grow_layers < 0:
+        ap.error(f"--grow-layers {args.grow_layers}: expected a layer count (0 = the resumed drafter's)")
     deadline = time.time() + args.time_limit_s
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.manual_seed(args.seed)
     tok = load_tokenizer(args.target, args.gguf_file)
     target = load_target(args.target, args.gguf_file, args.dtype, args.device)
-    tr = Trainer(args, target, tok, args.out_dir, target_name=os.path.basename(args.target.rstrip("/")))
+    try:
+        tr = Trainer(args, target, tok, args.out_dir, target_name=os.path.basename(args.target.rstrip("/")))
+    except ValueError as e:  # a resumed drafter that does not fit the flags (--grow-layers, --dflash2)
+        ap.error(str(e))
     tr.load_data(args.data_dirs)
     res = tr.train(deadline)
     print(json.dumps({k: v for k, v in res.items() if k != "args"}, default=str))

@@ -310,3 +310,16 @@ def test_grown_layers_start_as_no_ops(dflash2):
     sliding = tiny_cfg(conv_kernel_size=None, conv_group_size=None, selector_rank=None, selector_top_k=None,
                        sliding_window=8, layer_types=["full_attention", "sliding_attention"])
     assert grown_config(sliding, 3).layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
+
+
+@pytest.mark.parametrize("module", ["train", "stream_train"])
+def test_a_negative_layer_count_is_a_usage_error(module, capsys):
+    """--grow-layers below 0 exits with a usage error naming the flag, before any model loads."""
+    import importlib
+
+    mod = importlib.import_module(f"dflash_train.{module}")
+    dirs = ["--out-dir", "o"] if module == "train" else ["--data-dir", "d", "--work", "w"]
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--target", "no-such-target", *dirs, "--grow-layers", "-1"])
+    assert e.value.code == 2
+    assert "--grow-layers -1" in capsys.readouterr().err
