@@ -171,10 +171,10 @@ def as_dflash2(cfg: DrafterConfig, a) -> DrafterConfig:
 
 
 def load_backbone(drafter: DFlashDrafter, sd: Dict[str, torch.Tensor], layers: Optional[int] = None) -> None:
-    """A DFlash drafter's weights into a DFlash2 ``drafter`` of the same shape, whose own parts
-    (the block convolutions and the candidate selector) keep their no-op initialisation; with
-    ``layers`` (the drafter ``sd`` holds that many), ``drafter``'s layers past them are grown
-    (`grow_layers`)."""
+    """A resumed drafter's weights ``sd`` into ``drafter``: a DFlash2 drafter's own parts (the
+    block convolutions and the candidate selector) absent from ``sd`` keep their no-op
+    initialisation, and with ``layers`` (how many layers ``sd`` holds) ``drafter``'s layers past
+    them are grown (`grow_layers`)."""
     res = drafter.load_state_dict(sd, strict=False)
     own = ("attention_conv.", "mlp_conv.", "candidate_selector.")
     n_old = len(drafter.layers) if layers is None else layers
