@@ -17,6 +17,8 @@ use crate::cpu::kv::KvData;
 use crate::cpu::matmul::Isa;
 
 #[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
 mod x86;
 
 /// Positions per key chunk: chunk `c` holds positions `c · KEY_CHUNK .. (c + 1) · KEY_CHUNK`.
@@ -164,8 +166,8 @@ pub fn attend(
 
 /// Attends every query head of `queries` (the same size each) to its own positions of the KV
 /// head of `kv`, whose `start..end` holds all of them, chunk after chunk. Each query gets the
-/// bits [`attend`] gives it alone; the AVX-512 kernels for heads of 64 and 128 values walk the
-/// keys and values in tiles, each tile read by every query that sees it before the next, so
+/// bits [`attend`] gives it alone; the AVX-512 and AVX2 kernels for heads of 64 and 128 values
+/// walk the keys and values in tiles, each tile read by every query that sees it before the next, so
 /// queries sharing a KV head (a GQA group, the tokens of a verify block) read it once instead
 /// of once each.
 pub fn attend_many(
@@ -374,6 +376,14 @@ fn chunk_typed<T: x86::Lanes>(
                 x86::attend_many_regs::<T, 8>(kv, qs, scale, sc, part, stats);
                 continue;
             }
+            if isa == Isa::Avx2 && hd == 64 {
+                avx2::attend_many_avx2::<T, 8>(kv, qs, scale, sc, part, stats);
+                continue;
+            }
+            if isa == Isa::Avx2 && hd == 128 {
+                avx2::attend_many_avx2::<T, 16>(kv, qs, scale, sc, part, stats);
+                continue;
+            }
             let mut at = 0;
             for (i, q) in qs.iter().enumerate() {
                 let (kv, n) = (kv.narrowed(q), q.end - q.start);
@@ -386,7 +396,7 @@ fn chunk_typed<T: x86::Lanes>(
                 stats[i] = if isa == Isa::Avx512 && hd.is_multiple_of(16) {
                     x86::attend_avx512(q.q, kv, scale, sc, out)
                 } else if matches!(isa, Isa::Avx512 | Isa::Avx2) && hd.is_multiple_of(8) {
-                    x86::attend_avx2(q.q, kv, scale, sc, out)
+                    avx2::attend_avx2(q.q, kv, scale, sc, out)
                 } else {
                     attend_scalar(q.q, kv, scale, sc, out)
                 };

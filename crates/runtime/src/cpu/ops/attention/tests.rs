@@ -185,16 +185,26 @@ fn queries<'a>(
         .collect()
 }
 
-/// A score's lanes are summed by halves (i + (i + 8), i + (i + 4), i + (i + 2), i + (i + 1)),
-/// alone or sixteen scores at a time, bit for bit, on values whose sum depends on the order.
+/// The x86 widths this CPU runs: AVX-512 (16 lanes) and AVX2 (8 lanes) where present.
+#[cfg(target_arch = "x86_64")]
+fn x86_widths() -> Vec<Isa> {
+    let w: Vec<Isa> = [Isa::Avx512, Isa::Avx2]
+        .into_iter()
+        .filter(|i| i.is_supported())
+        .collect();
+    if w.is_empty() {
+        eprintln!("skipped: this CPU has neither AVX-512F nor AVX2");
+    }
+    w
+}
+
+/// A score's lanes are summed by halves (16 lanes: i + (i + 8), i + (i + 4), i + (i + 2),
+/// i + (i + 1); 8 lanes from the second step), alone or a vector of scores at a time, bit for
+/// bit, on values whose sum depends on the order.
 #[cfg(target_arch = "x86_64")]
 #[test]
-fn scores_sum_their_lanes_by_halves_alone_or_sixteen_at_once() {
-    use std::arch::x86_64::{__m512, _mm512_loadu_ps, _mm512_storeu_ps};
-    if Isa::detect() != Isa::Avx512 {
-        eprintln!("skipped: this CPU has no AVX-512F");
-        return;
-    }
+fn scores_sum_their_lanes_by_halves_alone_or_a_vector_at_once() {
+    use std::arch::x86_64::*;
     let halves = |l: &[f32]| -> f32 {
         let mut v = l.to_vec();
         while v.len() > 1 {
@@ -203,53 +213,62 @@ fn scores_sum_their_lanes_by_halves_alone_or_sixteen_at_once() {
         }
         v[0]
     };
-    for seed in 0..20u32 {
-        // Magnitudes from 1e-8 to 1e8 with both signs: most sums depend on the order.
-        let lanes: Vec<[f32; 16]> = (0..16u32)
-            .map(|u| {
-                std::array::from_fn(|i| {
-                    let h = (seed * 7919 + u * 131 + i as u32 * 17).wrapping_mul(2654435761);
-                    let mag = 10f32.powi((h % 17) as i32 - 8);
-                    if h & 1 == 0 {
-                        mag
-                    } else {
-                        -mag * 1.37
-                    }
+    for isa in x86_widths() {
+        let w = if isa == Isa::Avx512 { 16 } else { 8 };
+        for seed in 0..20u32 {
+            // Magnitudes from 1e-8 to 1e8 with both signs: most sums depend on the order.
+            let lanes: Vec<Vec<f32>> = (0..w as u32)
+                .map(|u| {
+                    (0..w as u32)
+                        .map(|i| {
+                            let h = (seed * 7919 + u * 131 + i * 17).wrapping_mul(2654435761);
+                            let mag = 10f32.powi((h % 17) as i32 - 8);
+                            if h & 1 == 0 {
+                                mag
+                            } else {
+                                -mag * 1.37
+                            }
+                        })
+                        .collect()
                 })
-            })
-            .collect();
-        // SAFETY: AVX-512F is present (checked above); every pointer covers 16 f32.
-        unsafe {
-            let vecs: [__m512; 16] = std::array::from_fn(|u| _mm512_loadu_ps(lanes[u].as_ptr()));
-            let mut all = [0f32; 16];
-            _mm512_storeu_ps(all.as_mut_ptr(), x86::hsum16x16(&vecs));
+                .collect();
+            let mut all = vec![0f32; w];
+            let mut alone = vec![0f32; w];
+            // SAFETY: the width's features are present (`x86_widths`); every pointer covers
+            // `w` f32.
+            unsafe {
+                if isa == Isa::Avx512 {
+                    let v: [__m512; 16] =
+                        std::array::from_fn(|u| _mm512_loadu_ps(lanes[u].as_ptr()));
+                    _mm512_storeu_ps(all.as_mut_ptr(), x86::hsum16x16(&v));
+                    for (u, s) in alone.iter_mut().enumerate() {
+                        *s = x86::hsum16(v[u]);
+                    }
+                } else {
+                    let v: [__m256; 8] =
+                        std::array::from_fn(|u| _mm256_loadu_ps(lanes[u].as_ptr()));
+                    _mm256_storeu_ps(all.as_mut_ptr(), avx2::hsum8x8(&v));
+                    for (u, s) in alone.iter_mut().enumerate() {
+                        *s = avx2::hsum8(v[u]);
+                    }
+                }
+            }
             for (u, l) in lanes.iter().enumerate() {
-                let want = halves(l);
-                assert_eq!(
-                    x86::hsum16(vecs[u]).to_bits(),
-                    want.to_bits(),
-                    "seed {seed} key {u} alone"
-                );
-                assert_eq!(
-                    all[u].to_bits(),
-                    want.to_bits(),
-                    "seed {seed} key {u} of 16"
-                );
+                let want = halves(l).to_bits();
+                assert_eq!(alone[u].to_bits(), want, "{isa} seed {seed} key {u} alone");
+                assert_eq!(all[u].to_bits(), want, "{isa} seed {seed} key {u} of {w}");
             }
         }
     }
 }
 
-/// The many-query register kernels, for one query or several, over one tile of keys or
-/// several, give every query the bits of the generic AVX-512 kernel on that query alone.
+/// The many-query register kernels (AVX-512 and AVX2), for one query or several, over one tile
+/// of keys or several, give every query the bits of the generic kernel of their width on that
+/// query alone.
 #[cfg(target_arch = "x86_64")]
 #[test]
-fn many_query_register_kernels_give_each_query_the_bits_of_the_generic_avx512_kernel() {
-    if Isa::detect() != Isa::Avx512 {
-        eprintln!("skipped: this CPU has no AVX-512F");
-        return;
-    }
-    fn check<T: x86::Lanes>(k: &[T], v: &[T], hd: usize, rs: &[(usize, usize)]) {
+fn many_query_register_kernels_give_each_query_the_bits_of_the_generic_kernel() {
+    fn check<T: x86::Lanes>(isa: Isa, k: &[T], v: &[T], hd: usize, rs: &[(usize, usize)]) {
         let kv = Typed {
             k,
             v,
@@ -269,49 +288,60 @@ fn many_query_register_kernels_give_each_query_the_bits_of_the_generic_avx512_ke
         let mut sc = vec![0f32; rs.iter().map(|r| r.1 - r.0).sum()];
         let mut part = vec![f32::NAN; rs.len() * hd];
         let mut stats = vec![ChunkStats::default(); rs.len()];
-        // SAFETY: AVX-512F was detected; the slices are in bounds.
+        let (q, s, p, st) = (&queries, &mut sc, &mut part, &mut stats);
+        // SAFETY: the width's features were detected; the slices are in bounds.
         unsafe {
-            if hd == 64 {
-                x86::attend_many_regs::<T, 4>(kv, &queries, 0.125, &mut sc, &mut part, &mut stats);
-            } else {
-                x86::attend_many_regs::<T, 8>(kv, &queries, 0.125, &mut sc, &mut part, &mut stats);
-            }
-            for (i, &(start, end)) in rs.iter().enumerate() {
-                let got = &part[i * hd..(i + 1) * hd];
-                if start == end {
-                    assert_eq!(got, vec![0.0; hd], "hd {hd}, query {i} sees no key");
-                    continue;
-                }
-                let mut want = vec![f32::NAN; hd];
-                let mut sc = vec![0f32; end - start];
-                let kv = Typed { start, end, ..kv };
-                let st = x86::attend_avx512(&qs[i], kv, 0.125, &mut sc, &mut want);
-                assert_eq!(bits(got), bits(&want), "hd {hd}, query {i} of {rs:?}");
-                assert_eq!(
-                    (stats[i].max.to_bits(), stats[i].sum.to_bits()),
-                    (st.max.to_bits(), st.sum.to_bits()),
-                    "hd {hd}, query {i} of {rs:?}: softmax"
-                );
+            match (isa, hd) {
+                (Isa::Avx512, 64) => x86::attend_many_regs::<T, 4>(kv, q, 0.125, s, p, st),
+                (Isa::Avx512, _) => x86::attend_many_regs::<T, 8>(kv, q, 0.125, s, p, st),
+                (_, 64) => avx2::attend_many_avx2::<T, 8>(kv, q, 0.125, s, p, st),
+                _ => avx2::attend_many_avx2::<T, 16>(kv, q, 0.125, s, p, st),
             }
         }
+        for (i, &(start, end)) in rs.iter().enumerate() {
+            let got = &part[i * hd..(i + 1) * hd];
+            if start == end {
+                assert_eq!(got, vec![0.0; hd], "{isa} hd {hd}, query {i} sees no key");
+                continue;
+            }
+            let mut want = vec![f32::NAN; hd];
+            let mut sc = vec![0f32; end - start];
+            let kv = Typed { start, end, ..kv };
+            // SAFETY: as above.
+            let st = unsafe {
+                if isa == Isa::Avx512 {
+                    x86::attend_avx512(&qs[i], kv, 0.125, &mut sc, &mut want)
+                } else {
+                    avx2::attend_avx2(&qs[i], kv, 0.125, &mut sc, &mut want)
+                }
+            };
+            assert_eq!(bits(got), bits(&want), "{isa} hd {hd}, query {i} of {rs:?}");
+            assert_eq!(
+                (stats[i].max.to_bits(), stats[i].sum.to_bits()),
+                (st.max.to_bits(), st.sum.to_bits()),
+                "{isa} hd {hd}, query {i} of {rs:?}: softmax"
+            );
+        }
     }
-    for hd in [64usize, 128] {
-        let c = Cache::new(210, 2 * hd);
-        for n in [1, 3, 4, 16] {
-            for first in [
-                (0, 0),
-                (2, 3),
-                (1, 5),
-                (0, 8),
-                (3, 40),
-                (0, 64),
-                (1, 129),
-                (5, 190),
-            ] {
-                for causal in [false, true] {
-                    let rs = ranges(n, first, causal);
-                    check(&c.k, &c.v, hd, &rs);
-                    check(&c.k16, &c.v16, hd, &rs);
+    for isa in x86_widths() {
+        for hd in [64usize, 128] {
+            let c = Cache::new(210, 2 * hd);
+            for n in [1, 3, 4, 16] {
+                for first in [
+                    (0, 0),
+                    (2, 3),
+                    (1, 5),
+                    (0, 8),
+                    (3, 40),
+                    (0, 64),
+                    (1, 129),
+                    (5, 190),
+                ] {
+                    for causal in [false, true] {
+                        let rs = ranges(n, first, causal);
+                        check(isa, &c.k, &c.v, hd, &rs);
+                        check(isa, &c.k16, &c.v16, hd, &rs);
+                    }
                 }
             }
         }

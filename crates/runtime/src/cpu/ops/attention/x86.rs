@@ -1,11 +1,12 @@
-//! The x86 attention kernels (AVX-512, AVX2): one query, or up to `MAX_QUERIES` sharing a
-//! KV head, over the keys of one chunk, giving each query's softmax max and sum and its
-//! weighted sum of values (normalised by the caller once the chunks are merged).
+//! The AVX-512 attention kernels (the AVX2 ones are in `avx2`), and the loads both use: one
+//! query, or up to `MAX_QUERIES` sharing a KV head, over the keys of one chunk, giving each
+//! query's softmax max and sum and its weighted sum of values (normalised by the caller once
+//! the chunks are merged).
 use std::arch::x86_64::*;
 
 use half::f16;
 
-use super::super::vexp::{exp16, exp8, lane_mask, load8, store8, LANES, LANES8};
+use super::super::vexp::{exp16, lane_mask, LANES};
 use super::{ChunkStats, KvValue, Part, Typed, MAX_QUERIES};
 
 /// `softmax_weights` in 16 lanes: `exp(s - max)` by [`exp16`], summed in 16 partial sums
@@ -29,32 +30,6 @@ unsafe fn softmax_weights_avx512(scores: &mut [f32]) -> ChunkStats {
     ChunkStats {
         max,
         sum: _mm512_reduce_add_ps(sum),
-    }
-}
-
-/// `softmax_weights` in 8 lanes (AVX2): `exp(s - max)` by [`exp8`], summed in 8 partial sums
-/// reduced by halves at the end (one order for a given count, whichever query asks).
-#[target_feature(enable = "avx2,fma")]
-unsafe fn softmax_weights_avx2(scores: &mut [f32]) -> ChunkStats {
-    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mx = _mm256_set1_ps(max);
-    let mut sum = _mm256_setzero_ps();
-    for s in scores.chunks_mut(LANES8) {
-        let n = s.len();
-        let e = exp8(_mm256_sub_ps(load8(s.as_ptr(), n), mx));
-        store8(s.as_mut_ptr(), e, n);
-        // Lanes past n hold exp(0 - max): left out of the sum.
-        let keep = _mm256_cmpgt_epi32(
-            _mm256_set1_epi32(n as i32),
-            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-        );
-        sum = _mm256_add_ps(sum, _mm256_and_ps(e, _mm256_castsi256_ps(keep)));
-    }
-    let h = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps::<1>(sum));
-    let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    ChunkStats {
-        max,
-        sum: _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps::<1>(h, h))),
     }
 }
 
@@ -156,7 +131,7 @@ const VALUE_QUERIES: usize = 4;
 
 /// Keys per tile: the tile's keys (or values) of one KV head, 16 KB at most, stay in L1
 /// while every head of the group reads them.
-const TILE: usize = 64;
+pub(super) const TILE: usize = 64;
 
 /// Scores of `scores.len()` keys from key `first` on (`kbase` points at key 0 of the head)
 /// for one query head of `16 · C` values held in registers, `KEYS` keys at a time; every
@@ -361,46 +336,6 @@ pub unsafe fn attend_avx512<T: Lanes>(
             _mm512_storeu_ps(
                 o,
                 _mm512_fmadd_ps(pv, T::load16(val.add(16 * c)), _mm512_loadu_ps(o)),
-            );
-        }
-    }
-    stats
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn attend_avx2<T: Lanes>(
-    q: &[f32],
-    kv: Typed<'_, T>,
-    scale: f32,
-    scores: &mut [f32],
-    out: &mut [f32],
-) -> ChunkStats {
-    let hd = q.len();
-    let chunks = hd / 8;
-    for (s, j) in scores.iter_mut().zip(kv.start..kv.end) {
-        let key = kv.k.as_ptr().add(j * kv.stride + kv.head_off);
-        let mut acc = _mm256_setzero_ps();
-        for c in 0..chunks {
-            acc = _mm256_fmadd_ps(
-                _mm256_loadu_ps(q.as_ptr().add(8 * c)),
-                T::load8(key.add(8 * c)),
-                acc,
-            );
-        }
-        let h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-        let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        *s = _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1))) * scale;
-    }
-    out.fill(0.0);
-    let stats = softmax_weights_avx2(scores);
-    for (&p, j) in scores.iter().zip(kv.start..kv.end) {
-        let val = kv.v.as_ptr().add(j * kv.stride + kv.head_off);
-        let pv = _mm256_set1_ps(p);
-        for c in 0..chunks {
-            let o = out.as_mut_ptr().add(8 * c);
-            _mm256_storeu_ps(
-                o,
-                _mm256_fmadd_ps(pv, T::load8(val.add(8 * c)), _mm256_loadu_ps(o)),
             );
         }
     }
