@@ -6,8 +6,8 @@
 use std::arch::x86_64::*;
 
 use super::super::vexp::{exp8, load8, store8, LANES8};
-use super::x86::{Lanes, TILE};
-use super::{ChunkStats, Part, Typed, MAX_QUERIES};
+use super::x86::{Lanes, Walk};
+use super::{ChunkStats, Part, Typed};
 
 /// `softmax_weights` in 8 lanes (AVX2): `exp(s - max)` by [`exp8`], summed in 8 partial sums
 /// reduced by halves at the end (one order for a given count, whichever query asks).
@@ -193,7 +193,7 @@ unsafe fn add_values<T: Lanes, const C: usize>(
 
 /// [`attend_avx2`] for up to `MAX_QUERIES` query heads of `8 · C` values (C = 8 or 16) on
 /// one KV head, each over its own positions inside one key chunk: keys and values are walked in
-/// tiles of `TILE` positions, each tile read by every query that sees part of it before the
+/// tiles of 64 positions ([`Walk`]), each tile read by every query that sees part of it before the
 /// next, so the heads of a GQA group and a verify block's tokens find it in L1. A query takes
 /// exactly the operations of [`attend_avx2`] (its sums pass through memory between tiles, which
 /// is exact), so it gets its bits. `scores` holds each query's keys, one query after another;
@@ -207,44 +207,26 @@ pub unsafe fn attend_many_avx2<T: Lanes, const C: usize>(
     part: &mut [f32],
     stats: &mut [ChunkStats],
 ) {
-    debug_assert!(queries.len() <= MAX_QUERIES);
-    debug_assert!(part.len() >= queries.len() * 8 * C && stats.len() >= queries.len());
-    let mut off = [0usize; MAX_QUERIES + 1];
-    for (i, q) in queries.iter().enumerate() {
-        debug_assert!(q.q.len() == 8 * C);
-        off[i + 1] = off[i] + (q.end - q.start);
-        part[i * 8 * C..(i + 1) * 8 * C].fill(0.0);
-    }
-    let (lo, hi) = super::span(queries);
-    if lo >= hi {
+    debug_assert!(stats.len() >= queries.len());
+    let Some(walk) = Walk::new(queries, 8 * C, part) else {
         return;
-    }
+    };
     let at = kv.head_off;
     let (kbase, vbase) = (kv.k.as_ptr().add(at), kv.v.as_ptr().add(at));
-    // The part of tile `t0..t1` query `q` sees, as key positions.
-    let cut = |q: &Part<'_>, t0: usize, t1: usize| (q.start.max(t0), q.end.min(t1));
-    for t0 in (lo..hi).step_by(TILE) {
-        let t1 = (t0 + TILE).min(hi);
-        for (i, q) in queries.iter().enumerate() {
-            let (a, b) = cut(q, t0, t1);
-            if a < b {
-                let sc = &mut scores[off[i] + a - q.start..off[i] + b - q.start];
-                score_keys::<T, C>(q.q, kbase, kv.stride, a, scale, sc);
-            }
-        }
-    }
-    for (i, st) in stats.iter_mut().enumerate().take(queries.len()) {
-        if off[i + 1] > off[i] {
-            *st = softmax_weights_avx2(&mut scores[off[i]..off[i + 1]]);
-        }
-    }
+    walk.score(queries, scores, |q, a, sc| {
+        // SAFETY: the caller's features and bounds (this function's contract).
+        unsafe { score_keys::<T, C>(q.q, kbase, kv.stride, a, scale, sc) }
+    });
+    // SAFETY: as above.
+    walk.softmax(scores, &mut stats[..queries.len()], |s| unsafe {
+        softmax_weights_avx2(s)
+    });
     let sums = part.as_mut_ptr();
-    for t0 in (lo..hi).step_by(TILE) {
-        let t1 = (t0 + TILE).min(hi);
+    for tile in walk.tiles() {
         for (i, q) in queries.iter().enumerate() {
-            let (a, b) = cut(q, t0, t1);
+            let (a, b) = Walk::cut(q, tile);
             if a < b {
-                let p = &scores[off[i] + a - q.start..off[i] + b - q.start];
+                let p = &scores[walk.at(i, q, (a, b))];
                 add_values::<T, C>(p, vbase, kv.stride, a, sums.add(i * 8 * C));
             }
         }

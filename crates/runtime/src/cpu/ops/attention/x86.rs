@@ -131,7 +131,82 @@ const VALUE_QUERIES: usize = 4;
 
 /// Keys per tile: the tile's keys (or values) of one KV head, 16 KB at most, stay in L1
 /// while every head of the group reads them.
-pub(super) const TILE: usize = 64;
+const TILE: usize = 64;
+
+/// What the many-query register kernels share: where each query's scores lie in `scores`
+/// (query `i`'s keys at `off[i]..off[i + 1]`, one query after another) and the tiles of `TILE`
+/// positions over the queries' span, each tile's part a query sees.
+pub(super) struct Walk {
+    off: [usize; MAX_QUERIES + 1],
+    lo: usize,
+    hi: usize,
+}
+
+impl Walk {
+    /// The walk over `queries` (heads of `hd` values), their sums in `part` zeroed; `None` when
+    /// no query sees a key.
+    pub fn new(queries: &[Part<'_>], hd: usize, part: &mut [f32]) -> Option<Self> {
+        debug_assert!(queries.len() <= MAX_QUERIES && part.len() >= queries.len() * hd);
+        let mut off = [0usize; MAX_QUERIES + 1];
+        for (i, q) in queries.iter().enumerate() {
+            debug_assert!(q.q.len() == hd);
+            off[i + 1] = off[i] + (q.end - q.start);
+            part[i * hd..(i + 1) * hd].fill(0.0);
+        }
+        let (lo, hi) = super::span(queries);
+        (lo < hi).then_some(Walk { off, lo, hi })
+    }
+
+    /// The tiles `(t0, t1)`, in order.
+    pub fn tiles(&self) -> impl Iterator<Item = (usize, usize)> {
+        let hi = self.hi;
+        (self.lo..hi)
+            .step_by(TILE)
+            .map(move |t0| (t0, (t0 + TILE).min(hi)))
+    }
+
+    /// The positions `(a, b)` of tile `t0..t1` query `q` sees (empty when `a >= b`).
+    pub fn cut(q: &Part<'_>, (t0, t1): (usize, usize)) -> (usize, usize) {
+        (q.start.max(t0), q.end.min(t1))
+    }
+
+    /// Where the scores of positions `a..b` of query `i` (`q`) lie in `scores`.
+    pub fn at(&self, i: usize, q: &Part<'_>, (a, b): (usize, usize)) -> std::ops::Range<usize> {
+        self.off[i] + a - q.start..self.off[i] + b - q.start
+    }
+
+    /// Every query's scores, tile by tile: `score(query, first position, its scores)`.
+    pub fn score(
+        &self,
+        queries: &[Part<'_>],
+        scores: &mut [f32],
+        mut score: impl FnMut(&Part<'_>, usize, &mut [f32]),
+    ) {
+        for tile in self.tiles() {
+            for (i, q) in queries.iter().enumerate() {
+                let (a, b) = Self::cut(q, tile);
+                if a < b {
+                    score(q, a, &mut scores[self.at(i, q, (a, b))]);
+                }
+            }
+        }
+    }
+
+    /// Every query's softmax weights over all its keys by `weights`, its stats in `stats`.
+    pub fn softmax(
+        &self,
+        scores: &mut [f32],
+        stats: &mut [ChunkStats],
+        weights: impl Fn(&mut [f32]) -> ChunkStats,
+    ) {
+        for (i, st) in stats.iter_mut().enumerate() {
+            let (a, b) = (self.off[i], self.off[i + 1]);
+            if b > a {
+                *st = weights(&mut scores[a..b]);
+            }
+        }
+    }
+}
 
 /// Scores of `scores.len()` keys from key `first` on (`kbase` points at key 0 of the head)
 /// for one query head of `16 · C` values held in registers, `KEYS` keys at a time; every
@@ -229,55 +304,34 @@ pub unsafe fn attend_many_regs<T: Lanes, const C: usize>(
     part: &mut [f32],
     stats: &mut [ChunkStats],
 ) {
-    debug_assert!(queries.len() <= MAX_QUERIES);
-    debug_assert!(part.len() >= queries.len() * 16 * C && stats.len() >= queries.len());
-    let mut off = [0usize; MAX_QUERIES + 1];
-    for (i, q) in queries.iter().enumerate() {
-        debug_assert!(q.q.len() == 16 * C);
-        off[i + 1] = off[i] + (q.end - q.start);
-        part[i * 16 * C..(i + 1) * 16 * C].fill(0.0);
-    }
-    let (lo, hi) = super::span(queries);
-    if lo >= hi {
+    debug_assert!(stats.len() >= queries.len());
+    let Some(walk) = Walk::new(queries, 16 * C, part) else {
         return;
-    }
+    };
     let at = kv.head_off;
     let (kbase, vbase) = (kv.k.as_ptr().add(at), kv.v.as_ptr().add(at));
-    // The part of tile `t0..t1` query `q` sees, as key positions.
-    let cut = |q: &Part<'_>, t0: usize, t1: usize| (q.start.max(t0), q.end.min(t1));
-    for t0 in (lo..hi).step_by(TILE) {
-        let t1 = (t0 + TILE).min(hi);
-        for (i, q) in queries.iter().enumerate() {
-            let (a, b) = cut(q, t0, t1);
-            if a < b {
-                let sc = &mut scores[off[i] + a - q.start..off[i] + b - q.start];
-                score_keys::<T, C>(q.q, kbase, kv.stride, a, scale, sc);
-            }
-        }
-    }
-    for (i, st) in stats.iter_mut().enumerate().take(queries.len()) {
-        if off[i + 1] > off[i] {
-            *st = softmax_weights_avx512(&mut scores[off[i]..off[i + 1]]);
-        }
-    }
+    walk.score(queries, scores, |q, a, sc| {
+        // SAFETY: the caller's features and bounds (this function's contract).
+        unsafe { score_keys::<T, C>(q.q, kbase, kv.stride, a, scale, sc) }
+    });
+    // SAFETY: as above.
+    walk.softmax(scores, &mut stats[..queries.len()], |s| unsafe {
+        softmax_weights_avx512(s)
+    });
     // Runs of up to `VALUE_QUERIES` queries seeing the same keys of a tile (the heads of a
     // GQA group, a verify block's tokens inside their common range) share each value's load.
     let group = VALUE_QUERIES / C.div_ceil(4);
     let sums = part.as_mut_ptr();
-    for t0 in (lo..hi).step_by(TILE) {
-        let t1 = (t0 + TILE).min(hi);
+    for tile in walk.tiles() {
         let mut i = 0;
         while i < queries.len() {
-            let (a, b) = cut(&queries[i], t0, t1);
+            let (a, b) = Walk::cut(&queries[i], tile);
             let mut n = 1;
-            while n < group && i + n < queries.len() && cut(&queries[i + n], t0, t1) == (a, b) {
+            while n < group && i + n < queries.len() && Walk::cut(&queries[i + n], tile) == (a, b) {
                 n += 1;
             }
             if a < b {
-                let p = |k: usize| {
-                    let q = &queries[i + k];
-                    &scores[off[i + k] + a - q.start..off[i + k] + b - q.start]
-                };
+                let p = |k: usize| &scores[walk.at(i + k, &queries[i + k], (a, b))];
                 let out = |k: usize| sums.add((i + k) * 16 * C);
                 let (vb, st) = (vbase, kv.stride);
                 match n {
