@@ -462,7 +462,10 @@ impl CudaBackend {
         // the quantizer's.
         // (The tensor-core kernels read it tiled, the rest by rows: `x8_form`.)
         let form = self.x8_form(m);
-        debug_assert!(!first.w.int8 || form.tiled == mma, "x8_form follows the kernel");
+        debug_assert!(
+            !first.w.int8 || form.tiled == mma,
+            "x8_form follows the kernel"
+        );
         let fresh = self.dev.fresh_x.get();
         let handed = fresh.and_then(|q| q.rows_at(p.x, m, k, form));
         if first.w.int8 {

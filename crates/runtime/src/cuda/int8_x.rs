@@ -180,7 +180,10 @@ mod tests {
         assert_eq!(q.rows_at(0x1000, 4, 64, ROWS), Some((0x9000, 0x9100)));
         // Rows 1..3: 64 codes and 2 pairs (16 bytes) per row in.
         assert_eq!(q.rows_at(0x1000 + 256, 2, 64, ROWS), Some((0x9040, 0x9110)));
-        assert_eq!(q.rows_at(0x1000 + 3 * 256, 1, 64, ROWS), Some((0x90c0, 0x9130)));
+        assert_eq!(
+            q.rows_at(0x1000 + 3 * 256, 1, 64, ROWS),
+            Some((0x90c0, 0x9130))
+        );
         // Past the last row, another width, a misaligned start, before the start.
         assert_eq!(q.rows_at(0x1000 + 256, 4, 64, ROWS), None);
         assert_eq!(q.rows_at(0x1000, 2, 32, ROWS), None);
