@@ -128,7 +128,7 @@ __device__ __forceinline__ void att_merge_out(const AttParams& p, int t, int h, 
     ((float*)p.out)[i] = y;
     if (p.qc) {
         const int n = p.n_heads * p.head_dim;
-        q8_terms(y, threadIdx.x & 31, (signed char*)p.qc, (float2*)p.qs, i, n, p.form);
+        q8_terms(y, threadIdx.x & 31, (signed char*)p.qc, (float2*)p.qs, t, h * p.head_dim + d, n, p.form);
     }
 }
 
@@ -533,7 +533,7 @@ __device__ __forceinline__ void attention_merge_body(const AttParams& p) {
         // whole warps take this branch).
         if (Q) {
             const int n = p.n_heads * hd;
-            q8_terms(y, lane, (signed char*)p.qc, (float2*)p.qs, i, n, p.form);
+            q8_terms(y, lane, (signed char*)p.qc, (float2*)p.qs, t, h * hd + d, n, p.form);
         }
     }
 }

@@ -792,7 +792,7 @@ __device__ __forceinline__ void mmqs_body(const MmParams& p) {
     if (warp < min(MT, p.m - m0)) {
         const size_t i = (size_t)(m0 + warp) * sg.n + n0 + lane;
         const float y = ((const float*)sg.out)[i];
-        q8_terms(y, lane, (signed char*)p.oc, (float2*)p.os, i, sg.n, DF_X_TERMS);
+        q8_terms(y, lane, (signed char*)p.oc, (float2*)p.os, m0 + warp, n0 + lane, sg.n, DF_X_TERMS);
     }
 }
 

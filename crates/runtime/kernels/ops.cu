@@ -124,7 +124,9 @@ extern "C" __global__ void quant_q8_f32(const float* x, i64 blocks, signed char*
     const int lane = threadIdx.x & 31;
     const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
     for (i64 b = blockIdx.x * (i64)(blockDim.x >> 5) + (threadIdx.x >> 5); b < blocks; b += warps) {
-        q8_terms(x[b * GROUP + lane], lane, codes, scales, (size_t)b * GROUP + lane, n, form);
+        const int bpr = n / GROUP;  // blocks per row (an int8 copy is a few rows: b fits an int)
+        const int row = (int)b / bpr;
+        q8_terms(x[b * GROUP + lane], lane, codes, scales, row, ((int)b - row * bpr) * GROUP + lane, n, form);
     }
 }
 
@@ -175,7 +177,7 @@ __device__ __forceinline__ float norm_weight(float w, int zero_centred) {
 // CPU's bit for bit, cuda_fused the quantizing norm's f32 output too.
 template <int T>
 __device__ __forceinline__ void rms_norm_staged_q8(const float* xs, float* os, const float* w, int dim, float eps,
-                                                int zero_centred, signed char* qc, float2* qs, size_t row,
+                                                int zero_centred, signed char* qc, float2* qs, int row,
                                                 int form) {
     constexpr int PER = NORM_STAGE / T;
     __shared__ float s_inv;
@@ -213,7 +215,7 @@ __device__ __forceinline__ void rms_norm_staged_q8(const float* xs, float* os, c
         if (i < dim) {
             const float y = __fmul_rn(norm_weight(wv[u], zero_centred), __fmul_rn(xv[u], inv));
             os[i] = y;
-            q8_terms(y, threadIdx.x & 31, qc, qs, row * dim + i, dim, form);
+            q8_terms(y, threadIdx.x & 31, qc, qs, row, i, dim, form);
         }
     }
 }
@@ -305,7 +307,7 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
         df_kernel_begin();                                                                                       \
         const i64 row = blockIdx.x;                                                                              \
         if (row >= groups) return;                                                                               \
-        rms_norm_staged_q8<T>(x + row * dim, out + row * dim, w, dim, eps, zero_centred, qc, qs, row, form);      \
+        rms_norm_staged_q8<T>(x + row * dim, out + row * dim, w, dim, eps, zero_centred, qc, qs, (int)row, form); \
     }
 NORM_Q8_KERNEL(rms_norm_q8_f32, NORM_Q_THREADS)
 NORM_Q8_KERNEL(rms_norm_q8_few_f32, NORM_Q_FEW_THREADS)
