@@ -16,6 +16,7 @@ use super::backend::CudaBackend;
 use super::device::{
     ensure, rows_setting, ATT_GM, ATT_MAX_GHD, ATT_MAX_SPLITS, ATT_NARROW_WARPS, ATT_PER, ATT_SLOTS,
 };
+use super::int8_x::QuantizedX;
 use super::kv::CudaKv;
 use super::tensor::{CudaMeta, CudaTensor};
 use crate::backend::{AttnShape, Backend};
@@ -81,8 +82,7 @@ struct AttParams {
     head_dim: i32,
     kv_dim: i32,
     scale: f32,
-    /// The form word of the int8 copy of out (cuda/int8_x.rs `X8Form`), or 0 with none.
-    form: i32,
+    terms: i32,
     /// The merge's int8 copy of out (codes, pairs), or zeros.
     qc: u64,
     qs: u64,
@@ -176,18 +176,17 @@ impl CudaBackend {
         // The merge also writes the int8 copy of out for an int8 output projection (whole
         // blocks of 32 values within each head).
         let k = n_heads * head_dim;
-        let out_ptr = self.tptr(out);
         let copy = head_dim
             .is_multiple_of(GROUP)
-            .then(|| self.int8_copy_for(out_ptr, t, k))
+            .then(|| self.int8_copy_for(t, k))
             .flatten();
-        let (qc, qs, form) = copy.map_or((0, 0, 0), |q| (q.codes, q.pairs, q.form.word()));
+        let (qc, qs) = copy.unwrap_or((0, 0));
         let p = AttParams {
             q: self.tptr(q),
             meta: self.meta_ptr(meta),
             rows: self.ptr(kv.table.as_ref().expect("rows reserved")),
             part,
-            out: out_ptr,
+            out: self.tptr(out),
             layer: layer as i32,
             t: t as i32,
             n_heads: n_heads as i32,
@@ -195,7 +194,7 @@ impl CudaBackend {
             head_dim: head_dim as i32,
             kv_dim: kv.kv_dim as i32,
             scale,
-            form,
+            terms: dev.int8.terms() as i32,
             qc,
             qs,
             count,
@@ -228,8 +227,15 @@ impl CudaBackend {
                 &p,
             );
         }
-        if let Some(q) = copy {
-            dev.fresh_x.note(q);
+        if let Some((codes, pairs)) = copy {
+            dev.fresh_x.note(QuantizedX {
+                x: p.out,
+                rows: t,
+                k,
+                terms: dev.int8.terms(),
+                codes,
+                pairs,
+            });
         }
     }
 }
