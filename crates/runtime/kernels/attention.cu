@@ -68,9 +68,9 @@ struct AttParams {
     int head_dim;
     int kv_dim;
     float scale;
-    int terms;  // int8 rows per row of the int8 copy (q8_terms: 1, or 2 for two-term activations)
-    u64 qc;  // attention_merge_q8 (head_dim % 32 == 0): out quantized, codes [T * terms, n_heads * head_dim]
-    u64 qs;  // and their (d, ds) pairs [T * terms, n_heads * head_dim / 32] (q8_terms)
+    int form;  // the form word of the int8 copy (q8_at in common.cu: terms, rows or tiled)
+    u64 qc;  // attention_merge_q8 (head_dim % 32 == 0): out quantized, its codes (q8_terms)
+    u64 qs;  // and their (d, ds) pairs
     u64 count;  // [T][n_kv_heads] u32 arrivals, zero between launches; 0: a separate merge launch
 };
 
@@ -128,8 +128,7 @@ __device__ __forceinline__ void att_merge_out(const AttParams& p, int t, int h, 
     ((float*)p.out)[i] = y;
     if (p.qc) {
         const int n = p.n_heads * p.head_dim;
-        const size_t j = q8_index(i, n, p.terms);
-        q8_terms(y, threadIdx.x & 31, (signed char*)p.qc + j, (float2*)p.qs + j / GROUP, n, p.terms);
+        q8_terms(y, threadIdx.x & 31, (signed char*)p.qc, (float2*)p.qs, t, h * p.head_dim + d, n, p.form);
     }
 }
 
@@ -534,8 +533,7 @@ __device__ __forceinline__ void attention_merge_body(const AttParams& p) {
         // whole warps take this branch).
         if (Q) {
             const int n = p.n_heads * hd;
-            const size_t j = q8_index(i, n, p.terms);
-            q8_terms(y, lane, (signed char*)p.qc + j, (float2*)p.qs + j / GROUP, n, p.terms);
+            q8_terms(y, lane, (signed char*)p.qc, (float2*)p.qs, t, h * hd + d, n, p.form);
         }
     }
 }

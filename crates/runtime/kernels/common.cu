@@ -389,18 +389,53 @@ __device__ __forceinline__ float q8_block(float v, int lane, signed char* code, 
     return __fmul_rn((float)q, d);
 }
 
-// The int8 copy of x in `terms` int8 rows per row (1, or 2: two-term activations, the CPU's
-// `Terms::Two`): the codes of x, then (terms = 2) those of its residual r = fl(x - fl(q d)),
-// which the products add (out = first + second). The copy's int8 rows interleave: row i's
-// first term is int8 row terms * i, its second the row after, so rows m0.. of x are one run of
-// int8 rows. `code` and `scale` point at v's first-term code and its block's pair; the second
-// term's are `n` codes (the row width) and n / 32 pairs further.
-__device__ __forceinline__ void q8_terms(float v, int lane, signed char* code, float2* scale, int n, int terms) {
-    const float first = q8_block(v, lane, code, scale);
-    if (terms == 2) q8_block(__fsub_rn(v, first), lane, code + n, scale + n / GROUP);
+// Where value (row, col) of a row-major [rows, n] f32 tensor goes in its int8 copy of form `form`
+// (cuda/int8_x.rs `X8Form`: the terms per row below the flag X8_TILED, defined by the host),
+// for term `term` (0, or 1: the residual's): its code's byte offset from the codes and its
+// block's pair's index from the pairs.
+// - By rows: int8 rows interleave (row i's first term is int8 row terms * i, its second the
+//   row after, so rows m0.. of x are one run of int8 rows), codes and pairs row-major.
+// - Tiled: per tile of QT_BM int8 rows (int8 row r = row mod XM + term * XM, XM = QT_BM /
+//   terms rows of x a tile) and block of 32 values, QT_BM * 32 bytes of codes, where lane
+//   4g + t finds the A fragment of mma.m16n8k32 (matmul_qtc.cu's header) as 16 bytes at 16
+//   (4g + t): a0..a3 = int8 rows g, g + 8, g, g + 8 at values 4t..4t+3, 4t.., 16+4t.., 16+4t..;
+//   then QT_BM pairs per tile, rows g and g + 8 side by side at 2g. Tiles run over the blocks
+//   of a row, then over the rows.
+// (Callers pass row and column: a 64-bit division per value cost the default model's decode
+// step 3 %.)
+__device__ __forceinline__ void q8_at(int row, int col, int n, int form, int term, size_t* code, size_t* pair) {
+    const int terms = form & (X8_TILED - 1);
+    const int blocks = n / GROUP;
+    if (form & X8_TILED) {
+        // Rows of x per tile, QT_BM / terms, as constant divisors (shifts).
+        const int xm = terms == 2 ? QT_BM / 2 : QT_BM;
+        const int rb = terms == 2 ? row / (QT_BM / 2) : row / QT_BM;
+        const size_t tile = (size_t)rb * blocks + col / GROUP;
+        const int r = row - rb * xm + term * xm;
+        const int k = col % GROUP;
+        const int lane = 4 * (r & 7) + ((k & 15) >> 2);
+        const int word = (r >> 3) + 2 * (k >> 4);
+        *code = tile * (QT_BM * GROUP) + 16 * lane + 4 * word + (k & 3);
+        *pair = tile * QT_BM + 2 * (r & 7) + (r >> 3);
+    } else {
+        const size_t r8 = (size_t)row * terms + term;
+        *code = r8 * n + col;
+        *pair = r8 * blocks + col / GROUP;
+    }
 }
 
-// Index of the first-term code of value i of a row-major [rows, n] f32 tensor in its copy.
-__device__ __forceinline__ size_t q8_index(size_t i, int n, int terms) {
-    return terms == 2 ? i + (i / (size_t)n) * (size_t)n : i;
+// The int8 copy of x in `terms` int8 rows per row (1, or 2: two-term activations, the CPU's
+// `Terms::Two`): the codes of x, then (terms = 2) those of its residual r = fl(x - fl(q d)),
+// which the products add (out = first + second). v is value (row, col) of a row-major [rows, n]
+// tensor (lane j of a warp holding value j of a block), stored at `codes` and `pairs` in form
+// `form` (q8_at).
+__device__ __forceinline__ void q8_terms(float v, int lane, signed char* codes, float2* pairs, int row, int col,
+                                         int n, int form) {
+    size_t c, s;
+    q8_at(row, col, n, form, 0, &c, &s);
+    const float first = q8_block(v, lane, codes + c, pairs + s);
+    if ((form & (X8_TILED - 1)) == 2) {
+        q8_at(row, col, n, form, 1, &c, &s);
+        q8_block(__fsub_rn(v, first), lane, codes + c, pairs + s);
+    }
 }

@@ -59,8 +59,8 @@ struct MmSeg {
 
 struct MmParams {
     MmSeg seg[MM_SEGS];
-    u64 x;      // [M, K] f32 (int8 kernels: [M * DF_X_TERMS, K] codes)
-    u64 xs;     // int8 kernels: [M * DF_X_TERMS, K/32] float2 (d, ds) per block of x; else 0
+    u64 x;      // [M, K] f32 (int8 kernels: the codes of x's int8 copy, mmq_* by rows: [M * DF_X_TERMS, K]; mmqt_* tiled)
+    u64 xs;     // int8 kernels: the copy's float2 (d, ds) per block of x (q8_at in common.cu); else 0
     int nseg;
     int k;
     int m;
@@ -75,7 +75,7 @@ struct MmParams {
     int style;
     int kv_dim;
     int kv_half;   // the cache holds f16 (kv_put)
-    // mmqs (SwiGLU that also writes the int8 copy of its output, q8_terms): codes
+    // mmqs (SwiGLU that also writes the int8 copy of its output, q8_terms, by rows): codes
     // [M * DF_X_TERMS, n] and the (d, ds) pairs [M * DF_X_TERMS, n / 32]; else 0.
     u64 oc;
     u64 os;
@@ -792,8 +792,7 @@ __device__ __forceinline__ void mmqs_body(const MmParams& p) {
     if (warp < min(MT, p.m - m0)) {
         const size_t i = (size_t)(m0 + warp) * sg.n + n0 + lane;
         const float y = ((const float*)sg.out)[i];
-        const size_t j = q8_index(i, sg.n, DF_X_TERMS);
-        q8_terms(y, lane, (signed char*)p.oc + j, (float2*)p.os + j / GROUP, sg.n, DF_X_TERMS);
+        q8_terms(y, lane, (signed char*)p.oc, (float2*)p.os, m0 + warp, n0 + lane, sg.n, DF_X_TERMS);
     }
 }
 

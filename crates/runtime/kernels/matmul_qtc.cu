@@ -34,7 +34,12 @@
 //                                 a2 = (g, 16+4t..)    a3 = (g + 8, 16+4t..)
 //   B (32 x 8, k by weight row):  b0 = (4t..4t+3, g)   b1 = (16+4t.., g)
 //   C (16 x 8, s32):              c0 = (g, 2t)  c1 = (g, 2t + 1)  c2 = (g + 8, 2t)  c3 = (g + 8, 2t + 1)
-// x codes are in value order, so a0..a3 are single 4-byte loads; a packed Q4 group's code
+// x is the int8 copy in its tiled form (q8_at in common.cu, cuda/int8_x.rs `X8Form`), where a
+// thread's a0..a3 of a group are one 16-byte load and the (d, ds) pairs of its rows g and g + 8
+// another (a warp reads 512 + 128 contiguous bytes a group: by rows it was four 4-byte loads
+// of 8 rows each and two 8-byte ones, three quarters of the kernel's L1 requests; the tiled
+// form took Qwen3-4B's products at 16 rows from 17.9 to 10.8 us (q) and 33.3 to 25.9 us (down)
+// on an H100, docs/benchmarks/2026-12-07-h100-tiled-int8-x.md). A packed Q4 group's code
 // byte j holds values j (low nibble) and j + 16 (high), so b0 and b1 are the two nibble
 // halves of one 4-byte load (Q8_0: two loads).
 //
@@ -200,12 +205,13 @@ __device__ __forceinline__ void qt_finish(const MmParams& p, const MmSeg& sg, in
 }
 
 // What a block of either kernel works on: its segment, first column c0, rows m0 .. m0 + ml of
-// x, and this thread's warp and fragment coordinates (g, t), with the int8 rows of its A
-// fragments (rows g and g + 8 of x, or with two terms both terms of row g; rows past M re-read
-// row m0).
+// x (tile blockIdx.y of the tiled copy), and this thread's warp and fragment coordinates
+// (g, t), with whether its A rows g and g + 8 (rows m0 + g and m0 + g + 8 of x, or with two
+// terms both terms of row m0 + g) are rows of x: those past M are the tile's padding, which
+// nothing writes, and are read as zeros.
 struct QtBlock {
     int si, c0, m0, ml, groups, warp, g, t;
-    size_t xr[2];
+    bool row_lo, row_hi;
 };
 
 __device__ __forceinline__ QtBlock qt_block(const MmParams& p, int bn) {
@@ -218,29 +224,24 @@ __device__ __forceinline__ QtBlock qt_block(const MmParams& p, int bn) {
     b.warp = threadIdx.x >> 5;
     b.g = (threadIdx.x & 31) >> 2;
     b.t = threadIdx.x & 3;
-    if (DF_X_TERMS == 2) {
-        b.xr[0] = 2 * (size_t)(b.m0 + (b.g < b.ml ? b.g : 0));
-        b.xr[1] = b.xr[0] + 1;
-    } else {
-        b.xr[0] = (size_t)(b.m0 + (b.g < b.ml ? b.g : 0));
-        b.xr[1] = (size_t)(b.m0 + (b.g + 8 < b.ml ? b.g + 8 : 0));
-    }
+    b.row_lo = b.g < b.ml;
+    b.row_hi = DF_X_TERMS == 2 ? b.row_lo : b.g + 8 < b.ml;
     return b;
 }
 
-// The A fragments and x scales of group gi for this thread (int8 rows xr, QtBlock).
-__device__ __forceinline__ void qt_load_x(const MmParams& p, const size_t (&xr)[2], int gi, int t, u32 (&a)[4],
+// The A fragments and x scales of group gi for this thread: its 16 bytes of the tile's codes
+// and the pairs of its rows g and g + 8 (see the header), padding rows as zeros.
+__device__ __forceinline__ void qt_load_x(const MmParams& p, const QtBlock& b, int gi, u32 (&a)[4],
                                           float2 (&sx)[2]) {
-    const signed char* __restrict__ xq = (const signed char*)p.x;
-    const float2* __restrict__ xs = (const float2*)p.xs;
-    const int groups = p.k / GROUP;
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        const signed char* xg = xq + xr[h] * p.k + (size_t)gi * GROUP;
-        a[h] = __ldg((const unsigned int*)(xg + 4 * t));
-        a[2 + h] = __ldg((const unsigned int*)(xg + 16 + 4 * t));
-        sx[h] = __ldg(xs + xr[h] * groups + gi);
-    }
+    const size_t tile = (size_t)blockIdx.y * b.groups + gi;
+    const uint4 c = __ldg((const uint4*)p.x + tile * 32 + (threadIdx.x & 31));
+    const float4 s = __ldg((const float4*)p.xs + tile * (QT_BM / 2) + b.g);
+    a[0] = b.row_lo ? c.x : 0u;
+    a[1] = b.row_hi ? c.y : 0u;
+    a[2] = b.row_lo ? c.z : 0u;
+    a[3] = b.row_hi ? c.w : 0u;
+    sx[0] = b.row_lo ? make_float2(s.x, s.y) : make_float2(0.0f, 0.0f);
+    sx[1] = b.row_hi ? make_float2(s.z, s.w) : make_float2(0.0f, 0.0f);
 }
 
 // The raw weight words and scale words of one round (groups gb + 8j) of a warp's column
@@ -318,7 +319,6 @@ __device__ __forceinline__ void mmqt_body(const MmParams& p) {
         srow[nt][1] = qt_col_row<EPI>(p, sg, c0, 8 * nt + 2 * t + 1) + (size_t)groups * CB;
     }
     const u8* const wv[2] = {(const u8*)sg.w, (const u8*)sg.w2};
-    const size_t(&xr)[2] = blk.xr;
 
     // acc[j][nt][v][e]: lane class warp + 8j, column tile nt, weight v, fragment element e.
     float acc[4][NT][W][4];
@@ -342,7 +342,7 @@ __device__ __forceinline__ void mmqt_body(const MmParams& p) {
         for (int j = 0; j < 4; j++) {
             const int gi = gb + 8 * j;
             if (gi < groups) {
-                qt_load_x(p, xr, gi, t, a[j], sx[j]);
+                qt_load_x(p, blk, gi, a[j], sx[j]);
                 if (!AHEAD) qt_load_group(cur, j, gi, t, wv, brow, srow);
             }
         }
@@ -473,7 +473,6 @@ __device__ __forceinline__ void mmqt_pipe_body(const MmParams& p) {
     const int warp = blk.warp, g = blk.g, t = blk.t;
     const MmSeg& sg = p.seg[si];
     const u8* const wv[2] = {(const u8*)sg.w, (const u8*)sg.w2};
-    const size_t(&xr)[2] = blk.xr;
     const u32 ring = (u32)__cvta_generic_to_shared(ring_mem);
     const int nst = (groups + 31) / 32;
 
@@ -506,7 +505,7 @@ __device__ __forceinline__ void mmqt_pipe_body(const MmParams& p) {
 #pragma unroll
         for (int j = 0; j < 4; j++) {
             const int gi = 32 * st + warp + 8 * j;
-            if (gi < groups) qt_load_x(p, xr, gi, t, ax[j], sxx[j]);
+            if (gi < groups) qt_load_x(p, blk, gi, ax[j], sxx[j]);
         }
     };
     load_x(0, a, sx);

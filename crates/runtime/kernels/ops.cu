@@ -115,17 +115,18 @@ extern "C" __global__ void dequant_float_any(const u8* table, i64 row_bytes, int
 
 // ---- int8 activations ----------------------------------------------------------------------
 //
-// x [blocks * 32] f32, rows of n values, to int8 codes per 32-value block in `terms` int8 rows
-// per row for the int8 matmul kernels (mmq_* in matmul.cu): q8_terms (common.cu) per block,
+// x [blocks * 32] f32, rows of n values, to int8 codes per 32-value block in the copy's form
+// `form` for the int8 matmul kernels (mmq_* in matmul.cu): q8_terms (common.cu) per block,
 // one warp per block.
 extern "C" __global__ void quant_q8_f32(const float* x, i64 blocks, signed char* codes, float2* scales, int n,
-                                        int terms) {
+                                        int form) {
     df_kernel_begin();
     const int lane = threadIdx.x & 31;
     const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
     for (i64 b = blockIdx.x * (i64)(blockDim.x >> 5) + (threadIdx.x >> 5); b < blocks; b += warps) {
-        const size_t i = q8_index((size_t)b * GROUP, n, terms);
-        q8_terms(x[b * GROUP + lane], lane, codes + i + lane, scales + i / GROUP, n, terms);
+        const int bpr = n / GROUP;  // blocks per row (an int8 copy is a few rows: b fits an int)
+        const int row = (int)b / bpr;
+        q8_terms(x[b * GROUP + lane], lane, codes, scales, row, ((int)b - row * bpr) * GROUP + lane, n, form);
     }
 }
 
@@ -143,9 +144,8 @@ extern "C" __global__ void quant_q8_f32(const float* x, i64 blocks, signed char*
 // read completely before any of it is written).
 //
 // rms_norm_q8_f32 also quantizes each row it normalises for int8 products (q8_terms, the
-// quantizer's bits: codes at qc[row * terms * dim + i], pairs at qs[row * terms * dim / 32 +
-// block], a second term's dim codes and dim / 32 pairs after the first's), so the
-// product that follows needs no quantizer launch. Rows of at most NORM_STAGE values, a multiple
+// quantizer's bits, in the copy's form `form`), so the product that follows needs no quantizer
+// launch. Rows of at most NORM_STAGE values, a multiple
 // of 32 (the host checks). Two widths: rms_norm_q8_few_f32 (NORM_Q_FEW_THREADS) for the few
 // rows of a decode or verify step, whose warps then quantize at most four blocks each (at 128
 // threads one row is a chain of up to 32 blocks per warp); rms_norm_q8_f32 (NORM_Q_THREADS)
@@ -177,7 +177,8 @@ __device__ __forceinline__ float norm_weight(float w, int zero_centred) {
 // CPU's bit for bit, cuda_fused the quantizing norm's f32 output too.
 template <int T>
 __device__ __forceinline__ void rms_norm_staged_q8(const float* xs, float* os, const float* w, int dim, float eps,
-                                                int zero_centred, signed char* qc, float2* qs, int terms) {
+                                                int zero_centred, signed char* qc, float2* qs, int row,
+                                                int form) {
     constexpr int PER = NORM_STAGE / T;
     __shared__ float s_inv;
     __shared__ float s_x[NORM_STAGE];
@@ -214,7 +215,7 @@ __device__ __forceinline__ void rms_norm_staged_q8(const float* xs, float* os, c
         if (i < dim) {
             const float y = __fmul_rn(norm_weight(wv[u], zero_centred), __fmul_rn(xv[u], inv));
             os[i] = y;
-            q8_terms(y, threadIdx.x & 31, qc + i, qs + i / GROUP, dim, terms);
+            q8_terms(y, threadIdx.x & 31, qc, qs, row, i, dim, form);
         }
     }
 }
@@ -302,12 +303,11 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 #define NORM_Q8_KERNEL(NAME, T)                                                                               \
     extern "C" __global__ void __launch_bounds__(T) NAME(const float* x, float* out, const float* w, i64 groups, \
                                                          int dim, float eps, int zero_centred, signed char* qc,  \
-                                                         float2* qs, int terms) {                                \
+                                                         float2* qs, int form) {                                 \
         df_kernel_begin();                                                                                       \
         const i64 row = blockIdx.x;                                                                              \
         if (row >= groups) return;                                                                               \
-        rms_norm_staged_q8<T>(x + row * dim, out + row * dim, w, dim, eps, zero_centred, qc + row * terms * dim, \
-                              qs + row * terms * (dim / GROUP), terms);                                          \
+        rms_norm_staged_q8<T>(x + row * dim, out + row * dim, w, dim, eps, zero_centred, qc, qs, (int)row, form); \
     }
 NORM_Q8_KERNEL(rms_norm_q8_f32, NORM_Q_THREADS)
 NORM_Q8_KERNEL(rms_norm_q8_few_f32, NORM_Q_FEW_THREADS)

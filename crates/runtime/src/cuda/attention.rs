@@ -16,7 +16,6 @@ use super::backend::CudaBackend;
 use super::device::{
     ensure, rows_setting, ATT_GM, ATT_MAX_GHD, ATT_MAX_SPLITS, ATT_NARROW_WARPS, ATT_PER, ATT_SLOTS,
 };
-use super::int8_x::QuantizedX;
 use super::kv::CudaKv;
 use super::tensor::{CudaMeta, CudaTensor};
 use crate::backend::{AttnShape, Backend};
@@ -82,7 +81,8 @@ struct AttParams {
     head_dim: i32,
     kv_dim: i32,
     scale: f32,
-    terms: i32,
+    /// The form word of the int8 copy of out (cuda/int8_x.rs `X8Form`), or 0 with none.
+    form: i32,
     /// The merge's int8 copy of out (codes, pairs), or zeros.
     qc: u64,
     qs: u64,
@@ -176,17 +176,18 @@ impl CudaBackend {
         // The merge also writes the int8 copy of out for an int8 output projection (whole
         // blocks of 32 values within each head).
         let k = n_heads * head_dim;
+        let out_ptr = self.tptr(out);
         let copy = head_dim
             .is_multiple_of(GROUP)
-            .then(|| self.int8_copy_for(t, k))
+            .then(|| self.int8_copy_for(out_ptr, t, k))
             .flatten();
-        let (qc, qs) = copy.unwrap_or((0, 0));
+        let (qc, qs, form) = copy.map_or((0, 0, 0), |q| (q.codes, q.pairs, q.form.word()));
         let p = AttParams {
             q: self.tptr(q),
             meta: self.meta_ptr(meta),
             rows: self.ptr(kv.table.as_ref().expect("rows reserved")),
             part,
-            out: self.tptr(out),
+            out: out_ptr,
             layer: layer as i32,
             t: t as i32,
             n_heads: n_heads as i32,
@@ -194,7 +195,7 @@ impl CudaBackend {
             head_dim: head_dim as i32,
             kv_dim: kv.kv_dim as i32,
             scale,
-            terms: dev.int8.terms() as i32,
+            form,
             qc,
             qs,
             count,
@@ -227,15 +228,8 @@ impl CudaBackend {
                 &p,
             );
         }
-        if let Some((codes, pairs)) = copy {
-            dev.fresh_x.note(QuantizedX {
-                x: p.out,
-                rows: t,
-                k,
-                terms: dev.int8.terms(),
-                codes,
-                pairs,
-            });
+        if let Some(q) = copy {
+            dev.fresh_x.note(q);
         }
     }
 }

@@ -13,7 +13,7 @@ use super::device::{
 use super::gdn::CudaGdn;
 use super::graph::Graphs;
 use super::int8::int8_format;
-use super::int8_x::{int8_x_bytes, QuantizedX};
+use super::int8_x::{QuantizedX, X8Form};
 use super::kv::CudaKv;
 use super::pack;
 use super::profile::{KernelClassTime, ProfileKeys, Profiler};
@@ -437,7 +437,7 @@ impl CudaBackend {
             && n / GROUP <= self.dev.sm_count
             && ti < kernels.mmqs.len()
             && self.wants_int8_copy(m, n))
-        .then(|| self.int8_out_buffer(m, n));
+        .then(|| self.int8_out_buffer(m, n, self.x8_form(m)));
         // The int8 tensor-core kernels' width (index into QT_WIDTHS): as forced, else the wide
         // blocks unless they would leave SMs idle, then the narrow ones.
         let qt = match self.dev.int8_mma_width {
@@ -460,15 +460,18 @@ impl CudaBackend {
         p.rope = rope;
         // The int8 copy of x the kernel before wrote (the RMS norm, the attention merge), else
         // the quantizer's.
+        // (The tensor-core kernels read it tiled, the rest by rows: `x8_form`.)
+        let form = self.x8_form(m);
+        debug_assert!(
+            !first.w.int8 || form.tiled == mma,
+            "x8_form follows the kernel"
+        );
         let fresh = self.dev.fresh_x.get();
-        let handed = fresh.and_then(|q| {
-            debug_assert_eq!(q.terms, self.dev.int8.terms(), "one int8 code per device");
-            q.rows_at(p.x, m, k)
-        });
+        let handed = fresh.and_then(|q| q.rows_at(p.x, m, k, form));
         if first.w.int8 {
             (p.x, p.xs) = match handed {
                 Some(c) => c,
-                None => self.quantize_x(p.x, m, k),
+                None => self.quantize_x(p.x, m, k, form),
             };
         }
         if let Some((oc, os)) = out_copy {
@@ -519,7 +522,7 @@ impl CudaBackend {
                 x: p.seg[0].out,
                 rows: m,
                 k: n,
-                terms: self.dev.int8.terms(),
+                form: self.x8_form(m),
                 codes,
                 pairs,
             });
@@ -550,16 +553,16 @@ impl CudaBackend {
         prods.iter().map(|p| p.w.rows.div_ceil(per_block)).sum()
     }
 
-    /// Quantizes `m` rows of `k` values at `x` to int8 per 32-value block (`quant_q8_f32`, in
-    /// the device's terms per row) into the scratch buffer; returns the addresses of the codes
-    /// and of the (d, ds) pairs.
-    fn quantize_x(&self, x: u64, m: usize, k: usize) -> (u64, u64) {
+    /// Quantizes `m` rows of `k` values at `x` to int8 per 32-value block (`quant_q8_f32`) in
+    /// form `form` into the scratch buffer; returns the addresses of the codes and of the
+    /// (d, ds) pairs.
+    fn quantize_x(&self, x: u64, m: usize, k: usize, form: X8Form) -> (u64, u64) {
         debug_assert!(
             k.is_multiple_of(GROUP),
             "int8 x rows are whole 32-value blocks"
         );
         let blocks = m * k / GROUP;
-        let (base, pairs) = self.int8_x_buffer(m, k);
+        let (base, pairs) = self.int8_x_buffer(m, k, form);
         let warps = (QUANT_THREADS / 32) as usize;
         self.dev.launch(
             &self.dev.k.quant_q8,
@@ -573,43 +576,64 @@ impl CudaBackend {
                 Arg::Ptr(base),
                 Arg::Ptr(pairs),
                 int(k),
-                int(self.dev.int8.terms()),
+                Arg::I32(form.word()),
             ],
         );
         (base, pairs)
     }
 
-    /// The scratch buffer for an int8 copy of `m` rows of `k` values (cuda/int8_x.rs): the
-    /// addresses of its codes and of its (d, ds) pairs.
-    fn int8_x_buffer(&self, m: usize, k: usize) -> (u64, u64) {
-        self.int8_scratch(m, k, |s| &mut s.xq)
+    /// The form of the int8 copy of `rows` rows of x that an int8 product of `rows` rows
+    /// reads: tiled for the tensor-core kernels (from `int8_mma_min_m` rows), else by rows;
+    /// in the device's terms per row.
+    pub(super) fn x8_form(&self, rows: usize) -> X8Form {
+        X8Form {
+            terms: self.dev.int8.terms(),
+            tiled: rows >= self.dev.int8_mma_min_m,
+        }
+    }
+
+    /// The scratch buffer for an int8 copy of `m` rows of `k` values in form `form`
+    /// (cuda/int8_x.rs): the addresses of its codes and of its (d, ds) pairs.
+    fn int8_x_buffer(&self, m: usize, k: usize, form: X8Form) -> (u64, u64) {
+        self.int8_scratch(m, k, form, |s| &mut s.xq)
     }
 
     /// The scratch buffer for the int8 copy a SwiGLU product writes of its `m` rows of `k`
     /// outputs (apart from [`Self::int8_x_buffer`], which holds its x): codes, pairs.
-    fn int8_out_buffer(&self, m: usize, k: usize) -> (u64, u64) {
-        self.int8_scratch(m, k, |s| &mut s.xq_out)
+    fn int8_out_buffer(&self, m: usize, k: usize, form: X8Form) -> (u64, u64) {
+        self.int8_scratch(m, k, form, |s| &mut s.xq_out)
     }
 
-    /// An int8 copy of `m` rows of `k` values (in the device's terms per row) in the scratch
-    /// slot `slot` picks: codes, pairs.
+    /// An int8 copy of `m` rows of `k` values in form `form` in the scratch slot `slot`
+    /// picks: codes, pairs.
     fn int8_scratch(
         &self,
         m: usize,
         k: usize,
+        form: X8Form,
         slot: impl FnOnce(&mut Scratch) -> &mut Option<cudarc::driver::CudaSlice<u8>>,
     ) -> (u64, u64) {
-        let (pairs, bytes) = int8_x_bytes(self.dev.int8.terms() * m, k);
+        let (pairs, bytes) = form.bytes(m, k);
         let mut s = self.dev.scratch.lock().expect("scratch lock");
         let base = ensure(&self.dev.stream, &self.dev.epoch, slot(&mut s), bytes);
         (base, base + pairs as u64)
     }
 
-    /// Where a kernel writing `rows` rows of `k` values should also write their int8 copy
-    /// (codes, pairs), when an int8 product of that width may read them next.
-    pub(super) fn int8_copy_for(&self, rows: usize, k: usize) -> Option<(u64, u64)> {
-        self.wants_int8_copy(rows, k)
-            .then(|| self.int8_x_buffer(rows, k))
+    /// The int8 copy a kernel writing `rows` rows of `k` values at `x` should also write
+    /// (where and in which form), when an int8 product of that width may read them next.
+    pub(super) fn int8_copy_for(&self, x: u64, rows: usize, k: usize) -> Option<QuantizedX> {
+        self.wants_int8_copy(rows, k).then(|| {
+            let form = self.x8_form(rows);
+            let (codes, pairs) = self.int8_x_buffer(rows, k, form);
+            QuantizedX {
+                x,
+                rows,
+                k,
+                form,
+                codes,
+                pairs,
+            }
+        })
     }
 
     /// Whether an int8 product may read an int8 copy of `rows` rows of `k` values next.
@@ -1342,9 +1366,9 @@ impl Backend for CudaBackend {
         }
         // Whole rows of up to NORM_STAGE values (ops.cu) can also be written as int8 x.
         let copy = (dim == x.cols && dim <= NORM_STAGE)
-            .then(|| self.int8_copy_for(groups, dim))
+            .then(|| self.int8_copy_for(dst, groups, dim))
             .flatten();
-        let (qc, qs) = copy.unwrap_or((0, 0));
+        let (qc, qs, form) = copy.map_or((0, 0, 0), |q| (q.codes, q.pairs, q.form.word()));
         let args = [
             Arg::Ptr(src),
             Arg::Ptr(dst),
@@ -1355,7 +1379,7 @@ impl Backend for CudaBackend {
             int(zero_centred as usize),
             Arg::Ptr(qc),
             Arg::Ptr(qs),
-            int(self.dev.int8.terms()),
+            Arg::I32(form),
         ];
         // A block per group (NORM_THREADS, NORM_Q_THREADS, NORM_Q_FEW_THREADS in ops.cu); the plain norm takes
         // the first seven arguments.
@@ -1372,15 +1396,8 @@ impl Backend for CudaBackend {
         let grid = (groups as u32, 1, 1);
         self.dev
             .launch(f, name, grid, (threads, 1, 1), 0, &args[..n]);
-        if let Some((codes, pairs)) = copy {
-            self.dev.fresh_x.note(QuantizedX {
-                x: dst,
-                rows: groups,
-                k: dim,
-                terms: self.dev.int8.terms(),
-                codes,
-                pairs,
-            });
+        if let Some(q) = copy {
+            self.dev.fresh_x.note(q);
         }
     }
 
