@@ -131,6 +131,72 @@ unsafe fn tile<const F: u8, const VNNI: bool, const MR: usize>(
     }
 }
 
+/// `R` activation rows (1 or 2) against a whole panel of Q4 weights, plain AVX2: a block's
+/// four 64-byte code chunks are loaded and split into nibbles once for both halves of the
+/// panel, with an i16 sum per row and half (`tile` walks the block once per half). These are
+/// the decode step's and a short verify's shapes, where no other rows share the weights'
+/// decoding; the block's exact integer and its float steps are `tile`'s, so are the bits.
+#[inline(always)]
+unsafe fn rows_panel<const F: u8, const R: usize>(
+    job: &Job,
+    blk0: *const u8,
+    i0: usize,
+    col: usize,
+) {
+    let format = super::format_of(F);
+    let (bb, cb) = (format.block_bytes(), format.code_bytes());
+    let x = job.x;
+    let kb = x.blocks();
+    let mask = _mm256_set1_epi8(0x0F);
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [[_mm256_setzero_ps(); 2]; R];
+    for g in 0..kb {
+        let blk = blk0.add(g * bb);
+        super::prefetch_ahead(blk, bb);
+        let xq = x.q.as_ptr().add(i0 * x.k + g * 32);
+        let mut p = [[_mm256_setzero_si256(); 2]; R];
+        for t in 0..4 {
+            // Chunk t: values 4t.. in the low nibbles, 16 + 4t.. in the high ones.
+            for h in 0..2 {
+                let c = half(blk, t, h);
+                let lo = _mm256_and_si256(c, mask);
+                let hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), mask);
+                for (r, pr) in p.iter_mut().enumerate() {
+                    let xr = xq.add(r * x.k + 4 * t);
+                    let s = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(lo, bcast(xr)),
+                        _mm256_maddubs_epi16(hi, bcast(xr.add(16))),
+                    );
+                    pr[h] = _mm256_add_epi16(pr[h], s);
+                }
+            }
+        }
+        for (r, (ar, pr)) in acc.iter_mut().zip(&p).enumerate() {
+            let bi = (i0 + r) * kb + g;
+            for (h, a) in ar.iter_mut().enumerate() {
+                let mut d = _mm256_madd_epi16(pr[h], ones);
+                if format == Int8Format::Q4_0 {
+                    d = _mm256_sub_epi32(d, _mm256_set1_epi32(8 * x.sum[bi]));
+                }
+                let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(cb + 16 * h) as *const __m128i));
+                let s = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[bi]));
+                *a = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(d), *a);
+                if format == Int8Format::Q4_1 {
+                    let mw = _mm256_cvtph_ps(_mm_loadu_si128(
+                        blk.add(cb + 32 + 16 * h) as *const __m128i
+                    ));
+                    *a = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.ds[bi]), *a);
+                }
+            }
+        }
+    }
+    for (r, ar) in acc.iter().enumerate() {
+        let o = job.out.add((i0 + r) * job.out_stride + col);
+        _mm256_storeu_ps(o, ar[0]);
+        _mm256_storeu_ps(o.add(8), ar[1]);
+    }
+}
+
 #[inline(always)]
 unsafe fn run_format<const F: u8, const VNNI: bool>(job: &Job) {
     let m = job.x.m;
@@ -140,6 +206,18 @@ unsafe fn run_format<const F: u8, const VNNI: bool>(job: &Job) {
         while i < m {
             // 16 ymm registers: 8 weight operands, up to 4 accumulators and temporaries.
             let mr = (m - i).min(4);
+            // One or two rows of a whole Q4 panel: `rows_panel` (Q8_0 keeps its sign trick in
+            // `tile`; the VNNI flavour keeps `tile` too, unmeasured on a VNNI CPU as yet).
+            let whole = job.w.rows - col >= PANEL;
+            if mr <= 2 && whole && !VNNI && super::format_of(F) != Int8Format::Q8_0 {
+                if mr == 1 {
+                    rows_panel::<F, 1>(job, blk0, i, col);
+                } else {
+                    rows_panel::<F, 2>(job, blk0, i, col);
+                }
+                i += mr;
+                continue;
+            }
             match mr {
                 1 => tile::<F, VNNI, 1>(job, blk0, i, col),
                 2 => tile::<F, VNNI, 2>(job, blk0, i, col),
