@@ -10,6 +10,7 @@
 use std::arch::x86_64::*;
 
 use super::pack::{Int8Format, PANEL};
+use super::quantize::QuantRows;
 use super::Job;
 
 #[inline(always)]
@@ -53,6 +54,37 @@ unsafe fn dot<const VNNI: bool>(format: Int8Format, w: &[__m256i; 8], xq: *const
         p = _mm256_add_epi16(p, _mm256_maddubs_epi16(*wt, bcast(xq.add(4 * t))));
     }
     _mm256_madd_epi16(p, ones)
+}
+
+/// The float steps of block `bi` (row-major over x's blocks) for one row and 8 outputs, from
+/// their exact integer `d`: the Q4_0 (or VNNI Q8_0) offset correction, `acc = fma(dw·dx, D,
+/// acc)` with the half's weight scales `dw`, and for Q4_1 `acc = fma(mw, dsx, acc)` with the
+/// half's minimums (read at `blk + cb + 32 + 16 h`): `reference`'s steps, in its order.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn block_step<const VNNI: bool>(
+    format: Int8Format,
+    x: &QuantRows,
+    bi: usize,
+    blk: *const u8,
+    h: usize,
+    dw: __m256,
+    mut d: __m256i,
+    acc: __m256,
+) -> __m256 {
+    match format {
+        Int8Format::Q4_0 => d = _mm256_sub_epi32(d, _mm256_set1_epi32(8 * x.sum[bi])),
+        Int8Format::Q8_0 if VNNI => d = _mm256_sub_epi32(d, _mm256_set1_epi32(128 * x.sum[bi])),
+        _ => {}
+    }
+    let s = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[bi]));
+    let acc = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(d), acc);
+    if format != Int8Format::Q4_1 {
+        return acc;
+    }
+    let mw = blk.add(format.code_bytes() + 32 + 16 * h);
+    let mw = _mm256_cvtph_ps(_mm_loadu_si128(mw as *const __m128i));
+    _mm256_fmadd_ps(mw, _mm256_set1_ps(x.ds[bi]), acc)
 }
 
 #[inline(always)]
@@ -99,22 +131,8 @@ unsafe fn tile<const F: u8, const VNNI: bool, const MR: usize>(
             for (r, a) in acc.iter_mut().enumerate() {
                 let i = i0 + r;
                 let bi = i * kb + g;
-                let mut d = dot::<VNNI>(format, &w, x.q.as_ptr().add(i * x.k + g * 32));
-                match format {
-                    Int8Format::Q4_0 => d = _mm256_sub_epi32(d, _mm256_set1_epi32(8 * x.sum[bi])),
-                    Int8Format::Q8_0 if VNNI => {
-                        d = _mm256_sub_epi32(d, _mm256_set1_epi32(128 * x.sum[bi]))
-                    }
-                    _ => {}
-                }
-                let s = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[bi]));
-                *a = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(d), *a);
-                if format == Int8Format::Q4_1 {
-                    let mw = _mm256_cvtph_ps(_mm_loadu_si128(
-                        blk.add(cb + 32 + 16 * h) as *const __m128i
-                    ));
-                    *a = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.ds[bi]), *a);
-                }
+                let d = dot::<VNNI>(format, &w, x.q.as_ptr().add(i * x.k + g * 32));
+                *a = block_step::<VNNI>(format, x, bi, blk, h, dw, d, *a);
             }
         }
         let n = (valid - 8 * h).min(8);
@@ -137,12 +155,8 @@ unsafe fn tile<const F: u8, const VNNI: bool, const MR: usize>(
 /// the decode step's and a short verify's shapes, where no other rows share the weights'
 /// decoding; the block's exact integer and its float steps are `tile`'s, so are the bits.
 #[inline(always)]
-unsafe fn rows_panel<const F: u8, const R: usize>(
-    job: &Job,
-    blk0: *const u8,
-    i0: usize,
-    col: usize,
-) {
+unsafe fn rows_panel<const F: u8, const R: usize>(job: &Job, panel: usize, i0: usize) {
+    let (blk0, col) = (job.w.panel_ptr(panel), panel * PANEL);
     let format = super::format_of(F);
     let (bb, cb) = (format.block_bytes(), format.code_bytes());
     let x = job.x;
@@ -174,19 +188,9 @@ unsafe fn rows_panel<const F: u8, const R: usize>(
         for (r, (ar, pr)) in acc.iter_mut().zip(&p).enumerate() {
             let bi = (i0 + r) * kb + g;
             for (h, a) in ar.iter_mut().enumerate() {
-                let mut d = _mm256_madd_epi16(pr[h], ones);
-                if format == Int8Format::Q4_0 {
-                    d = _mm256_sub_epi32(d, _mm256_set1_epi32(8 * x.sum[bi]));
-                }
+                let d = _mm256_madd_epi16(pr[h], ones);
                 let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(cb + 16 * h) as *const __m128i));
-                let s = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[bi]));
-                *a = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(d), *a);
-                if format == Int8Format::Q4_1 {
-                    let mw = _mm256_cvtph_ps(_mm_loadu_si128(
-                        blk.add(cb + 32 + 16 * h) as *const __m128i
-                    ));
-                    *a = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.ds[bi]), *a);
-                }
+                *a = block_step::<false>(format, x, bi, blk, h, dw, d, *a);
             }
         }
     }
@@ -211,9 +215,9 @@ unsafe fn run_format<const F: u8, const VNNI: bool>(job: &Job) {
             let whole = job.w.rows - col >= PANEL;
             if mr <= 2 && whole && !VNNI && super::format_of(F) != Int8Format::Q8_0 {
                 if mr == 1 {
-                    rows_panel::<F, 1>(job, blk0, i, col);
+                    rows_panel::<F, 1>(job, p, i);
                 } else {
-                    rows_panel::<F, 2>(job, blk0, i, col);
+                    rows_panel::<F, 2>(job, p, i);
                 }
                 i += mr;
                 continue;
