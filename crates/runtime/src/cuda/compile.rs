@@ -842,7 +842,13 @@ mod tests {
         };
         let qtc = part("matmul_qtc.cu");
         let load_x = qtc.find("void qt_load_x(").expect("qt_load_x");
-        assert!(qtc[load_x..].contains("__ldg(xs"), "qt_load_x reads x");
+        let load_x = &qtc[load_x..load_x + qtc[load_x..].find("\n}").expect("end of qt_load_x")];
+        // x's codes and (d, ds) pairs, in the fragment tiles (`X8Form`).
+        let (codes, pairs) = ("__ldg((const uint4*)p.x", "__ldg((const float4*)p.xs");
+        assert!(
+            load_x.contains(codes) && load_x.contains(pairs),
+            "qt_load_x reads x"
+        );
         for name in ["mmqt_body", "mmqt_pipe_body"] {
             let at = qtc.find(&format!("void {name}(")).expect(name);
             let body = &qtc[at..at + qtc[at..].find("\n}").expect("end of body")];
@@ -854,7 +860,7 @@ mod tests {
                 "{name} leaves without waiting"
             );
             assert!(
-                !body[..wait].contains("__ldg(xs"),
+                !body[..wait].contains(codes) && !body[..wait].contains(pairs),
                 "{name} reads x before it waits"
             );
         }
