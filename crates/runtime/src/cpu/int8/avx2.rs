@@ -185,12 +185,16 @@ unsafe fn rows_panel<const F: u8, const R: usize>(job: &Job, panel: usize, i0: u
                 }
             }
         }
+        // The halves' weight scales, converted once for all rows.
+        let dw = [
+            _mm256_cvtph_ps(_mm_loadu_si128(blk.add(cb) as *const __m128i)),
+            _mm256_cvtph_ps(_mm_loadu_si128(blk.add(cb + 16) as *const __m128i)),
+        ];
         for (r, (ar, pr)) in acc.iter_mut().zip(&p).enumerate() {
             let bi = (i0 + r) * kb + g;
             for (h, a) in ar.iter_mut().enumerate() {
                 let d = _mm256_madd_epi16(pr[h], ones);
-                let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(cb + 16 * h) as *const __m128i));
-                *a = block_step::<false>(format, x, bi, blk, h, dw, d, *a);
+                *a = block_step::<false>(format, x, bi, blk, h, dw[h], d, *a);
             }
         }
     }
