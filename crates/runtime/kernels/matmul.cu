@@ -885,17 +885,19 @@ __device__ __forceinline__ void mm_body(const MmParams& p) {
     MMQS_KERNEL(SUFFIX, DT, 4)
 
 // Kernel names: mmqt_<format>_<epilogue>_<T> (int8 x on integer tensor cores, matmul_qtc.cu;
-// T column tiles of 8 per block: QT_NT and QT_NT_NARROW).
-#define MMQT_KERNEL(SUFFIX, DT, EPI, ENAME, T)                                               \
-    extern "C" __global__ void __launch_bounds__(QT_WARPS * 32)                              \
-        mmqt_##SUFFIX##_##ENAME##_##T(const MmParams p) {                                    \
+// T column tiles of 8 per block: QT_NT and QT_NT_NARROW). The SwiGLU kernels (the ring of
+// matmul_qtc.cu) are bounded to two blocks an SM (128 registers; unbounded, ptxas gave the
+// wide one 165, one block an SM); a bound on the others would change their registers too
+// (a minimum of one block let ptxas take the narrow ones from 77 to 97: two blocks, not three).
+#define MMQT_KERNEL(SUFFIX, DT, EPI, ENAME, T, BOUNDS)                                       \
+    extern "C" __global__ void BOUNDS mmqt_##SUFFIX##_##ENAME##_##T(const MmParams p) {     \
         mmqt_kernel_body<DT, EPI, T>(p); /* waits for the previous kernel itself */          \
     }
-#define MMQT_EPIS(SUFFIX, DT, T)                    \
-    MMQT_KERNEL(SUFFIX, DT, EPI_STORE, store, T)    \
-    MMQT_KERNEL(SUFFIX, DT, EPI_ADD, add, T)        \
-    MMQT_KERNEL(SUFFIX, DT, EPI_SWIGLU, swiglu, T)  \
-    MMQT_KERNEL(SUFFIX, DT, EPI_ROPE, rope, T)
+#define MMQT_EPIS(SUFFIX, DT, T)                                                          \
+    MMQT_KERNEL(SUFFIX, DT, EPI_STORE, store, T, __launch_bounds__(QT_WARPS * 32))        \
+    MMQT_KERNEL(SUFFIX, DT, EPI_ADD, add, T, __launch_bounds__(QT_WARPS * 32))            \
+    MMQT_KERNEL(SUFFIX, DT, EPI_SWIGLU, swiglu, T, __launch_bounds__(QT_WARPS * 32, 2))   \
+    MMQT_KERNEL(SUFFIX, DT, EPI_ROPE, rope, T, __launch_bounds__(QT_WARPS * 32))
 #define MMQT_EPIS_OF(SUFFIX, DT, T) MMQT_EPIS(SUFFIX, DT, T)
 #define MMQT_KERNELS(SUFFIX, DT)              \
     MMQT_EPIS_OF(SUFFIX, DT, QT_NT)           \

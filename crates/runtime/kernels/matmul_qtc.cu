@@ -383,8 +383,10 @@ __device__ __forceinline__ void mmqt_body(const MmParams& p) {
 // are the host's), and a warp takes its B fragments from a stage with `ldmatrix` (one x4 for
 // the four groups of a Q4 tile, two for Q8_0: matrix q, row r is 16 code bytes of group
 // w + 8q of weight row r, whose lane (g, t) word is exactly the B fragment's). x is read from
-// memory as above, a stage ahead of its products. Same lane classes, same groups per warp,
-// same order and the same qt_step and qt_finish as the kernel above: the same bits.
+// memory as above, at the top of its stage, so that its loads overlap the wait for the
+// stage's weights (read a stage ahead, its fragments took 32 more registers, which spilled
+// once the SwiGLU kernels were bounded to two blocks an SM). Same lane classes, same groups
+// per warp, same order and the same qt_step and qt_finish as the kernel above: the same bits.
 //
 // A staged row is its 32 groups' code bytes padded by 16 (rows 4 banks apart: conflict-free
 // ldmatrix), then the 32 groups' scales; tiles follow each other, then stages. Groups past K
@@ -420,37 +422,48 @@ __device__ __forceinline__ void ldsm_x4(u32 addr, u32 (&r)[4]) {
                  : "r"(addr));
 }
 
-// Requests stage st (groups 32 st ..) of the block's tiles into ring slot `slot` (every thread
-// takes a share of the 16-byte chunks).
+// Requests stage st (groups 32 st ..) of the block's tiles into ring slot `slot`. Thread c
+// copies the 16-byte code chunks c, c + 256, ... (chunk c: staged row c / CCH, bytes 16 (c % CCH)
+// of its codes) and the scale chunks likewise; CCH and SCH are powers of two, so a chunk's row
+// and place are shifts of the thread index, the same at every stage.
 template <int DT, int EPI, int T>
 __device__ __forceinline__ void qt_stage(u32 ring, int slot, int st, int groups, const u8* const (&wv)[2],
                                          const size_t* rows) {
     using P = QtPipe<DT, EPI, T>;
     constexpr int CB = P::Sh::CB;
     constexpr int SB = P::Sh::SB;
-    constexpr int PER_ROW = P::CCH + P::SCH;
+    constexpr int W = P::Sh::W;
+    constexpr unsigned THREADS = QT_WARPS * 32;
+    constexpr unsigned ROWS = P::NTW * 8;  // staged weight rows: tile rr / 8, row rr % 8
+    static_assert((P::CCH & (P::CCH - 1)) == 0 && (P::SCH & (P::SCH - 1)) == 0, "chunks per row are powers of two");
     const int g0 = 32 * st;
-    for (int c = threadIdx.x; c < P::NTW * 8 * PER_ROW; c += QT_WARPS * 32) {
-        const int tv = c / (8 * PER_ROW);  // tile nt * W + v
-        const int rem = c - tv * 8 * PER_ROW;
-        const int r = rem / PER_ROW;
-        const int k = rem - r * PER_ROW;
-        const int nt = tv / P::Sh::W;
-        const u8* row = wv[tv - nt * P::Sh::W] + rows[8 * nt + r];
-        u32 dst = ring + slot * P::STAGE + tv * P::TILE;
-        const u8* src;
-        bool ok;
-        if (k < P::CCH) {
-            src = row + (size_t)g0 * CB + 16 * k;
-            dst += r * P::CROW + 16 * k;
-            ok = g0 + 16 * k / CB < groups;
-        } else {
-            const int kk = k - P::CCH;
-            src = row + (size_t)groups * CB + (size_t)g0 * SB + 16 * kk;
-            dst += 8 * P::CROW + r * P::SROW + 16 * kk;
-            ok = g0 + 16 * kk / SB < groups;
+    const u32 base = ring + slot * P::STAGE;
+    const auto row_of = [&](unsigned rr) -> const u8* {
+        const unsigned tv = rr >> 3;
+        const unsigned nt = tv / W;
+        return (W == 1 || tv - nt * W == 0 ? wv[0] : wv[1]) + rows[8 * nt + (rr & 7)];
+    };
+#pragma unroll
+    for (unsigned i = 0; i < (ROWS * P::CCH + THREADS - 1) / THREADS; i++) {
+        const unsigned c = threadIdx.x + i * THREADS;
+        if (ROWS * P::CCH % THREADS == 0 || c < ROWS * P::CCH) {
+            const unsigned rr = c / P::CCH, k = c % P::CCH;
+            const u8* row = row_of(rr);
+            const bool ok = g0 + (int)(16 * k / CB) < groups;
+            cp_async16(base + (rr >> 3) * P::TILE + (rr & 7) * P::CROW + 16 * k,
+                       ok ? row + (size_t)g0 * CB + 16 * k : row, ok ? 16 : 0);
         }
-        cp_async16(dst, ok ? src : row, ok ? 16 : 0);
+    }
+#pragma unroll
+    for (unsigned i = 0; i < (ROWS * P::SCH + THREADS - 1) / THREADS; i++) {
+        const unsigned c = threadIdx.x + i * THREADS;
+        if (ROWS * P::SCH % THREADS == 0 || c < ROWS * P::SCH) {
+            const unsigned rr = c / P::SCH, k = c % P::SCH;
+            const u8* row = row_of(rr);
+            const bool ok = g0 + (int)(16 * k / SB) < groups;
+            cp_async16(base + (rr >> 3) * P::TILE + 8 * P::CROW + (rr & 7) * P::SROW + 16 * k,
+                       ok ? row + (size_t)groups * CB + (size_t)g0 * SB + 16 * k : row, ok ? 16 : 0);
+        }
     }
 }
 
@@ -496,10 +509,10 @@ __device__ __forceinline__ void mmqt_pipe_body(const MmParams& p) {
                 for (int e = 0; e < 4; e++) acc[j][nt][v][e] = 0.0f;
 
     // This warp's four groups of stage st are 32 st + w + 8j (lane class w + 8j); a/sx hold
-    // their x (A fragments and scales), an/sxn stage st + 1's where it is requested ahead.
-    // (Groups past K leave theirs zero; they are never multiplied.)
-    u32 a[4][4] = {}, an[4][4] = {};
-    float2 sx[4][2] = {}, sxn[4][2] = {};
+    // their x (A fragments and scales). (Groups past K leave theirs as they were; they are
+    // never multiplied.)
+    u32 a[4][4] = {};
+    float2 sx[4][2] = {};
     df_kernel_begin();
     const auto load_x = [&](int st, u32(&ax)[4][4], float2(&sxx)[4][2]) {
 #pragma unroll
@@ -508,11 +521,10 @@ __device__ __forceinline__ void mmqt_pipe_body(const MmParams& p) {
             if (gi < groups) qt_load_x(p, blk, gi, ax[j], sxx[j]);
         }
     };
-    load_x(0, a, sx);
 #pragma unroll 1
     for (int st = 0; st < nst; st++) {
         const int gb = 32 * st + warp;
-        if (st + 1 < nst) load_x(st + 1, an, sxn);
+        load_x(st, a, sx);
         // Stage st has landed for every thread, and every warp is done with stage st - 1,
         // whose slot now takes stage st + S - 1.
         cp_async_wait<S - 2>();
@@ -564,13 +576,6 @@ __device__ __forceinline__ void mmqt_pipe_body(const MmParams& p) {
                     }
                 }
             }
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-#pragma unroll
-            for (int i = 0; i < 4; i++) a[j][i] = an[j][i];
-            sx[j][0] = sxn[j][0];
-            sx[j][1] = sxn[j][1];
-        }
     }
     cp_async_wait<0>();
     __syncthreads();  // every warp is done with the ring: it holds the sums now
@@ -588,7 +593,13 @@ __device__ __forceinline__ void mmqt_pipe_body(const MmParams& p) {
 // products at 8 / 16 rows took 14-20% less time so (Qwen3-4B's q and wide gate/up, the same
 // document, section 5); the narrow ones do not (88 registers instead of 80 leave two blocks an
 // SM instead of three, and the o/down products of the 4B lost a wave: +25-31%), nor do Q8_0's
-// (two weight words a group: its wide blocks would spill).
+// (two weight words a group: its wide blocks would spill). The ring kernel was bound by the
+// instructions it issues: qt_stage's chunk indices by division and a weight pointer picked
+// from a local array (~225 instructions a thread a stage), and spills; staging by shifts, two
+// blocks an SM and x read at its stage took the 4B's 16-row gate/up from 36.8 to 24.3 us on
+// an H100, and its verify of 16 from 4.14 to 3.70 ms (docs/benchmarks/
+// 2026-12-07-h100-swiglu-ring-issue.md). Keeping all S stages in flight (a second barrier a
+// stage) did not move it, nor did the ring (old staging) for the other epilogues: +80-100%.
 template <int DT, int EPI, int T>
 __device__ __forceinline__ void mmqt_kernel_body(const MmParams& p) {
     if constexpr (EPI == EPI_SWIGLU && QtPipe<DT, EPI, T>::S >= 2) {
