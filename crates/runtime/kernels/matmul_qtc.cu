@@ -422,49 +422,48 @@ __device__ __forceinline__ void ldsm_x4(u32 addr, u32 (&r)[4]) {
                  : "r"(addr));
 }
 
-// Requests stage st (groups 32 st ..) of the block's tiles into ring slot `slot`. Thread c
-// copies the 16-byte code chunks c, c + 256, ... (chunk c: staged row c / CCH, bytes 16 (c % CCH)
-// of its codes) and the scale chunks likewise; CCH and SCH are powers of two, so a chunk's row
-// and place are shifts of the thread index, the same at every stage.
+// One part of a stage (the code bytes or the scales of its rows): thread c copies the 16-byte
+// chunks c, c + 256, ... of the part, chunk c being bytes 16 (c % CH) of staged row c / CH (tile
+// c / CH / 8, row c / CH % 8), taken from `from` bytes into that weight row and put `at` bytes
+// into the row's tile, rows `pitch` apart; a chunk holds groups 16 (c % CH) / UNIT on. CH is a
+// power of two, so a chunk's row and place are shifts of the thread index, the same at every
+// stage.
+template <int DT, int EPI, int T, unsigned CH, int UNIT>
+__device__ __forceinline__ void qt_stage_part(u32 base, u32 at, u32 pitch, size_t from, int g0, int groups,
+                                              const u8* const (&wv)[2], const size_t* rows) {
+    using P = QtPipe<DT, EPI, T>;
+    constexpr int W = P::Sh::W;
+    constexpr unsigned THREADS = QT_WARPS * 32;
+    constexpr unsigned CHUNKS = P::NTW * 8 * CH;
+    static_assert((CH & (CH - 1)) == 0, "chunks per row are a power of two");
+#pragma unroll
+    for (unsigned i = 0; i < (CHUNKS + THREADS - 1) / THREADS; i++) {
+        const unsigned c = threadIdx.x + i * THREADS;
+        if (CHUNKS % THREADS == 0 || c < CHUNKS) {
+            const unsigned rr = c / CH, k = c % CH;
+            const unsigned tv = rr >> 3;
+            const unsigned nt = tv / W;
+            const u8* row = (W == 1 || tv - nt * W == 0 ? wv[0] : wv[1]) + rows[8 * nt + (rr & 7)];
+            const bool ok = g0 + (int)(16 * k / UNIT) < groups;
+            cp_async16(base + tv * P::TILE + at + (rr & 7) * pitch + 16 * k, ok ? row + from + 16 * k : row,
+                       ok ? 16 : 0);
+        }
+    }
+}
+
+// Requests stage st (groups 32 st ..) of the block's tiles into ring slot `slot`: the code
+// bytes, then the scales.
 template <int DT, int EPI, int T>
 __device__ __forceinline__ void qt_stage(u32 ring, int slot, int st, int groups, const u8* const (&wv)[2],
                                          const size_t* rows) {
     using P = QtPipe<DT, EPI, T>;
     constexpr int CB = P::Sh::CB;
     constexpr int SB = P::Sh::SB;
-    constexpr int W = P::Sh::W;
-    constexpr unsigned THREADS = QT_WARPS * 32;
-    constexpr unsigned ROWS = P::NTW * 8;  // staged weight rows: tile rr / 8, row rr % 8
-    static_assert((P::CCH & (P::CCH - 1)) == 0 && (P::SCH & (P::SCH - 1)) == 0, "chunks per row are powers of two");
     const int g0 = 32 * st;
     const u32 base = ring + slot * P::STAGE;
-    const auto row_of = [&](unsigned rr) -> const u8* {
-        const unsigned tv = rr >> 3;
-        const unsigned nt = tv / W;
-        return (W == 1 || tv - nt * W == 0 ? wv[0] : wv[1]) + rows[8 * nt + (rr & 7)];
-    };
-#pragma unroll
-    for (unsigned i = 0; i < (ROWS * P::CCH + THREADS - 1) / THREADS; i++) {
-        const unsigned c = threadIdx.x + i * THREADS;
-        if (ROWS * P::CCH % THREADS == 0 || c < ROWS * P::CCH) {
-            const unsigned rr = c / P::CCH, k = c % P::CCH;
-            const u8* row = row_of(rr);
-            const bool ok = g0 + (int)(16 * k / CB) < groups;
-            cp_async16(base + (rr >> 3) * P::TILE + (rr & 7) * P::CROW + 16 * k,
-                       ok ? row + (size_t)g0 * CB + 16 * k : row, ok ? 16 : 0);
-        }
-    }
-#pragma unroll
-    for (unsigned i = 0; i < (ROWS * P::SCH + THREADS - 1) / THREADS; i++) {
-        const unsigned c = threadIdx.x + i * THREADS;
-        if (ROWS * P::SCH % THREADS == 0 || c < ROWS * P::SCH) {
-            const unsigned rr = c / P::SCH, k = c % P::SCH;
-            const u8* row = row_of(rr);
-            const bool ok = g0 + (int)(16 * k / SB) < groups;
-            cp_async16(base + (rr >> 3) * P::TILE + 8 * P::CROW + (rr & 7) * P::SROW + 16 * k,
-                       ok ? row + (size_t)groups * CB + (size_t)g0 * SB + 16 * k : row, ok ? 16 : 0);
-        }
-    }
+    qt_stage_part<DT, EPI, T, P::CCH, CB>(base, 0, P::CROW, (size_t)g0 * CB, g0, groups, wv, rows);
+    qt_stage_part<DT, EPI, T, P::SCH, SB>(base, 8 * P::CROW, P::SROW, (size_t)groups * CB + (size_t)g0 * SB, g0,
+                                          groups, wv, rows);
 }
 
 template <int DT, int EPI, int T>
