@@ -885,7 +885,7 @@ __device__ __forceinline__ void mm_body(const MmParams& p) {
     MMQS_KERNEL(SUFFIX, DT, 4)
 
 // Kernel names: mmqt_<format>_<epilogue>_<T> (int8 x on integer tensor cores, matmul_qtc.cu;
-// T column tiles of 8 per block: QT_NT and QT_NT_NARROW). The SwiGLU kernels (the ring of
+// T column tiles of 8 per block: QT_NT, QT_NT_MID and QT_NT_NARROW). The SwiGLU kernels (the ring of
 // matmul_qtc.cu) are bounded to two blocks an SM (128 registers; unbounded, ptxas gave the
 // wide one 165, one block an SM); a bound on the others would change their registers too
 // (a minimum of one block let ptxas take the narrow ones from 77 to 97: two blocks, not three).
@@ -901,6 +901,7 @@ __device__ __forceinline__ void mm_body(const MmParams& p) {
 #define MMQT_EPIS_OF(SUFFIX, DT, T) MMQT_EPIS(SUFFIX, DT, T)
 #define MMQT_KERNELS(SUFFIX, DT)              \
     MMQT_EPIS_OF(SUFFIX, DT, QT_NT)           \
+    MMQT_EPIS_OF(SUFFIX, DT, QT_NT_MID)       \
     MMQT_EPIS_OF(SUFFIX, DT, QT_NT_NARROW)
 
 // Kernel names: mmtc_<format>_<epilogue> (prompt rows on tensor cores, matmul_tc.cu).

@@ -19,9 +19,12 @@
 // Tiles. A block (QT_WARPS = 8 warps) computes QT_BM = 16 int8 rows (blockIdx.y; QT_XM rows of
 // x: 16, or 8 with two terms, see below) by T column
 // tiles of 8 outputs (SwiGLU: T / 2 tiles, at least one, each with two MMAs per group, gate
-// and up), which share each A fragment. Two widths are built: T = QT_NT (4: x is read once
-// per 32 outputs, not per 8) and T = 1 for products whose wide blocks would leave SMs idle (a
-// 576-output product at 16 rows is 18 wide blocks; the host picks, `Epilogue::qt_outputs`).
+// and up), which share each A fragment. Three widths are built: T = QT_NT (4: x is read once
+// per 32 outputs, not per 8), T = QT_NT_MID (2) and T = 1, picked by product on the host
+// (`CudaBackend::qt_width`: a 576-output product at 16 rows is 18 wide blocks, 72 narrow
+// ones). A block reads K / 32 groups of x (640 bytes each at 16
+// rows) for 8 T weight rows (144 bytes a group in Q4_0): the narrow blocks of Qwen3-4B's o
+// projection read 4.4x more x than weights, from L2.
 // The width changes which block computes an output, not how: the bits are the same. Outputs are weight
 // rows (store, add), gate/up row pairs (swiglu) or, for the rope epilogue, rotary pairs
 // (columns 2i and 2i + 1 are rows ia and ib of pair i). Warp w plays lane classes w, w + 8,
@@ -51,7 +54,7 @@
 // Needs sm_80 (integer m16n8k32); below that the kernels are empty and the host never
 // launches them (`Device::int8_mma_min_m`).
 
-// QT_WARPS (8), QT_BM (16) and the widths QT_NT (4) and QT_NT_NARROW (1) are defined by the
+// QT_WARPS (8), QT_BM (16) and the widths QT_NT (4), QT_NT_MID (2) and QT_NT_NARROW (1) are defined by the
 // host (cuda/compile.rs, `shared_constants`).
 
 // Rows of x per block: the 16 A rows carry 16 rows, or 8 rows' two terms.
@@ -206,12 +209,9 @@ __device__ __forceinline__ void qt_finish(const MmParams& p, const MmSeg& sg, in
 
 // What a block of either kernel works on: its segment, first column c0, rows m0 .. m0 + ml of
 // x (tile blockIdx.y of the tiled copy), and this thread's warp and fragment coordinates
-// (g, t), with whether its A rows g and g + 8 (rows m0 + g and m0 + g + 8 of x, or with two
-// terms both terms of row m0 + g) are rows of x: those past M are the tile's padding, which
-// nothing writes, and are read as zeros.
+// (g, t).
 struct QtBlock {
     int si, c0, m0, ml, groups, warp, g, t;
-    bool row_lo, row_hi;
 };
 
 __device__ __forceinline__ QtBlock qt_block(const MmParams& p, int bn) {
@@ -224,24 +224,27 @@ __device__ __forceinline__ QtBlock qt_block(const MmParams& p, int bn) {
     b.warp = threadIdx.x >> 5;
     b.g = (threadIdx.x & 31) >> 2;
     b.t = threadIdx.x & 3;
-    b.row_lo = b.g < b.ml;
-    b.row_hi = DF_X_TERMS == 2 ? b.row_lo : b.g + 8 < b.ml;
     return b;
 }
 
 // The A fragments and x scales of group gi for this thread: its 16 bytes of the tile's codes
-// and the pairs of its rows g and g + 8 (see the header), padding rows as zeros.
+// and the pairs of its rows g and g + 8 (see the header). A tile's rows past M are padding
+// that nothing writes, read as they are: an A row reaches only its own row of D (integer
+// MMA) and of the float steps, and rows past M are never stored. (Selecting zeros for them
+// took 8 ISETP, 16 SEL and 8 FSEL of the 188 instructions of a round of the narrow kernel;
+// without them the 4B's 16-row o/down products took 10.2 -> 8.7 us and 17.3 -> 15.0 us on an
+// H100, Q4_1's down 33.6 -> 16.3 us, docs/benchmarks/2026-12-07-h100-qt-padding-rows.md.)
 __device__ __forceinline__ void qt_load_x(const MmParams& p, const QtBlock& b, int gi, u32 (&a)[4],
                                           float2 (&sx)[2]) {
     const size_t tile = (size_t)blockIdx.y * b.groups + gi;
     const uint4 c = __ldg((const uint4*)p.x + tile * 32 + (threadIdx.x & 31));
     const float4 s = __ldg((const float4*)p.xs + tile * (QT_BM / 2) + b.g);
-    a[0] = b.row_lo ? c.x : 0u;
-    a[1] = b.row_hi ? c.y : 0u;
-    a[2] = b.row_lo ? c.z : 0u;
-    a[3] = b.row_hi ? c.w : 0u;
-    sx[0] = b.row_lo ? make_float2(s.x, s.y) : make_float2(0.0f, 0.0f);
-    sx[1] = b.row_hi ? make_float2(s.z, s.w) : make_float2(0.0f, 0.0f);
+    a[0] = c.x;
+    a[1] = c.y;
+    a[2] = c.z;
+    a[3] = c.w;
+    sx[0] = make_float2(s.x, s.y);
+    sx[1] = make_float2(s.z, s.w);
 }
 
 // The raw weight words and scale words of one round (groups gb + 8j) of a warp's column

@@ -452,8 +452,8 @@ fn qkv_rope_epilogue_equals_products_then_rope_kv_write_on(g: &CudaBackend) {
     }
 }
 
-/// The int8 tensor-core kernels' two block widths (4 column tiles of 8, or 1; the host takes
-/// the narrow blocks where the wide ones would leave SMs idle) give the same bits as each other
+/// The int8 tensor-core kernels' three block widths (4, 2 or 1 column tiles of 8; the host
+/// takes the widest blocks that leave no SM idle) give the same bits as each other
 /// and as the default choice, in every epilogue (store, add, SwiGLU, three products in one
 /// launch, and RoPE with the KV write), from 9 to 20 rows of x.
 #[test]
@@ -469,7 +469,7 @@ fn int8_tensor_core_block_widths_give_the_same_bits() {
         })
         .unwrap()
     };
-    let backends = [open(Some(4)), open(Some(1)), open(None)];
+    let backends = [open(Some(4)), open(Some(2)), open(Some(1)), open(None)];
     // The default model's attention (9 heads of 64 over 3 KV heads, K = 576) and a wider
     // product (K = 1536).
     let (n_heads, n_kv_heads, head_dim) = (9usize, 3usize, 64usize);

@@ -7,8 +7,8 @@ use std::sync::{Arc, Mutex};
 use super::device::{
     ck, ensure, int, long, Arg, CudaOptions, Device, Epilogue, PrefillGemm, Scratch, MM_SEGS,
     MM_TILES, MM_WARPS, NORM_Q_FEW_ROWS, NORM_Q_FEW_THREADS, NORM_Q_THREADS, NORM_STAGE,
-    NORM_THREADS, QT_BM, QT_WARPS, QT_WIDTHS, SQ_R, SQ_WARPS, TC_BM, TC_BN, TC_THREADS, X2_BM,
-    X2_NT, X2_WARPS,
+    NORM_THREADS, QT_BM, QT_NT, QT_NT_MID, QT_NT_NARROW, QT_WARPS, QT_WIDTHS, SQ_R, SQ_WARPS,
+    TC_BM, TC_BN, TC_THREADS, X2_BM, X2_NT, X2_WARPS,
 };
 use super::gdn::CudaGdn;
 use super::graph::Graphs;
@@ -438,16 +438,14 @@ impl CudaBackend {
             && ti < kernels.mmqs.len()
             && self.wants_int8_copy(m, n))
         .then(|| self.int8_out_buffer(m, n, self.x8_form(m)));
-        // The int8 tensor-core kernels' width (index into QT_WIDTHS): as forced, else the wide
-        // blocks unless they would leave SMs idle, then the narrow ones.
+        // The int8 tensor-core kernels' width: as forced, else `qt_width`'s.
         let qt = match self.dev.int8_mma_width {
-            Some(t) => QT_WIDTHS.iter().position(|&w| w == t).unwrap_or(0),
-            None => {
-                usize::from(mma && self.qt_blocks(prods, epi, QT_WIDTHS[0]) < self.dev.sm_count)
-            }
+            Some(t) => t,
+            None if mma => self.qt_width(prods, epi),
+            None => QT_NT,
         };
         let per_block = if mma {
-            epi.qt_outputs(QT_WIDTHS[qt])
+            epi.qt_outputs(qt)
         } else if out_copy.is_some() {
             SQ_WARPS * SQ_R
         } else {
@@ -479,7 +477,7 @@ impl CudaBackend {
         }
         let (f, rows_per_block, threads) = if mma {
             (
-                &kernels.mmqt[qt][epi as usize],
+                &kernels.mmqt[QT_WIDTHS.iter().position(|&w| w == qt).unwrap_or(0)][epi as usize],
                 QT_BM / self.dev.int8.terms(),
                 QT_WARPS * 32,
             )
@@ -545,6 +543,30 @@ impl CudaBackend {
         let i = Epilogue::FLOAT_MMA.iter().position(|&e| e == epi)?;
         let tiles = if m > 8 { 2 } else { 1 };
         self.dev.loaded(w.dtype).mmx2.get(tiles - 1)?.get(i)
+    }
+
+    /// The width (column tiles of 8 per block) of the int8 tensor-core kernels for `prods`
+    /// with epilogue `epi`. SwiGLU products take the wide blocks (the ring kernel, two column
+    /// tiles of gate/up pairs) where they leave no SM idle; the others the middle width where
+    /// its blocks make at least 1.5 an SM, else the narrow blocks. On an H100 at 8 and 16 rows,
+    /// the middle blocks took Qwen3-4B's q (4096 outputs: 256 of them) from 10.3 (narrow) and
+    /// 9.9 us (wide) to 8.8 and its output head from 217 and 265 us to 203, but lost to the
+    /// narrow ones on o and down (2560 outputs: 160 blocks, 10.2 against 8.7 us and 17.0
+    /// against 15.2), and the wide blocks lost to one or the other on every product but the
+    /// SwiGLU ones (docs/benchmarks/2026-12-07-h100-qt-padding-rows.md).
+    fn qt_width(&self, prods: &[Product<'_>], epi: Epilogue) -> usize {
+        let sms = self.dev.sm_count;
+        if epi == Epilogue::Swiglu {
+            if self.qt_blocks(prods, epi, QT_NT) >= sms {
+                QT_NT
+            } else {
+                QT_NT_NARROW
+            }
+        } else if 2 * self.qt_blocks(prods, epi, QT_NT_MID) >= 3 * sms {
+            QT_NT_MID
+        } else {
+            QT_NT_NARROW
+        }
     }
 
     /// Blocks per row tile of x of the int8 tensor-core kernels `tiles` column tiles wide.

@@ -223,11 +223,11 @@ pub fn format_defines() -> String {
 /// The launch shapes and limits the host and the kernels both use, by their kernel names, from
 /// the host's constants: each is stated once, on the host, and pasted ahead of every kernel
 /// file as `#define NAME value` ([`shared_defines`]); the .cu files never restate them.
-fn shared_constants() -> [(&'static str, usize); 36] {
+fn shared_constants() -> [(&'static str, usize); 37] {
     use super::device::{
         Epilogue, ATT_MAX_GHD, ATT_MAX_SPLITS, ATT_SLOTS, MM_SEGS, MM_WARPS, NORM_Q_FEW_THREADS,
-        NORM_Q_THREADS, NORM_STAGE, NORM_THREADS, QT_BM, QT_NT, QT_NT_NARROW, QT_WARPS, SQ_R,
-        SQ_WARPS, TC_BM, TC_BN, TC_THREADS, X2_BM, X2_NT, X2_WARPS,
+        NORM_Q_THREADS, NORM_STAGE, NORM_THREADS, QT_BM, QT_NT, QT_NT_MID, QT_NT_NARROW, QT_WARPS,
+        SQ_R, SQ_WARPS, TC_BM, TC_BN, TC_THREADS, X2_BM, X2_NT, X2_WARPS,
     };
     use super::{attention, gdn, rope_kv, sample};
     [
@@ -243,6 +243,7 @@ fn shared_constants() -> [(&'static str, usize); 36] {
         ("QT_WARPS", QT_WARPS),
         ("QT_BM", QT_BM),
         ("QT_NT", QT_NT),
+        ("QT_NT_MID", QT_NT_MID),
         ("QT_NT_NARROW", QT_NT_NARROW),
         ("X8_TILED", super::int8_x::X8_TILED),
         ("TC_BM", TC_BM),

@@ -52,8 +52,8 @@ pub struct CudaOptions {
     /// (`Device::att_wide_max_rows`; 0: never).
     pub att_wide_max_rows: usize,
     /// Column tiles per block of the int8 tensor-core kernels, one of `QT_WIDTHS`; `None`
-    /// (the default): the wide blocks where they fill the SMs, else the narrow ones. The bits
-    /// are the same either way.
+    /// (the default): by product (`CudaBackend::qt_width`). The bits are the same whatever the
+    /// width.
     pub int8_mma_width: Option<usize>,
     /// Int8 SwiGLU products of at most four rows of x, whose outputs make at most one
     /// 32-value block per SM, write the int8 copy of their output for the down projection
@@ -90,7 +90,7 @@ impl CudaOptions {
     /// `DFLASH_CUDA_ATT_WIDE` (the most tokens of an attention launch with a warp per slot:
     /// `auto`, `0` or a count; cuda/attention.rs) and
     /// `DFLASH_CUDA_INT8_MMA_WIDTH` (`auto`, or the column tiles per block of the int8
-    /// tensor-core kernels: 4 or 1), `DFLASH_CUDA_SWIGLU_Q8` (`0` or `1`) and
+    /// tensor-core kernels: 4, 2 or 1), `DFLASH_CUDA_SWIGLU_Q8` (`0` or `1`) and
     /// `DFLASH_KV_CACHE` (`f16` or `f32`).
     pub fn from_env() -> Result<Self, RuntimeError> {
         let mut o = Self {
@@ -208,11 +208,12 @@ pub(crate) const MM_WARPS: usize = 4;
 /// Column tiles of 8 outputs, int8 rows (rows of x, or half as many rows' two terms) and warps
 /// per block of the int8 tensor-core kernels (QT_NT, QT_BM, QT_WARPS in matmul_qtc.cu).
 pub(crate) const QT_NT: usize = 4;
-/// The narrow blocks' column tiles (QT_NT_NARROW): for products whose `QT_NT`-wide blocks
-/// would leave SMs idle.
+/// The middle width (QT_NT_MID) and the narrow blocks' column tiles (QT_NT_NARROW): for
+/// products whose wider blocks would leave SMs idle.
+pub(crate) const QT_NT_MID: usize = 2;
 pub(crate) const QT_NT_NARROW: usize = 1;
-/// The widths the int8 tensor-core kernels are built for (`mmqt[width index]`).
-pub(crate) const QT_WIDTHS: [usize; 2] = [QT_NT, QT_NT_NARROW];
+/// The widths the int8 tensor-core kernels are built for (`mmqt[width index]`), widest first.
+pub(crate) const QT_WIDTHS: [usize; 3] = [QT_NT, QT_NT_MID, QT_NT_NARROW];
 pub(crate) const QT_BM: usize = 16;
 pub(crate) const QT_WARPS: usize = 8;
 /// Products one matmul launch can hold (MM_SEGS in matmul.cu).

@@ -132,6 +132,7 @@ mod tests {
         assert_eq!(int8_mma_width(""), Ok(None));
         assert_eq!(int8_mma_width(" auto "), Ok(None));
         assert_eq!(int8_mma_width("4"), Ok(Some(4)));
+        assert_eq!(int8_mma_width("2"), Ok(Some(2)));
         assert_eq!(int8_mma_width("1"), Ok(Some(1)));
         for bad in ["0", "3", "wide"] {
             let e = int8_mma_width(bad).unwrap_err();

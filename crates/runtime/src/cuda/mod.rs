@@ -79,7 +79,7 @@
 //! projections too, [`Int8Policy`]);
 //! `DFLASH_CUDA_INT8_MMA` (`auto` default = from 5 rows of x, a row count, or `0`: when int8
 //! products run on integer tensor cores, same bits); `DFLASH_CUDA_INT8_MMA_WIDTH` (`auto`
-//! default, `4` or `1`: column tiles of 8 per block of those kernels, same bits);
+//! default, `4`, `2` or `1`: column tiles of 8 per block of those kernels, same bits);
 //! `DFLASH_CUDA_FLOAT_MMA=0` (the output head of Q4_0/Q4_1/Q8_0 weights on the CUDA-core
 //! kernels instead of TF32 tensor cores with x split in two terms; other bits, still one
 //! kernel for every M);
