@@ -453,7 +453,7 @@ fn qkv_rope_epilogue_equals_products_then_rope_kv_write_on(g: &CudaBackend) {
 }
 
 /// The int8 tensor-core kernels' three block widths (4, 2 or 1 column tiles of 8; the host
-/// takes the widest blocks that leave no SM idle) give the same bits as each other
+/// picks one by product, `CudaBackend::qt_width`) give the same bits as each other
 /// and as the default choice, in every epilogue (store, add, SwiGLU, three products in one
 /// launch, and RoPE with the KV write), from 9 to 20 rows of x.
 #[test]

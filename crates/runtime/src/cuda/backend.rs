@@ -438,14 +438,16 @@ impl CudaBackend {
             && ti < kernels.mmqs.len()
             && self.wants_int8_copy(m, n))
         .then(|| self.int8_out_buffer(m, n, self.x8_form(m)));
-        // The int8 tensor-core kernels' width: as forced, else `qt_width`'s.
-        let qt = match self.dev.int8_mma_width {
+        // The int8 tensor-core kernels' width (index into QT_WIDTHS): as forced, else
+        // `qt_width`'s; a forced width they are not built for takes the widest.
+        let width = match self.dev.int8_mma_width {
             Some(t) => t,
             None if mma => self.qt_width(prods, epi),
             None => QT_NT,
         };
+        let qt = QT_WIDTHS.iter().position(|&w| w == width).unwrap_or(0);
         let per_block = if mma {
-            epi.qt_outputs(qt)
+            epi.qt_outputs(QT_WIDTHS[qt])
         } else if out_copy.is_some() {
             SQ_WARPS * SQ_R
         } else {
@@ -477,7 +479,7 @@ impl CudaBackend {
         }
         let (f, rows_per_block, threads) = if mma {
             (
-                &kernels.mmqt[QT_WIDTHS.iter().position(|&w| w == qt).unwrap_or(0)][epi as usize],
+                &kernels.mmqt[qt][epi as usize],
                 QT_BM / self.dev.int8.terms(),
                 QT_WARPS * 32,
             )
