@@ -227,7 +227,11 @@ for s in $shapes; do
     for r in $(seq "${KAB_ROUNDS:-3}"); do
         for p in $depths; do
             for b in ${KAB_BLOCKS:-16}; do
-                for a in $arms; do
+                # Odd rounds run the arms in order, even rounds in reverse, so that neither arm
+                # always runs first after the other's heat and cache state.
+                order=$arms
+                [ $((r % 2)) = 0 ] && order=$(echo "$arms" | tr ' ' '\n' | tac | tr '\n' ' ')
+                for a in $order; do
                     arm_bin "$a" dflash
                     # shellcheck disable=SC2086,SC2046
                     env $(envof "$a") DFLASH_CUDA_KERNEL_DIR="$dir" timeout 120 "$bin" bench -m "$m" --device cuda \
