@@ -50,7 +50,8 @@
 # Each arm is `dflash bench --no-draft` (-p 512 -n 128 on the default shapes, -p 128 -n 64 on
 # the 4B's; KAB_DEPTHS ("128 512 4000") sets the prompt lengths for every shape instead, and
 # KAB_BLOCKS ("16 4": the verify sizes, --block-size; 16 by default); warm-up, median of 3), arms
-# alternating within a round; one line per arm, prompt length, verify size and round. Before
+# alternating within a round (in order in odd rounds, reversed in even ones); one line per arm,
+# prompt length, verify size and round. Before
 # its first timed run on a model, each arm runs once untimed (`dflash bench -p 16 -n 4 -r 1`,
 # limit 400 s), so that NVRTC's first compile of its kernels does not eat a timed run's limit.
 # Everything printed also goes to $OUT/kab.log (the device tool returns only the output's end).
