@@ -38,6 +38,8 @@
 # KAB_ENV_ARMS ("NAME:VAR=VALUE[,VAR=VALUE...] ..."): arms that run the binary's own kernels with
 # those environment variables (e.g. "nox2:DFLASH_CUDA_FLOAT_MMA=0"), in the microbench, the
 # benches and the parity runs; KAB_TEST_VARIANTS may name them too.
+# KAB_ARMS ("base off ..."): only these arms run the microbench, the benches, the parity runs and
+# the round profile (default: every arm), so one pack can be measured over several calls.
 # At --pack the build's and each variant's kernels are compiled here for sm_90 with NVRTC
 # (tools/kernel_cache.sh) and carried as a kernel cache (kcache.tar.xz, ~2 MB), which the GPU
 # machine unpacks before anything runs. Each variant's ptxas report
@@ -165,12 +167,20 @@ for e in ${KAB_ENV_ARMS:-}; do envarms="$envarms ${e%%:*}"; done
 # The kernel directory of arm $1 (empty for "base" and the environment arms: the binary's
 # embedded kernels).
 kdir() { [ "$1" = base ] || [ -n "$(envof "$1")" ] || echo "$here/variants/$1"; }
+# The arms of list $1 that KAB_ARMS names (all of them when it is unset), in list order.
+only() {
+    local a keep=""
+    for a in $1; do
+        case " ${KAB_ARMS:-$1} " in *" $a "*) keep="$keep $a" ;; esac
+    done
+    echo "${keep# }"
+}
 # The arms that run program $1 (dflash, cuda_microbench): "baseline" first when its build
 # was packed.
 arms_of() {
     local a="base $variants $envarms"
     [ -x "baseline/$1" ] && a="baseline $a"
-    echo "$a"
+    only "$a"
 }
 # Sets `bin` (program $2 of arm $1's build) and `dir` (arm $1's kernel directory).
 arm_bin() {
@@ -264,7 +274,7 @@ parity_pair() {
 }
 if [ "${KAB_PARITY:-0}" = 1 ]; then
     parity_pair
-    for a in base $variants $envarms; do
+    for a in $(only "base $variants $envarms"); do
         warm "$a" "$pm" --draft drafter
         dir="$(kdir "$a")"
         # shellcheck disable=SC2046
