@@ -463,6 +463,7 @@ impl<B: Backend> LlamaModel<B> {
                     }
                 }
             }
+            b.weights_ahead(&[&layer.wo, &layer.w_gate, &layer.w_up, &layer.w_down]);
             b.attention(&ws.q, &self.kv, li, meta, shape, &mut ws.att);
             b.step_matmul_add(&ws.att, &layer.wo, &mut ws.x, &mut ws.o, spans);
             b.rms_norm(

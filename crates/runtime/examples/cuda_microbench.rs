@@ -7,7 +7,7 @@
 //! cargo build --release -p dflash-runtime --features cuda --example cuda_microbench
 //! cuda_microbench [--shapes smollm2|qwen3-4b|all] [--formats q4_0,q4_1,...] [--reps 50]
 //!                 [--only matmul|attention|prefill] [--epi store|add|swiglu]
-//!                 [--role projection|vocab]
+//!                 [--role projection|vocab] [--hot]
 //! ```
 //!
 //! `--role` is what the products' weights are uploaded as: a target projection (default; int8
@@ -21,7 +21,8 @@
 //! Method: every measured call is one of `reps` launches captured in a CUDA graph (so launch
 //! overhead is out, as in a captured decode step), the graph is replayed 5 times after a
 //! warm-up and the median is reported. Weights rotate over enough copies to exceed the 60 MB
-//! L2 cache, so each call reads its weight from HBM. Bytes counted: the weight once per call
+//! L2 cache, so each call reads its weight from HBM; with `--hot` every call reads the same
+//! weight (one copy; two for SwiGLU), which stays in L2 where it fits. Bytes counted: the weight once per call
 //! (matmul); the visible K and V once per call (attention), at the cache's value size
 //! (`DFLASH_KV_CACHE=f16|f32`; f32 by default on a GPU).
 
@@ -132,6 +133,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut only = String::new();
     let mut epi = String::from("store");
     let mut role = WeightRole::Projection;
+    let mut hot = false;
     let mut formats = vec![
         DType::Q4_0,
         DType::Q4_1,
@@ -148,6 +150,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "--shapes" => which = val()?,
             "--reps" => reps = val()?.parse()?,
             "--only" => only = val()?,
+            "--hot" => hot = true,
             "--epi" => {
                 epi = val()?;
                 if !["store", "add", "swiglu"].contains(&epi.as_str()) {
@@ -189,9 +192,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for sh in shapes(&which) {
         if only.is_empty() || only == "matmul" {
             println!(
-                "\n## {} matmul, {epi} epilogue, weights as {role:?}: us per call (GB/s of weight, \
-                 % of copy bandwidth)",
-                sh.name
+                "\n## {} matmul, {epi} epilogue, weights as {role:?}{}: us per call (GB/s of \
+                 weight, % of copy bandwidth)",
+                sh.name,
+                if hot { ", one copy (L2-hot)" } else { "" }
             );
             println!("| format | shape | M=1 | M=2 | M=4 | M=8 | M=16 |");
             println!("|---|---|---|---|---|---|---|");
@@ -202,7 +206,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     }
                     let weights = if epi == "swiglu" { 2 } else { 1 };
                     let bytes = weights * n * dtype.row_bytes(k).expect("whole blocks");
-                    let copies = (256usize << 20).div_ceil(bytes).clamp(2, 64);
+                    let copies = if hot {
+                        weights
+                    } else {
+                        (256usize << 20).div_ceil(bytes).clamp(2, 64)
+                    };
                     let ws: Vec<_> = (0..copies)
                         .map(|c| g.upload_weight(&random_weight(dtype, n, k, c as u64), role))
                         .collect::<Result<_, _>>()?;

@@ -72,6 +72,7 @@ struct AttParams {
     u64 qc;  // attention_merge_q8 (head_dim % 32 == 0): out quantized, its codes (q8_terms)
     u64 qs;  // and their (d, ds) pairs
     u64 count;  // [T][n_kv_heads] u32 arrivals, zero between launches; 0: a separate merge launch
+    L2Ahead ahead;  // weights of the launches after this one, requested into L2 (split kernel)
 };
 
 // Splits of a token with `len` visible keys, and tiles per split.
@@ -247,6 +248,10 @@ __device__ __forceinline__ void attention_split_body(const AttParams& p) {
             asm volatile("prefetch.global.L2 [%0];" ::"l"(row));
         }
     }
+    // Then the weights of the products after attention (the host's hint, after the keys and
+    // values this launch needs first): attention is a chain of dependent steps that leaves
+    // HBM mostly idle.
+    df_l2_ahead(p.ahead);
     df_kernel_begin();
     if (nsplit == 0 && sp == 0 && p.count) return att_merge_last(p, t, kvh, G, 0);
     if (sp >= nsplit) return;  // the whole block leaves

@@ -48,6 +48,38 @@ __device__ __forceinline__ void df_kernel_begin() {
 #endif
 }
 
+// Weights that launches after this one will read: up to L2A_RANGES byte ranges (16-byte
+// aligned, lengths multiples of 16; zero length: none), handed to a latency-bound kernel
+// (attention) by the host (cuda/l2_ahead.rs). df_l2_ahead, called before the kernel waits for
+// the one before it, asks the copy engine of each SM to bring them into L2 in chunks of
+// L2A_CHUNK bytes, dealt to the grid's blocks in turn (chunk i: block i mod blocks, then
+// thread), so HBM streams them while the step waits on dependent steps. A hint only: nothing
+// waits for it and no result depends on it (below sm_90 it does nothing).
+struct L2Ahead {
+    u64 base[L2A_RANGES];
+    u64 bytes[L2A_RANGES];
+};
+
+__device__ __forceinline__ void df_l2_ahead(const L2Ahead& a) {
+#if __CUDA_ARCH__ >= 900
+    const u64 blocks = (u64)gridDim.x * gridDim.y * gridDim.z;
+    const u64 block = ((u64)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+    const u64 workers = blocks * blockDim.x;
+    const u64 me = (u64)threadIdx.x * blocks + block;
+    u64 first = 0;  // chunks of the ranges before
+#pragma unroll
+    for (int r = 0; r < L2A_RANGES; r++) {
+        const u64 n = (a.bytes[r] + L2A_CHUNK - 1) / L2A_CHUNK;
+        for (u64 c = (me + workers - first % workers) % workers; c < n; c += workers) {
+            const u64 off = c * L2A_CHUNK;
+            const u32 len = (u32)min((u64)L2A_CHUNK, a.bytes[r] - off);
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a.base[r] + off), "r"(len) : "memory");
+        }
+        first += n;
+    }
+#endif
+}
+
 // Token metadata, 4 u32 per token: row, pos, kv_start, kv_end (backend::TokenMeta).
 #define META_ROW 0
 #define META_POS 1

@@ -492,6 +492,11 @@ pub trait Backend: Send + Sync + 'static {
         head_dim: usize,
         style: RopeStyle,
     );
+    /// A hint: `weights` are read by the products after the next [`attention`](Self::attention),
+    /// in this order. A backend whose attention leaves memory bandwidth idle may start moving
+    /// them closer (the CUDA backend: into L2, cuda/l2_ahead.rs). Nothing depends on it; the
+    /// default does nothing.
+    fn weights_ahead(&self, _weights: &[&Self::Weight]) {}
     /// Softmax attention of each token's query heads over its KV slice of layer `layer`.
     fn attention(
         &self,

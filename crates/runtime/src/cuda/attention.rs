@@ -17,6 +17,7 @@ use super::device::{
     ensure, rows_setting, ATT_GM, ATT_MAX_GHD, ATT_MAX_SPLITS, ATT_NARROW_WARPS, ATT_PER, ATT_SLOTS,
 };
 use super::kv::CudaKv;
+use super::l2_ahead::L2Ahead;
 use super::tensor::{CudaMeta, CudaTensor};
 use crate::backend::{AttnShape, Backend};
 use crate::quant::GROUP;
@@ -88,6 +89,8 @@ struct AttParams {
     qs: u64,
     /// Arrival counts per (token, KV head) when the split kernel merges by itself, else 0.
     count: u64,
+    /// Weights of the products after this attention, requested into L2 by the split kernel.
+    ahead: L2Ahead,
 }
 
 impl CudaBackend {
@@ -102,6 +105,8 @@ impl CudaBackend {
         out: &mut CudaTensor,
     ) {
         let dev = self.device();
+        // Taken whatever happens below, so a hint never outlives the attention it was named for.
+        let ahead = dev.ahead.take(dev.l2_ahead);
         let AttnShape {
             n_heads,
             n_kv_heads,
@@ -199,6 +204,7 @@ impl CudaBackend {
             qc,
             qs,
             count,
+            ahead,
         };
         let warps = if t <= dev.att_wide_max_rows {
             ATT_SLOTS

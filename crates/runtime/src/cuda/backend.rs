@@ -1468,6 +1468,13 @@ impl Backend for CudaBackend {
         );
     }
 
+    fn weights_ahead(&self, weights: &[&CudaWeight]) {
+        if self.dev.l2_ahead > 0 {
+            let ranges = weights.iter().map(|w| (self.ptr(&w.buf), w.buf.len()));
+            self.dev.ahead.name(ranges);
+        }
+    }
+
     fn attention(
         &self,
         q: &CudaTensor,

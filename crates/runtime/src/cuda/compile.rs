@@ -223,7 +223,7 @@ pub fn format_defines() -> String {
 /// The launch shapes and limits the host and the kernels both use, by their kernel names, from
 /// the host's constants: each is stated once, on the host, and pasted ahead of every kernel
 /// file as `#define NAME value` ([`shared_defines`]); the .cu files never restate them.
-fn shared_constants() -> [(&'static str, usize); 37] {
+fn shared_constants() -> [(&'static str, usize); 39] {
     use super::device::{
         Epilogue, ATT_MAX_GHD, ATT_MAX_SPLITS, ATT_SLOTS, MM_SEGS, MM_WARPS, NORM_Q_FEW_THREADS,
         NORM_Q_THREADS, NORM_STAGE, NORM_THREADS, QT_BM, QT_NT, QT_NT_MID, QT_NT_NARROW, QT_WARPS,
@@ -231,6 +231,9 @@ fn shared_constants() -> [(&'static str, usize); 37] {
     };
     use super::{attention, gdn, rope_kv, sample};
     [
+        // common.cu
+        ("L2A_RANGES", super::l2_ahead::L2A_RANGES),
+        ("L2A_CHUNK", super::l2_ahead::L2A_CHUNK),
         // matmul.cu, matmul_qtc.cu, matmul_tc.cu, matmul_x2.cu
         ("MM_WARPS", MM_WARPS),
         ("MM_SEGS", MM_SEGS),

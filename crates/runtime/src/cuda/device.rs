@@ -14,6 +14,7 @@ use super::attention::{
 use super::compile::{self, Image, Module, Target};
 use super::int8::{int8_format, int8_mma_min_rows, int8_mma_width, Int8Policy};
 use super::int8_x::FreshX;
+use super::l2_ahead::{l2_ahead_setting, PendingAhead};
 use super::profile::{skip_list, ProfileKeys, Profiler};
 use crate::dtype::DType;
 use crate::error::RuntimeError;
@@ -515,6 +516,11 @@ pub(crate) struct Device {
     pub sample: Mutex<super::sample::SampleScratch>,
     /// The int8 copy of x the last launch wrote for the product after it (cuda/int8_x.rs).
     pub fresh_x: FreshX,
+    /// Bytes of named weights the next attention launch brings into L2 ahead of the products
+    /// that read them (`DFLASH_CUDA_L2_AHEAD`: by default half of the L2 cache; cuda/l2_ahead.rs).
+    pub l2_ahead: usize,
+    /// The weights named for it ([`Backend::weights_ahead`](crate::Backend::weights_ahead)).
+    pub ahead: PendingAhead,
     /// Inner dimensions of the uploaded int8-activation weights: the RMS norm and the
     /// attention merge write an int8 copy of an output this wide.
     int8_k: Mutex<Vec<usize>>,
@@ -645,6 +651,13 @@ impl Device {
         let float_mma =
             switch_on("DFLASH_CUDA_FLOAT_MMA").map_err(dev_err)? && cc.0 >= 8 && target.arch >= 80;
         let int8_handoff = switch_on("DFLASH_CUDA_INT8_HANDOFF").map_err(dev_err)?;
+        let l2_bytes = ctx
+            .attribute(cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
+            .map_err(|e| dev_err(format!("could not read the L2 cache size: {e}")))?
+            .max(0) as usize;
+        let l2_ahead = l2_ahead_setting(std::env::var("DFLASH_CUDA_L2_AHEAD").ok().as_deref())
+            .map_err(dev_err)?
+            .unwrap_or(l2_bytes / 2);
 
         let int8_mma_min_m =
             int8_mma_min_rows(std::env::var("DFLASH_CUDA_INT8_MMA").ok().as_deref())
@@ -711,6 +724,8 @@ impl Device {
             profiler: Mutex::new(None),
             sample: Mutex::new(Default::default()),
             fresh_x: FreshX::default(),
+            l2_ahead,
+            ahead: PendingAhead::default(),
             int8_k: Mutex::new(Vec::new()),
         })
     }

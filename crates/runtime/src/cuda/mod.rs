@@ -98,6 +98,7 @@ mod gdn;
 mod graph;
 mod int8;
 mod int8_x;
+mod l2_ahead;
 pub mod kv;
 pub mod pack;
 mod profile;
