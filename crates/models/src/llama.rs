@@ -463,7 +463,10 @@ impl<B: Backend> LlamaModel<B> {
                     }
                 }
             }
-            b.weights_ahead(&[&layer.wo, &layer.w_gate, &layer.w_up, &layer.w_down]);
+            // Weights ahead into L2 (a hint, `Backend::weights_ahead`): attention brings the
+            // o, gate and up weights, the gate/up product the down weights, the down product
+            // the next layer's q, k and v.
+            b.weights_ahead(&[&layer.wo, &layer.w_gate, &layer.w_up]);
             b.attention(&ws.q, &self.kv, li, meta, shape, &mut ws.att);
             b.step_matmul_add(&ws.att, &layer.wo, &mut ws.x, &mut ws.o, spans);
             b.rms_norm(
@@ -473,6 +476,7 @@ impl<B: Backend> LlamaModel<B> {
                 false,
                 Some(&mut ws.h),
             );
+            b.weights_ahead(&[&layer.w_down]);
             b.step_matmul_swiglu(
                 &ws.h,
                 &layer.w_gate,
@@ -481,6 +485,9 @@ impl<B: Backend> LlamaModel<B> {
                 &mut ws.up,
                 spans,
             );
+            if let Some(next) = self.layers.get(li + 1) {
+                b.weights_ahead(&[&next.wq, &next.wk, &next.wv]);
+            }
             b.step_matmul_add(&ws.gate, &layer.w_down, &mut ws.x, &mut ws.o, spans);
             for (slot, _) in self.tap_layers.iter().enumerate().filter(|(_, &l)| l == li) {
                 b.copy_columns(&ws.x, &mut ws.taps, slot * hidden);

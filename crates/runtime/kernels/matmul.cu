@@ -79,6 +79,8 @@ struct MmParams {
     // [M * DF_X_TERMS, n] and the (d, ds) pairs [M * DF_X_TERMS, n / 32]; else 0.
     u64 oc;
     u64 os;
+    // Weights of the launches after this one, requested into L2 before the wait (common.cu).
+    L2Ahead ahead;
 };
 
 // The segment of this block (blocks are handed out segment after segment), for every
@@ -847,6 +849,7 @@ __device__ __forceinline__ void mm_body(const MmParams& p) {
 #define MM_KERNEL(SUFFIX, DT, MT, R, EPI, ENAME)                                               \
     extern "C" __global__ void __launch_bounds__(MM_WARPS * 32)                                \
         mm_##SUFFIX##_##MT##_##R##_##ENAME(const MmParams p) {                                 \
+        df_l2_ahead(p.ahead);                                                                  \
         mm_body<DT, MT, R, EPI, false>(p); /* waits for the previous kernel itself (mm_warp) */ \
     }
 
@@ -854,6 +857,7 @@ __device__ __forceinline__ void mm_body(const MmParams& p) {
 #define MMQ_KERNEL(SUFFIX, DT, MT, R, EPI, ENAME)                                              \
     extern "C" __global__ void __launch_bounds__(MM_WARPS * 32)                                \
         mmq_##SUFFIX##_##MT##_##R##_##ENAME(const MmParams p) {                                \
+        df_l2_ahead(p.ahead);                                                                  \
         mm_body<DT, MT, R, EPI, true>(p); /* waits for the previous kernel itself (mmq_warp) */ \
     }
 
@@ -880,6 +884,7 @@ __device__ __forceinline__ void mm_body(const MmParams& p) {
 // dp4a tiles, MT <= 4).
 #define MMQS_KERNEL(SUFFIX, DT, MT)                                                          \
     extern "C" __global__ void __launch_bounds__(SQ_WARPS * 32) mmqs_##SUFFIX##_##MT(const MmParams p) { \
+        df_l2_ahead(p.ahead);                                                                \
         mmqs_body<DT, MT>(p); /* waits for the previous kernel itself (mmq_warp) */          \
     }
 #define MMQS_KERNELS(SUFFIX, DT) \
@@ -894,6 +899,7 @@ __device__ __forceinline__ void mm_body(const MmParams& p) {
 // (a minimum of one block let ptxas take the narrow ones from 77 to 97: two blocks, not three).
 #define MMQT_KERNEL(SUFFIX, DT, EPI, ENAME, T, BOUNDS)                                       \
     extern "C" __global__ void BOUNDS mmqt_##SUFFIX##_##ENAME##_##T(const MmParams p) {     \
+        df_l2_ahead(p.ahead);                                                                \
         mmqt_kernel_body<DT, EPI, T>(p); /* waits for the previous kernel itself */          \
     }
 #define MMQT_EPIS(SUFFIX, DT, T)                                                          \
@@ -911,6 +917,7 @@ __device__ __forceinline__ void mm_body(const MmParams& p) {
 #define MMTC_KERNEL(SUFFIX, DT, EPI, ENAME)                                            \
     extern "C" __global__ void __launch_bounds__(TC_THREADS)                           \
         mmtc_##SUFFIX##_##ENAME(const MmParams p) {                                    \
+        df_l2_ahead(p.ahead);                                                          \
         df_kernel_begin();                                                             \
         mmtc_body<DT, EPI>(p);                                                         \
     }
@@ -925,6 +932,7 @@ __device__ __forceinline__ void mm_body(const MmParams& p) {
 #define MMX2_KERNEL(SUFFIX, DT, EPI, ENAME, MT)                                  \
     extern "C" __global__ void __launch_bounds__(X2_WARPS * 32)                  \
         mmx2_##SUFFIX##_##ENAME##_##MT(const MmParams p) {                       \
+        df_l2_ahead(p.ahead);                                                    \
         mmx2_body<DT, EPI, MT>(p); /* waits for the previous kernel itself */    \
     }
 #define MMX2_KERNELS(SUFFIX, DT)                   \

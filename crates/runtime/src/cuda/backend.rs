@@ -15,6 +15,7 @@ use super::graph::Graphs;
 use super::int8::int8_format;
 use super::int8_x::{QuantizedX, X8Form};
 use super::kv::CudaKv;
+use super::l2_ahead::L2Ahead;
 use super::pack;
 use super::profile::{KernelClassTime, ProfileKeys, Profiler};
 use super::rope_kv::HeadNorms;
@@ -80,6 +81,8 @@ pub(super) struct MmParams {
     /// `mmqs` kernels: where the int8 copy of the output goes (codes, pairs); else 0.
     oc: u64,
     os: u64,
+    /// Weights of the launches after this one, requested into L2 before the kernel waits.
+    ahead: L2Ahead,
 }
 
 /// The fields of `MmParams` (matmul.cu) that only the rope epilogue reads.
@@ -682,6 +685,7 @@ impl CudaBackend {
             nseg: prods.len() as i32,
             k: int_of(k),
             m: int_of(m),
+            ahead: self.dev.ahead.take(self.dev.l2_ahead),
             ..Default::default()
         };
         let mut blocks = 0usize;
