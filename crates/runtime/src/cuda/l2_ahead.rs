@@ -83,7 +83,13 @@ mod tests {
     #[test]
     fn take_cuts_to_the_budget_in_order_and_empties() {
         let p = PendingAhead::default();
-        p.name([(256, 1000), (4096, 5000), (8192, 100), (16384, 64), (32768, 64)]);
+        p.name([
+            (256, 1000),
+            (4096, 5000),
+            (8192, 100),
+            (16384, 64),
+            (32768, 64),
+        ]);
         let a = p.take(3000);
         // 1000 → 992; 5000 cut to the 2008 left → 2000; the rest has no budget left.
         assert_eq!(a.base, [256, 4096, 0, 0]);
