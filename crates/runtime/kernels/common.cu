@@ -49,8 +49,8 @@ __device__ __forceinline__ void df_kernel_begin() {
 }
 
 // Weights that launches after this one will read: up to L2A_RANGES byte ranges (16-byte
-// aligned, lengths multiples of 16; zero length: none), handed to a latency-bound kernel
-// (attention) by the host (cuda/l2_ahead.rs). df_l2_ahead, called before the kernel waits for
+// aligned, lengths multiples of 16; zero length: none), handed to the attention split and
+// product kernels by the host (cuda/l2_ahead.rs). df_l2_ahead, called before the kernel waits for
 // the one before it, asks the copy engine of each SM to bring them into L2 in chunks of
 // L2A_CHUNK bytes, dealt to the grid's blocks in turn (chunk i: block i mod blocks, then
 // thread), so HBM streams them while the step waits on dependent steps. A hint only: nothing

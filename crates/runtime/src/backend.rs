@@ -492,10 +492,10 @@ pub trait Backend: Send + Sync + 'static {
         head_dim: usize,
         style: RopeStyle,
     );
-    /// A hint: `weights` are read by the products after the next [`attention`](Self::attention),
-    /// in this order. A backend whose attention leaves memory bandwidth idle may start moving
-    /// them closer (the CUDA backend: into L2, cuda/l2_ahead.rs). Nothing depends on it; the
-    /// default does nothing.
+    /// A hint: `weights` are read, in this order, by the launches after the next attention or
+    /// product (`attention`, `step_matmul_*`, `matmul*`). A backend may start moving them
+    /// closer while that work runs (the CUDA backend: into L2, cuda/l2_ahead.rs). Nothing
+    /// depends on it; the default does nothing.
     fn weights_ahead(&self, _weights: &[&Self::Weight]) {}
     /// Softmax attention of each token's query heads over its KV slice of layer `layer`.
     fn attention(

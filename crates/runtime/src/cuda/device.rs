@@ -14,7 +14,7 @@ use super::attention::{
 use super::compile::{self, Image, Module, Target};
 use super::int8::{int8_format, int8_mma_min_rows, int8_mma_width, Int8Policy};
 use super::int8_x::FreshX;
-use super::l2_ahead::{l2_ahead_setting, PendingAhead};
+use super::l2_ahead::{l2_ahead_setting, PendingAhead, L2A_AUTO_SHARE};
 use super::profile::{skip_list, ProfileKeys, Profiler};
 use crate::dtype::DType;
 use crate::error::RuntimeError;
@@ -516,8 +516,9 @@ pub(crate) struct Device {
     pub sample: Mutex<super::sample::SampleScratch>,
     /// The int8 copy of x the last launch wrote for the product after it (cuda/int8_x.rs).
     pub fresh_x: FreshX,
-    /// Bytes of named weights the next attention launch brings into L2 ahead of the products
-    /// that read them (`DFLASH_CUDA_L2_AHEAD`: by default half of the L2 cache; cuda/l2_ahead.rs).
+    /// Bytes of named weights the next attention or product launch brings into L2 ahead of
+    /// the launches that read them (`DFLASH_CUDA_L2_AHEAD`: by default a quarter of the L2
+    /// cache; cuda/l2_ahead.rs).
     pub l2_ahead: usize,
     /// The weights named for it ([`Backend::weights_ahead`](crate::Backend::weights_ahead)).
     pub ahead: PendingAhead,
@@ -657,7 +658,7 @@ impl Device {
             .max(0) as usize;
         let l2_ahead = l2_ahead_setting(std::env::var("DFLASH_CUDA_L2_AHEAD").ok().as_deref())
             .map_err(dev_err)?
-            .unwrap_or(l2_bytes / 2);
+            .unwrap_or(l2_bytes / L2A_AUTO_SHARE);
 
         let int8_mma_min_m =
             int8_mma_min_rows(std::env::var("DFLASH_CUDA_INT8_MMA").ok().as_deref())

@@ -1,14 +1,22 @@
-//! Weights ahead into L2. The model names the weights of the products that follow its next
-//! attention ([`Backend::weights_ahead`](crate::Backend::weights_ahead)); that attention
-//! launch, a chain of dependent steps that leaves HBM mostly idle, asks each SM's copy engine
-//! to bring them into L2 before it waits for the kernel before it (`df_l2_ahead`, common.cu),
-//! so the products read them from L2. Up to [`L2A_RANGES`] weights, in the order named, cut to
-//! a byte budget (`DFLASH_CUDA_L2_AHEAD`). A hint only: no result depends on it.
+//! Weights ahead into L2. The model names the weights that the launches after its next
+//! attention or product read ([`Backend::weights_ahead`](crate::Backend::weights_ahead): the
+//! llama layer names o, gate and up before attention, down before the gate/up product, the
+//! next layer's q/k/v before down); that launch, before it waits for the kernel before it,
+//! asks each SM's copy engine to bring them into L2 (`df_l2_ahead`, common.cu), so HBM streams
+//! them while the step is busy with dependent, latency-bound work, and the products read them
+//! from L2 (a quarter faster at one row of x for Qwen3-4B's shapes on an H100). Up to
+//! [`L2A_RANGES`] weights, in the order named, cut to a byte budget (`DFLASH_CUDA_L2_AHEAD`,
+//! by default a quarter of the L2: on an H100 the default model's decode step −2 % and its
+//! verify of 16 −2.5 %, the 4B's level; half the L2 or more made the 4B's step 1–3 % slower,
+//! docs/benchmarks/2026-12-08-h100-l2-ahead.md). A hint only: no result depends on it.
 
 use std::sync::Mutex;
 
 /// Most weights one launch brings ahead (L2A_RANGES in common.cu).
 pub const L2A_RANGES: usize = 4;
+
+/// The L2 cache's share brought ahead by one launch by default (1 / 4).
+pub const L2A_AUTO_SHARE: usize = 4;
 
 /// Bytes per prefetch request (L2A_CHUNK in common.cu; a multiple of 16).
 pub const L2A_CHUNK: usize = 8 << 10;
@@ -52,8 +60,8 @@ impl PendingAhead {
     }
 }
 
-/// `DFLASH_CUDA_L2_AHEAD`: `auto` (or unset, empty; `None`: half of the device's L2 cache),
-/// `0` / `off` none, or a budget in MiB.
+/// `DFLASH_CUDA_L2_AHEAD`: `auto` (or unset, empty; `None`: [`L2A_AUTO_SHARE`] of the
+/// device's L2 cache), `0` / `off` none, or a budget in MiB.
 pub fn l2_ahead_setting(v: Option<&str>) -> Result<Option<usize>, String> {
     match v.map(str::trim) {
         None | Some("") | Some("auto") => Ok(None),
