@@ -22,9 +22,9 @@
 //! overhead is out, as in a captured decode step), the graph is replayed 5 times after a
 //! warm-up and the median is reported. Weights rotate over enough copies to exceed the 60 MB
 //! L2 cache, so each call reads its weight from HBM; with `--hot` every call reads the same
-//! weight (one copy; two for SwiGLU), which stays in L2 where it fits. Bytes counted: the weight once per call
-//! (matmul); the visible K and V once per call (attention), at the cache's value size
-//! (`DFLASH_KV_CACHE=f16|f32`; f32 by default on a GPU).
+//! weight (one copy; two for SwiGLU), which stays in L2 where it fits. Bytes counted: the
+//! weight once per call (matmul); the visible K and V once per call (attention), at the
+//! cache's value size (`DFLASH_KV_CACHE=f16|f32`; f32 by default on a GPU).
 
 use dflash_runtime::backend::{AttnShape, GraphKey, RowSpan};
 use dflash_runtime::cuda::CudaBackend;
