@@ -44,10 +44,11 @@ impl PendingAhead {
     /// Takes what is pending: the first [`L2A_RANGES`] ranges in order, the bytes cut to
     /// `budget` in all and each length rounded down to 16 (the request's unit).
     pub fn take(&self, budget: usize) -> L2Ahead {
-        let ranges = std::mem::take(&mut *self.0.lock().expect("l2 ahead lock"));
+        let mut pending = self.0.lock().expect("l2 ahead lock");
         let mut a = L2Ahead::default();
         let mut left = budget;
-        for (i, (base, bytes)) in ranges.into_iter().take(L2A_RANGES).enumerate() {
+        // Drained, not moved out: the list keeps its capacity for the next naming.
+        for (i, (base, bytes)) in pending.drain(..).take(L2A_RANGES).enumerate() {
             let n = bytes.min(left) & !15;
             if base % 16 != 0 || n == 0 {
                 continue;
@@ -66,9 +67,14 @@ pub fn l2_ahead_setting(v: Option<&str>) -> Result<Option<usize>, String> {
     match v.map(str::trim) {
         None | Some("") | Some("auto") => Ok(None),
         Some("off") => Ok(Some(0)),
-        Some(s) => s.parse::<usize>().map(|mb| Some(mb << 20)).map_err(|_| {
-            format!("DFLASH_CUDA_L2_AHEAD={s:?}: expected auto, 0 / off or a budget in MiB")
-        }),
+        Some(s) => s
+            .parse::<usize>()
+            .ok()
+            .and_then(|mb| mb.checked_mul(1 << 20))
+            .map(Some)
+            .ok_or_else(|| {
+                format!("DFLASH_CUDA_L2_AHEAD={s:?}: expected auto, 0 / off or a budget in MiB")
+            }),
     }
 }
 
@@ -84,6 +90,10 @@ mod tests {
         assert_eq!(l2_ahead_setting(Some("0")), Ok(Some(0)));
         assert_eq!(l2_ahead_setting(Some("36")), Ok(Some(36 << 20)));
         assert!(l2_ahead_setting(Some("lots"))
+            .unwrap_err()
+            .contains("DFLASH_CUDA_L2_AHEAD"));
+        // A budget whose bytes overflow is refused, not wrapped.
+        assert!(l2_ahead_setting(Some(&usize::MAX.to_string()))
             .unwrap_err()
             .contains("DFLASH_CUDA_L2_AHEAD"));
     }
